@@ -1,0 +1,73 @@
+"""Wire protocol shared by the agent and the controller (stdlib only).
+
+Messages are single lines of JSON objects carrying a schema version (``v``) and a ``type``.
+Both sides import this module so there is exactly one definition of the framing, the size
+bound and the authentication digest. See docs/architecture.md for the message catalogue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+NONCE_BYTES = 32
+
+AGENT_TO_CONTROLLER = frozenset(
+    {"hello", "heartbeat", "worker_started", "worker_exited", "worker_phase", "fault_signal", "worker_msg", "ack"}
+)
+CONTROLLER_TO_AGENT = frozenset(
+    {"challenge", "welcome", "reject", "start_worker", "stop_worker", "signal_worker", "inject", "to_worker", "shutdown"}
+)
+
+
+class ProtocolError(ValueError):
+    """A message that is malformed, too large, of the wrong version or of an unknown type."""
+
+
+def encode(message_type: str, **fields: Any) -> bytes:
+    """Return one framed line for a message of ``message_type`` with ``fields``."""
+    body = {"v": PROTOCOL_VERSION, "type": message_type, **fields}
+    line = json.dumps(body, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message {message_type!r} is {len(line)} bytes, over the {MAX_MESSAGE_BYTES} byte bound")
+    return line
+
+
+def decode(line: bytes, allowed_types: frozenset[str]) -> dict[str, Any]:
+    """Parse one framed line; raise ProtocolError unless it is a known message of this version."""
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(line)} bytes exceeds the {MAX_MESSAGE_BYTES} byte bound")
+    try:
+        body = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("message is not a JSON object")
+    if body.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"schema version {body.get('v')!r}, expected {PROTOCOL_VERSION}")
+    message_type = body.get("type")
+    if message_type not in allowed_types:
+        raise ProtocolError(f"unknown message type {message_type!r}")
+    return body
+
+
+def new_nonce() -> str:
+    """A fresh random challenge, hex encoded."""
+    return os.urandom(NONCE_BYTES).hex()
+
+
+def auth_digest(secret: bytes, nonce: str, node: str) -> str:
+    """The agent's answer to a challenge: HMAC-SHA256 over nonce and node name."""
+    return hmac.new(secret, (nonce + node).encode(), hashlib.sha256).hexdigest()
+
+
+def verify_auth(secret: bytes, nonce: str, node: str, answer: object) -> bool:
+    """Constant-time check of an agent's challenge answer."""
+    if not isinstance(answer, str):
+        return False
+    return hmac.compare_digest(auth_digest(secret, nonce, node), answer)

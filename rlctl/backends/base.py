@@ -1,0 +1,104 @@
+"""The backend protocol: how a controller gets nodes, starts agents on them and gives them back.
+
+One implementation per kind of cluster (local processes, SSH inventory, Slurm). Backends are
+asynchronous, translate foreign states (Slurm strings, SSH errors) at their boundary, and keep
+whatever they need to survive a controller restart in the job directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node the backend handed to the job. ``name`` is the node's name in the job (node01...)."""
+
+    name: str
+    host: str
+    backend_ref: str = ""
+    gpus: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AgentLaunch:
+    """Everything an agent needs to reach its controller. The secret goes into a 0600 file only."""
+
+    job_id: str
+    controller_host: str
+    controller_port: int
+    secret_hex: str
+    heartbeat_interval_s: float
+    gpu_provider: str
+    sim_gpus: int
+    agent_zipapp: Path
+    agent_zipapp_sha256: str
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Outcome of the second-path probe: can the node be reached other than through its agent?"""
+
+    reachable: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    """Nodes wanted per role, plus spares. ``exclude`` names nodes never to be used."""
+
+    job_id: str
+    nodes_by_role: dict[str, int]
+    spares: int
+    gpus_per_node: dict[str, int]
+    exclude: frozenset[str] = frozenset()
+
+
+class BackendError(RuntimeError):
+    """A backend operation failed in a way the caller should report (names the node and step)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Contract every backend satisfies. All methods are idempotent unless stated."""
+
+    name: str
+
+    def plan_text(self, request: AllocationRequest) -> str:
+        """Human-readable plan for ``launch --dry-run`` (rendered sbatch scripts for Slurm). No side effects."""
+        ...
+
+    async def allocate(self, request: AllocationRequest) -> list[NodeInfo]:
+        """Acquire nodes for all roles and spares. Not idempotent: call once per job (resume uses ``adopt``)."""
+        ...
+
+    async def adopt(self, nodes: list[NodeInfo]) -> None:
+        """Take back nodes a previous controller of this job allocated (after a controller restart)."""
+        ...
+
+    async def start_agent(self, node: NodeInfo, launch: AgentLaunch) -> None:
+        """Ship the agent (only if its hash changed) and its 0600 config, and start it. Idempotent."""
+        ...
+
+    async def probe(self, node: NodeInfo) -> ProbeResult:
+        """Second-path liveness check. Never raises for an unreachable node; says so in the result."""
+        ...
+
+    async def replace(self, bad: NodeInfo, exclude: frozenset[str]) -> NodeInfo | None:
+        """A fresh node for a failed one, never one in ``exclude``; None when none can be had."""
+        ...
+
+    async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
+        """Carry out a backend-level fault (partition, node-down, slow link). False if unsupported."""
+        ...
+
+    async def release(self, nodes: list[NodeInfo]) -> None:
+        """Stop agents and give nodes back. Idempotent."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections the backend holds (SSH sessions); leaves nodes as they are."""
+        ...
