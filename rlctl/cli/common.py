@@ -1,0 +1,53 @@
+"""Helpers shared by the CLI commands: finding jobs, getting a status, printing errors and JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from rlctl.controller.api import ApiClient, ApiError
+from rlctl.controller.jobdir import JobDir, find_job, state_root
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=None, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def resolve_job(job: str | None, state_dir: str | None = None) -> JobDir:
+    try:
+        return find_job(state_root(state_dir), job)
+    except LookupError as exc:
+        fail(str(exc))
+
+
+def client_for(jobdir: JobDir) -> ApiClient:
+    return ApiClient(jobdir.api_socket)
+
+
+def job_status(jobdir: JobDir) -> dict[str, Any]:
+    """From the live controller when it answers; otherwise rebuilt from the journal."""
+    client = client_for(jobdir)
+    if client.available():
+        try:
+            return client.call("status")["status"]
+        except ApiError:
+            pass
+    from rlctl.controller.replay import replay_model
+    from rlctl.core.snapshot import snapshot
+    import time
+
+    model = replay_model(jobdir)
+    return snapshot(model, time.time(), controller={"live": False})

@@ -1,0 +1,136 @@
+"""`rlctl launch`: validate, plan, then start the job's controller (detached by default)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from rlctl.cli.common import console, err_console, fail, print_json
+from rlctl.controller.api import ApiClient, ApiError
+from rlctl.controller.jobdir import JobDir, new_job_id, state_root
+from rlctl.core.spec import JobSpec, SpecError
+
+CONTROLLER_READY_TIMEOUT_S = 60.0
+
+
+def launch(
+    job_file: Path = typer.Argument(..., help="The job spec (job.toml)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (and rendered sbatch scripts) without starting anything."),
+    foreground: bool = typer.Option(False, "--foreground", help="Run the controller in this process (for debugging)."),
+    watch: bool = typer.Option(False, "--watch", help="Follow the live status view after launching."),
+    state_dir: str = typer.Option(None, "--state-dir", help="Where job directories live (default: job.state_dir or $RLCTL_HOME)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object for scripts."),
+) -> None:
+    """Validate JOB_FILE, plan roles onto nodes and start the job."""
+    from rlctl.jobfile import load_job_file, make_backend
+
+    try:
+        spec = load_job_file(job_file)
+    except SpecError as exc:
+        for problem in exc.problems:
+            err_console.print(f"[bold red]error:[/] {problem.render(exc.source)}", highlight=False)
+        raise typer.Exit(2)
+    plan = _plan_text(spec)
+    if dry_run:
+        if json_out:
+            print_json({"job": spec.name, "backend": spec.backend, "nodes": spec.nodes_needed, "plan": plan})
+        else:
+            console.print(plan, highlight=False)
+        return
+    root = state_root(state_dir or spec.state_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    jobdir = JobDir(root / new_job_id(spec.name))
+    jobdir.create(job_file.read_text())
+    if foreground:
+        _run_foreground(jobdir, spec, make_backend)
+        return
+    process = _spawn_controller(jobdir)
+    _wait_ready(jobdir, process)
+    if json_out:
+        print_json({"job_id": jobdir.job_id, "job_dir": str(jobdir.path), "controller_pid": process.pid,
+                    "backend": spec.backend, "nodes": spec.nodes_needed})
+    else:
+        console.print(f"launched [bold]{jobdir.job_id}[/] ({spec.backend} backend, {spec.nodes_needed} nodes)")
+        console.print(f"  watch it:  rlctl status --watch {jobdir.job_id}")
+        console.print(f"  stop it:   rlctl stop {jobdir.job_id}")
+        console.print(f"  job dir:   {jobdir.path}")
+    if watch:
+        from rlctl.cli.status import watch_status
+
+        watch_status(jobdir, interval=0.5, until_done=True)
+
+
+def _plan_text(spec: JobSpec) -> str:
+    from rlctl.backends.base import AllocationRequest
+    from rlctl.jobfile import make_backend
+
+    request = AllocationRequest(
+        job_id=f"{spec.name}-(dry-run)",
+        nodes_by_role={n: r.nodes for n, r in spec.roles.items()},
+        spares=spec.spare_nodes,
+        gpus_per_node={n: r.gpus_per_node for n, r in spec.roles.items()},
+    )
+
+    class _Scratch:
+        path = Path("/nonexistent-dry-run")
+
+    backend = make_backend(spec, _Scratch())
+    lines = [
+        f"job {spec.name}: {spec.steps} steps, policy {spec.fault_tolerance.policy}, backend {spec.backend}",
+        "roles: " + ", ".join(f"{n} x{r.nodes} ({r.gpus_per_node} GPU/node): {' '.join(r.command)}" for n, r in spec.roles.items()),
+        f"spares: {spec.spare_nodes} ({'warm trainer standby' if spec.warm_spares else 'cold'})",
+        f"rollout: batch {spec.rollout.batch_prompts} prompts x {spec.rollout.group_size} samples, "
+        f"tail batching {'on' if spec.rollout.tail_batching.enabled else 'off'}",
+        backend.plan_text(request),
+    ]
+    return "\n".join(lines)
+
+
+def _spawn_controller(jobdir: JobDir) -> subprocess.Popen[bytes]:
+    with open(jobdir.path / "controller.out", "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlctl.controller", "--job-dir", str(jobdir.path)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=str(jobdir.path), env=dict(os.environ),
+        )
+
+
+def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + CONTROLLER_READY_TIMEOUT_S
+    client = ApiClient(jobdir.api_socket, timeout_s=2.0)
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = _tail(jobdir.path / "controller.out") + _tail(jobdir.log_file)
+            fail(f"the controller exited with code {process.returncode} before it was ready:\n{tail}")
+        if client.available():
+            try:
+                client.call("status")
+                return
+            except ApiError:
+                pass
+        time.sleep(0.1)
+    fail(f"the controller did not answer within {CONTROLLER_READY_TIMEOUT_S:.0f}s; see {jobdir.log_file}")
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
+    except FileNotFoundError:
+        return ""
+
+
+def _run_foreground(jobdir: JobDir, spec: JobSpec, make_backend: object) -> None:
+    import asyncio
+
+    from rlctl.controller.server import Controller, setup_logging
+    from rlctl.jobfile import make_backend as build
+
+    setup_logging(jobdir.log_file)
+    console.print(f"running [bold]{jobdir.job_id}[/] in the foreground (log: {jobdir.log_file})")
+    code = asyncio.run(Controller(jobdir, spec, build(spec, jobdir)).run())
+    raise typer.Exit(code)

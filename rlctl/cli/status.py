@@ -1,0 +1,189 @@
+"""`rlctl status`, `jobs`, `nodes`, `events`, `stop`, `resume`: reading and steering running jobs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from rlctl.cli.common import client_for, console, fail, job_status, print_json, resolve_job
+from rlctl.cli.render import nodes_table, render_status, status_line, styled
+from rlctl.controller.api import ApiError
+from rlctl.controller.jobdir import JobDir, list_jobs, state_root
+from rlctl.controller.store import Journal
+
+STATE_DIR_OPTION = typer.Option(None, "--state-dir", help="Where job directories live (default $RLCTL_HOME or ~/.rlctl/jobs).")
+
+
+def status(
+    job: str = typer.Argument(None, help="Job id or unique prefix (default: the newest job)."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh live until the job ends or Ctrl-C."),
+    interval: float = typer.Option(1.0, "--interval", help="Seconds between refreshes with --watch."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    state_dir: str = STATE_DIR_OPTION,
+) -> None:
+    """Show a job: ETTR, roles, nodes, the rollout round and the latest events."""
+    jobdir = resolve_job(job, state_dir)
+    if json_out:
+        print_json(job_status(jobdir))
+        return
+    if watch:
+        watch_status(jobdir, interval=interval, until_done=False)
+        return
+    console.print(render_status(job_status(jobdir)))
+
+
+def watch_status(jobdir: JobDir, interval: float, until_done: bool) -> dict[str, Any]:
+    """The live view; plain lines when stdout is not a terminal. Returns the last status."""
+    current = job_status(jobdir)
+    try:
+        if not console.is_terminal:
+            while True:
+                console.print(status_line(current), highlight=False, soft_wrap=True)
+                if current["job"]["state"] in ("succeeded", "stopped", "failed"):
+                    return current
+                time.sleep(max(interval, 2.0))
+                current = job_status(jobdir)
+        with Live(render_status(current), console=console, refresh_per_second=4, screen=False) as live:
+            while current["job"]["state"] not in ("succeeded", "stopped", "failed"):
+                time.sleep(interval)
+                current = job_status(jobdir)
+                live.update(render_status(current))
+    except KeyboardInterrupt:
+        pass
+    return current
+
+
+def jobs(json_out: bool = typer.Option(False, "--json"), state_dir: str = STATE_DIR_OPTION) -> None:
+    """List jobs with their state, step and ETTR."""
+    rows = []
+    for jobdir in list_jobs(state_root(state_dir)):
+        try:
+            snap = job_status(jobdir)["job"]
+        except Exception as exc:  # a broken job dir must not hide the others
+            snap = {"id": jobdir.job_id, "state": f"unreadable: {exc}", "step": 0, "total_steps": 0, "ettr": 0.0, "elapsed_s": 0}
+        rows.append(snap)
+    if json_out:
+        print_json({"jobs": rows})
+        return
+    table = Table(title=f"jobs under {state_root(state_dir)}", title_justify="left")
+    for column in ("job", "state", "step", "ETTR", "elapsed"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["id"], styled(row["state"]), f"{row['step']}/{row['total_steps']}", f"{row['ettr'] * 100:.1f}%",
+                      f"{row['elapsed_s']:.0f}s")
+    console.print(table)
+
+
+def nodes(job: str = typer.Argument(None), json_out: bool = typer.Option(False, "--json"), state_dir: str = STATE_DIR_OPTION) -> None:
+    """List a job's nodes: role, state, heartbeat age, GPU figures, last signal."""
+    snap = job_status(resolve_job(job, state_dir))
+    if json_out:
+        print_json({"job": snap["job"]["id"], "nodes": snap["nodes"]})
+        return
+    console.print(nodes_table(snap))
+
+
+def events(
+    job: str = typer.Argument(None),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events until Ctrl-C or the job ends."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    event_type: list[str] = typer.Option(None, "--type", help="Only these event types (repeatable)."),
+    after: int = typer.Option(0, "--after", help="Only events after this sequence number."),
+    state_dir: str = STATE_DIR_OPTION,
+) -> None:
+    """Print a job's journal of events."""
+    jobdir = resolve_job(job, state_dir)
+    journal = Journal(jobdir.journal, readonly=True)
+    last = after
+    types = tuple(event_type or ())
+    try:
+        while True:
+            for ev in journal.read(after_seq=last, types=types):
+                last = ev.seq
+                if json_out:
+                    print_json(ev.as_dict())
+                else:
+                    stamp = time.strftime("%H:%M:%S", time.localtime(ev.at)) + f".{int(ev.at * 1000) % 1000:03d}"
+                    console.print(f"{ev.seq:6d} {stamp} [bold]{ev.type}[/] {_brief(ev.data)}", highlight=False, soft_wrap=True)
+            if not follow:
+                return
+            if job_status(jobdir)["job"]["state"] in ("succeeded", "stopped", "failed") and not client_for(jobdir).available():
+                return
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return
+    finally:
+        journal.close()
+
+
+def stop(
+    job: str = typer.Argument(..., help="Job id or unique prefix."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until every node is released."),
+    json_out: bool = typer.Option(False, "--json"),
+    state_dir: str = STATE_DIR_OPTION,
+) -> None:
+    """Stop a job: workers stopped, agents shut down, nodes released. Nothing the job produced is deleted."""
+    jobdir = resolve_job(job, state_dir)
+    client = client_for(jobdir)
+    try:
+        client.call("stop", reason="stopped by the operator")
+    except ApiError as exc:
+        snap = job_status(jobdir)
+        if snap["job"]["state"] in ("succeeded", "stopped", "failed"):
+            if json_out:
+                print_json({"job_id": jobdir.job_id, "state": snap["job"]["state"]})
+            else:
+                console.print(f"{jobdir.job_id} already ended ({snap['job']['state']})")
+            return
+        fail(f"{exc}; if the controller died, run `rlctl resume {jobdir.job_id}` first, then stop")
+    state = "stopping"
+    if wait:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and client.available():
+            time.sleep(0.2)
+        state = job_status(jobdir)["job"]["state"]
+    if json_out:
+        print_json({"job_id": jobdir.job_id, "state": state})
+    else:
+        console.print(f"{jobdir.job_id}: {state}")
+
+
+def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json_out: bool = typer.Option(False, "--json"),
+           state_dir: str = STATE_DIR_OPTION) -> None:
+    """Start a job's controller again after it died; it rebuilds its state from the journal."""
+    from rlctl.cli.launch import _spawn_controller, _wait_ready
+
+    jobdir = resolve_job(job, state_dir)
+    client = client_for(jobdir)
+    if client.available():
+        try:
+            client.call("status")
+            fail(f"{jobdir.job_id} already has a running controller")
+        except ApiError:
+            pass
+    with open(jobdir.path / "controller.out", "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rlctl.controller", "--job-dir", str(jobdir.path), "--resume"],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(jobdir.path),
+        )
+    _wait_ready(jobdir, process)
+    if json_out:
+        print_json({"job_id": jobdir.job_id, "controller_pid": process.pid})
+    else:
+        console.print(f"resumed {jobdir.job_id} (controller pid {process.pid})")
+    _ = _spawn_controller
+
+
+def _brief(data: dict[str, Any]) -> str:
+    parts = []
+    for key, value in data.items():
+        if key in ("response_tokens", "facts", "order", "last_seen", "prompts", "source", "scores", "item_ids"):
+            value = f"<{len(value)} items>" if hasattr(value, "__len__") else value
+        parts.append(f"{key}={value}")
+    return " ".join(parts)[:300]

@@ -1,0 +1,32 @@
+"""Entry point of a job's controller process: ``python -m rlctl.controller --job-dir DIR [--resume]``.
+
+`rlctl launch` starts it detached; `rlctl resume` starts it again after a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from rlctl.controller.jobdir import JobDir
+from rlctl.controller.server import Controller, setup_logging
+from rlctl.jobfile import load_job_file, make_backend
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlctl.controller")
+    parser.add_argument("--job-dir", required=True, type=Path)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    jobdir = JobDir(args.job_dir.resolve())
+    setup_logging(jobdir.log_file)
+    spec = load_job_file(jobdir.spec_file)
+    backend = make_backend(spec, jobdir)
+    controller = Controller(jobdir, spec, backend, resume=args.resume)
+    return asyncio.run(controller.run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

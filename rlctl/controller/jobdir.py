@@ -1,0 +1,118 @@
+"""The per-job directory: where a job's journal, secret, sockets, logs and checkpoints live.
+
+Layout (under ``<state_dir>/<job_id>/``): ``job.toml`` (the spec as launched), ``journal.db``
+(SQLite WAL), ``secret`` (0600), ``controller.json`` (pid, agent port, API socket),
+``controller.log``, ``api.sock`` (0600), ``nodes/<node>/`` (agent work dirs on the local
+backend), ``checkpoints/``, ``agent/`` (the zipapp).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_STATE_DIR = "~/.rlctl/jobs"
+
+
+def state_root(configured: str | None = None) -> Path:
+    """Where job directories live: $RLCTL_HOME, else the spec's ``job.state_dir``, else ~/.rlctl/jobs."""
+    env = os.environ.get("RLCTL_HOME")
+    return Path(os.path.expanduser(env or configured or DEFAULT_STATE_DIR)).resolve()
+
+
+def new_job_id(name: str, now: float | None = None) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
+    return f"{name}-{stamp}-{secrets.token_hex(2)}"
+
+
+@dataclass(frozen=True)
+class JobDir:
+    path: Path
+
+    @property
+    def job_id(self) -> str:
+        return self.path.name
+
+    @property
+    def spec_file(self) -> Path:
+        return self.path / "job.toml"
+
+    @property
+    def journal(self) -> Path:
+        return self.path / "journal.db"
+
+    @property
+    def secret_file(self) -> Path:
+        return self.path / "secret"
+
+    @property
+    def controller_file(self) -> Path:
+        return self.path / "controller.json"
+
+    @property
+    def log_file(self) -> Path:
+        return self.path / "controller.log"
+
+    @property
+    def api_socket(self) -> Path:
+        return self.path / "api.sock"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def node_dir(self, node: str) -> Path:
+        return self.path / "nodes" / node
+
+    def create(self, spec_text: str) -> None:
+        """Make the directory, copy the spec, write a fresh 0600 secret. Fails if it exists."""
+        self.path.mkdir(parents=True, exist_ok=False, mode=0o700)
+        (self.path / "nodes").mkdir()
+        self.checkpoints.mkdir()
+        self.spec_file.write_text(spec_text)
+        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32))
+
+    def secret(self) -> bytes:
+        return bytes.fromhex(self.secret_file.read_text().strip())
+
+    def read_controller(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.controller_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def write_controller(self, info: dict[str, Any]) -> None:
+        tmp = self.controller_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=1))
+        os.replace(tmp, self.controller_file)
+
+
+def list_jobs(root: Path) -> list[JobDir]:
+    if not root.is_dir():
+        return []
+    return sorted((JobDir(p) for p in root.iterdir() if (p / "journal.db").exists()), key=lambda j: j.path.stat().st_mtime)
+
+
+def find_job(root: Path, job: str | None) -> JobDir:
+    """The job named ``job`` (an id or a unique prefix), or the newest job when ``job`` is None."""
+    jobs = list_jobs(root)
+    if not jobs:
+        raise LookupError(f"no jobs under {root}")
+    if job is None:
+        return jobs[-1]
+    exact = [j for j in jobs if j.job_id == job]
+    if exact:
+        return exact[0]
+    matches = [j for j in jobs if j.job_id.startswith(job)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise LookupError(f"no job {job!r} under {root}; known: {', '.join(j.job_id for j in jobs[-10:])}")
+    raise LookupError(f"{job!r} matches several jobs: {', '.join(j.job_id for j in matches)}")

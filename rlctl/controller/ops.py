@@ -1,0 +1,217 @@
+"""Data operations the role workers call (rollout.*, reward.*, trainer.*, weights.*).
+
+Every op is idempotent on the controller side (the worker SDK retries with the same request id),
+journals its events before it replies, and answers from the job model. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rlctl.core.events import Event, event
+from rlctl.core.model import SlotRecord
+
+if TYPE_CHECKING:
+    from rlctl.controller.server import Controller
+
+WAIT_S = 0.2
+
+
+class OpError(ValueError):
+    """A request the controller refuses (unknown op, wrong role, bad arguments)."""
+
+
+class DataOps:
+    def __init__(self, controller: "Controller") -> None:
+        self.c = controller
+        self._replies: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def handle(self, slot: SlotRecord, request_id: str, op: str, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """Run ``op`` for the worker in ``slot``; a repeated request id gets the first answer again."""
+        key = (slot.wid or "", request_id)
+        if key in self._replies:
+            return self._replies[key]
+        handler = getattr(self, "op_" + op.replace(".", "_").replace("-", "_"), None)
+        if handler is None:
+            raise OpError(f"unknown op {op!r}")
+        result = handler(slot, args, now)
+        if len(self._replies) > 4096:
+            self._replies.clear()
+        self._replies[key] = result
+        return result
+
+    # ------------------------------------------------------------------------------ rollout
+
+    def op_rollout_get_work(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "rollout")
+        scheduler = self.c.scheduler
+        rnd = scheduler.round
+        if self.c.model.life.state.terminal or self.c.stopping:
+            return {"stop": True}
+        if rnd is None or rnd.closed or slot.slot in self.c.routed_away:
+            return {"wait_s": WAIT_S}
+        held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "inflight"]
+        if not held:
+            self.c.commit_decided(scheduler.dispatch(slot.slot, slot.wid or "", int(args.get("capacity", 8)), now))
+            held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "inflight"]
+        if not held:
+            return {"wait_s": WAIT_S}
+        prompts = scheduler.prompts
+        return {
+            "step": rnd.step,
+            "round": rnd.kind,
+            "weights_version": rnd.weights_version,
+            "max_new_tokens": rnd.max_new_tokens,
+            "weights_source": self.c.weights_source(rnd.weights_version, exclude_slot=slot.slot),
+            "items": [
+                {
+                    "item_id": s.item_id,
+                    "prompt_id": s.prompt_id,
+                    "sample_index": s.sample_index,
+                    "seed": s.seed,
+                    "prompt_tokens": list(prompts[s.prompt_id].tokens),
+                }
+                for s in held
+            ],
+        }
+
+    def op_rollout_poll(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "rollout")
+        return {"cancel": self.c.scheduler.cancelled_among([str(i) for i in args.get("item_ids", [])])}
+
+    def op_rollout_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "rollout")
+        results = list(args.get("results", []))
+        events = self.c.scheduler.submit(slot.slot, slot.wid or "", results, now)
+        self.c.commit_decided(events)
+        accepted = sum(1 for e in events if e.type in ("TrajectoryStored", "PromptDeferred"))
+        return {"accepted": accepted, "cancel": self.c.scheduler.cancelled_among([str(r.get("item_id")) for r in results])}
+
+    # ------------------------------------------------------------------------------- reward
+
+    def op_reward_get_work(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "reward")
+        scheduler = self.c.scheduler
+        rnd = scheduler.round
+        if self.c.model.life.state.terminal or self.c.stopping:
+            return {"stop": True}
+        if rnd is None or rnd.closed:
+            return {"wait_s": WAIT_S}
+        held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "scoring"]
+        if not held:
+            self.c.commit_decided(scheduler.dispatch_scoring(slot.slot, slot.wid or "", int(args.get("capacity", 32)), now))
+            held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "scoring"]
+        if not held:
+            return {"wait_s": WAIT_S}
+        prompts = scheduler.prompts
+        return {
+            "items": [
+                {
+                    "item_id": s.item_id,
+                    "prompt_id": s.prompt_id,
+                    "prompt_tokens": list(prompts[s.prompt_id].tokens),
+                    "response_tokens": list(s.response_tokens or []),
+                    "truncated": s.truncated,
+                    "meta": prompts[s.prompt_id].meta,
+                }
+                for s in held
+            ]
+        }
+
+    def op_reward_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "reward")
+        events = self.c.scheduler.submit_scores(slot.wid or "", list(args.get("scores", [])), now)
+        self.c.commit_decided(events)
+        return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == "RewardsStored")}
+
+    # ------------------------------------------------------------------------------ trainer
+
+    def op_trainer_init(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        model = self.c.model
+        if slot.standby:
+            return {"standby": True, "wait_s": 0.5}
+        self._require(slot, "trainer")
+        checkpoint_step = model.checkpoint_step if model.checkpoint_step >= 0 else None
+        start = checkpoint_step or 0
+        target = model.published_version
+        replay = [s for s in range(start, target) if self.c.scheduler.batch_for(s) is not None]
+        return {
+            "checkpoint": model.checkpoint_path or None,
+            "checkpoint_step": checkpoint_step,
+            "target_version": target,
+            "target_checksum": model.published_checksum,
+            "replay_batches": replay,
+            "total_steps": model.total_steps,
+            "checkpoint_every": self.c.spec.checkpoint_every,
+        }
+
+    def op_trainer_get_batch(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "trainer")
+        step = int(args["step"])
+        if step >= self.c.model.total_steps:
+            return {"stop": True}
+        batch = self.c.scheduler.batch_for(step)
+        if batch is None:
+            return {"wait_s": WAIT_S}
+        prompts = self.c.scheduler.prompts
+        return {
+            "step": step,
+            "round": batch.kind,
+            "weights_version": batch.weights_version,
+            "samples": [
+                {
+                    "item_id": s.item_id,
+                    "prompt_id": s.prompt_id,
+                    "group_index": batch.prompt_ids.index(s.prompt_id),
+                    "prompt_tokens": list(prompts[s.prompt_id].tokens),
+                    "response_tokens": list(s.response_tokens or []),
+                    "reward": s.reward,
+                    "correct": s.correct,
+                    "truncated": s.truncated,
+                }
+                for s in batch.samples
+            ],
+        }
+
+    def op_trainer_publish(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "trainer")
+        version = int(args["version"])
+        events: list[Event] = []
+        if "metrics" in args and version - 1 not in self.c.model.step_metrics:
+            events.append(event("StepTrained", now, step=version - 1, metrics=dict(args["metrics"])))
+        events.append(event("WeightsPublished", now, version=version, slot=slot.slot, source=dict(args["source"])))
+        self.c.commit(events)
+        self.c.on_weights_published(version, now)
+        return {}
+
+    def op_trainer_checkpointed(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "trainer")
+        self.c.commit([event("Checkpointed", now, step=int(args["step"]), path=str(args["path"]))])
+        return {}
+
+    def op_trainer_restored(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "trainer")
+        replayed = [int(s) for s in args.get("replayed_steps", [])]
+        self.c.commit(
+            [event("TrainerRestored", now, slot=slot.slot, checkpoint_step=args.get("checkpoint_step"), replayed_steps=replayed)]
+        )
+        return {}
+
+    # ------------------------------------------------------------------------------ weights
+
+    def op_weights_held(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self.c.commit([event("WeightsHeld", now, version=int(args["version"]), slot=slot.slot, source=dict(args["source"]))])
+        return {}
+
+    def op_weights_source(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        version = int(args.get("version", self.c.model.published_version))
+        return {"weights_source": self.c.weights_source(version, exclude_slot=slot.slot)}
+
+    def op_job_info(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        model = self.c.model
+        return {"step": model.step, "total_steps": model.total_steps, "state": model.life.state.value}
+
+    @staticmethod
+    def _require(slot: SlotRecord, role: str) -> None:
+        if slot.role != role:
+            raise OpError(f"{slot.slot} is a {slot.role} worker, not a {role} worker")

@@ -1,0 +1,287 @@
+"""Detect and recover: runs the core detector each tick and carries out the policy's plans.
+
+Verdicts and every action are journaled before anything is done to a node or worker. Plans run
+as background tasks, one per fault, so a slow backend call never blocks the tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from rlctl.backends.base import NodeInfo
+from rlctl.core import detector as det
+from rlctl.core import policy
+from rlctl.core.model import SlotRecord
+from rlctl.core.states import JobState, NodeState, WorkerState
+
+if TYPE_CHECKING:
+    from rlctl.controller.server import Controller
+
+log = logging.getLogger("rlctl.controller.recovery")
+
+AGENT_REGISTER_TIMEOUT_S = 30.0
+
+
+class Recovery:
+    def __init__(self, controller: "Controller") -> None:
+        self.c = controller
+        self._handled: set[tuple[str, str, str]] = set()
+        self._busy_slots: set[str] = set()
+        self._busy_nodes: set[str] = set()
+        self._starting_since: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------ detect
+
+    def detect(self, now: float) -> None:
+        model = self.c.model
+        for node in list(model.nodes.values()):
+            if node.life.state in (NodeState.FAILED, NodeState.DRAINING, NodeState.RELEASED, NodeState.ALLOCATING):
+                continue
+            if node.life.state == NodeState.STARTING:
+                continue
+            probe = self.c.probes.get(node.name)
+            obs = det.NodeObs(
+                name=node.name,
+                role=node.role,
+                last_heartbeat_at=node.last_heartbeat_at,
+                connected=self.c.hub.connected(node.name),
+                probe_reachable=probe[0] if probe and now - probe[2] < 2.0 else None,
+                probe_detail=probe[1] if probe else "",
+                gpu_lost=any(g.get("lost") for g in node.gpus),
+            )
+            verdict = self.c.detector.heartbeat_verdict(obs, now, self.c.lag_s)
+            if verdict is None:
+                continue
+            if verdict.verdict == "suspect":
+                self._suspect(node.name, verdict.reason)
+                self._probe(node.name)
+                continue
+            self.handle(verdict)
+        workers = []
+        for slot in model.slots.values():
+            if slot.node is None or slot.wid is None or slot.life is None or slot.life.state != WorkerState.RUNNING:
+                continue
+            obs_w = det.WorkerObs(slot.slot, slot.wid, slot.role, slot.node, slot.phase, slot.progress,
+                                  max(0.0, now - slot.progress_at))
+            workers.append(obs_w)
+            verdict = self.c.detector.worker_verdict(obs_w, now)
+            if verdict is not None:
+                self.handle(verdict)
+        for verdict in self.c.detector.slow_verdicts(workers, now):
+            self.handle(verdict)
+
+    def detect_startup(self, now: float) -> None:
+        """Nodes whose agent never registered are replaced too (a node can die while starting)."""
+        for node in self.c.model.nodes.values():
+            if node.life.state != NodeState.STARTING:
+                self._starting_since.pop(node.name, None)
+                continue
+            since = self._starting_since.setdefault(node.name, now)
+            if now - since > AGENT_REGISTER_TIMEOUT_S:
+                self.handle(det.Verdict(node.name, None, "failed", "agent-start", "replace-node",
+                                        f"agent on {node.name} did not register within {AGENT_REGISTER_TIMEOUT_S:.0f}s", since))
+
+    def on_worker_gone(self, slot: SlotRecord, exit_code: int | None, signal_name: str | None) -> None:
+        if self.c.stopping or self.c.model.life.state.terminal or slot.node is None:
+            return
+        if exit_code == 0 and signal_name is None:
+            return
+        if slot.life is not None and slot.life.state == WorkerState.EXITED and slot.slot not in self._busy_slots:
+            # Stopped on purpose (recovery or job end): not a fault.
+            if any(h[1] == slot.slot for h in self._handled):
+                return
+        verdict = det.exit_verdict(slot.node, slot.slot, slot.role, exit_code, signal_name, time.time())
+        if verdict is not None:
+            self.handle(verdict)
+
+    # ------------------------------------------------------------------------------- handle
+
+    def handle(self, verdict: det.Verdict) -> None:
+        """Journal the verdict and start its recovery plan, once per (node, slot, fault)."""
+        if self.c.stopping or self.c.model.life.state.terminal:
+            return
+        key = (verdict.node, verdict.slot or "", verdict.fault)
+        if key in self._handled:
+            return
+        if verdict.slot and verdict.slot in self._busy_slots and verdict.action in ("restart-worker",):
+            return
+        node = self.c.model.nodes.get(verdict.node)
+        if node is not None and node.life.state in (NodeState.FAILED, NodeState.RELEASED, NodeState.DRAINING):
+            return
+        self._handled.add(key)
+        fault_id = self._fault_id_for(verdict)
+        self.c.record("Verdict", node=verdict.node, slot=verdict.slot, verdict=verdict.verdict, fault=fault_id,
+                      fault_kind=verdict.fault, action=verdict.action, reason=verdict.reason,
+                      evidence_since=verdict.evidence_since)
+        steps = policy.plan(self.c.model, verdict, self.c.spec.fault_tolerance.max_restarts_per_slot)
+        if not steps:
+            self._handled.discard(key)
+            return
+        if self.c.model.life.can_move(JobState.RECOVERING):
+            self.c.record("JobStateChanged", state=JobState.RECOVERING.value, reason=verdict.reason[:120])
+        self.c.spawn(self._run_plan(steps, verdict, fault_id, key))
+
+    def _fault_id_for(self, verdict: det.Verdict) -> str:
+        for fault in self.c.model.open_faults():
+            if fault.node == verdict.node and fault.detected_at is None:
+                return fault.fault_id
+        return f"f-{verdict.fault}-{verdict.node}-{int(time.time() * 1000) % 10_000_000}"
+
+    async def _run_plan(self, steps: list[policy.Step], verdict: det.Verdict, fault_id: str, key: tuple[str, str, str]) -> None:
+        slots = {s.args.get("slot") for s in steps if s.args.get("slot")}
+        self._busy_slots.update(s for s in slots if s)
+        try:
+            for step in steps:
+                await self._execute(step, verdict, fault_id)
+        except Exception:
+            log.exception("recovery step failed for %s", fault_id)
+        finally:
+            self._busy_slots.difference_update(s for s in slots if s)
+            await asyncio.sleep(1.0)
+            self._handled.discard(key)
+
+    async def _execute(self, step: policy.Step, verdict: det.Verdict, fault_id: str) -> None:
+        c, model, args = self.c, self.c.model, step.args
+        lost = 0
+        if step.kind in ("restart-worker", "fail-node", "stop-all"):
+            lost = self._release_items(step, verdict)
+        c.record("ActionTaken", action=step.kind, node=args.get("node", verdict.node), slot=args.get("slot"),
+                 reason=verdict.reason[:200], fault_ids=[fault_id], trajectories_lost=0, items_requeued=lost,
+                 **{k: v for k, v in args.items() if k in ("standby_slot", "to_step", "exclude_node", "drain")})
+        if step.kind == "restart-worker":
+            slot = model.slots[args["slot"]]
+            await c.stop_worker(slot, grace_s=1.0)
+            if slot.node is not None and model.nodes[slot.node].life.state not in (NodeState.FAILED, NodeState.RELEASED):
+                await c.start_worker(slot)
+        elif step.kind == "fail-node":
+            await self._fail_node(args["node"], args["reason"], bool(args.get("drain")))
+        elif step.kind == "move-slot":
+            node = model.nodes[args["node"]]
+            target = NodeState.ACTIVE
+            c.record("NodeStateChanged", node=node.name, state=target.value, reason=f"takes over {args['slot']}",
+                     role=model.slots[args["slot"]].role)
+        elif step.kind == "activate-standby":
+            standby = model.slots.get(args["standby_slot"])
+            node = standby.node if standby else None
+            if node is not None:
+                c.record("NodeStateChanged", node=node, state=NodeState.ACTIVE.value, reason=f"warm standby takes over {args['slot']}",
+                         role="trainer")
+        elif step.kind == "retire-standby":
+            standby = model.slots.get(args["standby_slot"])
+            if standby is not None:
+                await c.stop_worker(standby, grace_s=0.5)
+                c.record("ActionTaken", action="vacate-slot", node=standby.node or "", slot=standby.slot,
+                         reason="spare node re-used", fault_ids=[])
+        elif step.kind == "request-node":
+            await self._request_node(args["slot"], args["exclude_node"])
+        elif step.kind == "restart-agent":
+            info = c.node_infos.get(args["node"])
+            if info is not None:
+                await c.start_agent(info)
+        elif step.kind == "stop-all":
+            await asyncio.gather(*(c.stop_worker(s, grace_s=1.0) for s in model.slots.values()
+                                   if s.life is not None and s.life.state in (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT)))
+        elif step.kind == "rollback":
+            c.commit_decided(c.scheduler.rollback(int(args["to_step"]), time.time()))
+        elif step.kind == "start-all":
+            for slot in list(model.slots.values()):
+                if slot.node is not None and model.nodes[slot.node].life.state not in (NodeState.FAILED, NodeState.RELEASED):
+                    await c.start_worker(slot)
+
+    def _release_items(self, step: policy.Step, verdict: det.Verdict) -> int:
+        """Give the failed worker's in-flight prompts back to the scheduler; count them."""
+        model, c = self.c.model, self.c
+        targets: list[SlotRecord] = []
+        if step.kind == "restart-worker":
+            targets = [model.slots[step.args["slot"]]]
+        elif step.kind == "fail-node":
+            targets = [s for s in model.slots.values() if s.node == step.args["node"]]
+        else:
+            targets = list(model.slots.values())
+        count = 0
+        for slot in targets:
+            if slot.wid:
+                events = c.scheduler.release_worker(slot.wid, verdict.fault, time.time())
+                count += sum(len(e.data["item_ids"]) for e in events)
+                c.commit_decided(events)
+        return count
+
+    async def _fail_node(self, name: str, reason: str, drain: bool) -> None:
+        c = self.c
+        node = c.model.nodes[name]
+        if node.life.can_move(NodeState.FAILED):
+            c.record("NodeStateChanged", node=name, state=NodeState.FAILED.value, reason=reason[:200],
+                     exclude=c.spec.fault_tolerance.exclude_failed_nodes)
+        c.detector.forget(name)
+        info = c.node_infos.get(name) or NodeInfo(name, node.host, node.backend_ref)
+        try:
+            await asyncio.wait_for(c.backend.release([info]), 15.0)
+        except Exception as exc:  # a dead node may not answer; it stays excluded either way
+            log.warning("releasing failed node %s: %s", name, exc)
+        for slot in c.model.slots.values():
+            if slot.node == name and slot.standby:
+                c.record("ActionTaken", action="vacate-slot", node=name, slot=slot.slot, reason="spare node failed",
+                         fault_ids=[])
+        for target in (NodeState.DRAINING, NodeState.RELEASED):
+            if c.model.nodes[name].life.can_move(target):
+                c.record("NodeStateChanged", node=name, state=target.value, reason="failed node given back")
+
+    async def _request_node(self, slot_name: str, exclude_node: str) -> None:
+        c = self.c
+        exclude = frozenset(n.name for n in c.model.nodes.values() if n.excluded) | {exclude_node}
+        bad = c.node_infos.get(exclude_node) or NodeInfo(exclude_node, "", "")
+        try:
+            fresh = await c.backend.replace(bad, exclude)
+        except Exception as exc:
+            log.warning("backend could not replace %s: %s", exclude_node, exc)
+            fresh = None
+        slot = c.model.slots[slot_name]
+        if fresh is None:
+            c.record("ActionTaken", action="vacate-slot", node=exclude_node, slot=slot_name,
+                     reason="no replacement node available: the job continues degraded", fault_ids=[])
+            if slot.role == "trainer":
+                c.request_stop("failed: trainer lost and no node to restore it on")
+            return
+        c.node_infos[fresh.name] = fresh
+        c.record("NodeAllocated", node=fresh.name, host=fresh.host, role=slot.role, slot=slot_name,
+                 backend_ref=fresh.backend_ref)
+        c.record("ActionTaken", action="move-slot", node=fresh.name, slot=slot_name, reason="replacement node", fault_ids=[])
+        await c.start_agent(fresh)
+
+    # ---------------------------------------------------------------------------- job state
+
+    def update_job_state(self, now: float) -> None:
+        model = self.c.model
+        if model.life.state == JobState.RECOVERING and not model.open_faults() and not self._busy_slots:
+            if all(s.life is not None and s.life.state == WorkerState.RUNNING for s in model.slots.values()
+                   if s.node is not None and not s.standby):
+                self.c.record("JobStateChanged", state=JobState.RUNNING.value, reason="recovered")
+
+    def _suspect(self, name: str, reason: str) -> None:
+        node = self.c.model.nodes[name]
+        if node.life.can_move(NodeState.SUSPECT) and node.life.state != NodeState.SUSPECT:
+            self.c.record("NodeStateChanged", node=name, state=NodeState.SUSPECT.value, reason=reason[:200])
+
+    def _probe(self, name: str) -> None:
+        if name in self.c.probing:
+            return
+        self.c.probing.add(name)
+
+        async def run() -> None:
+            try:
+                info = self.c.node_infos.get(name)
+                if info is None:
+                    return
+                result = await asyncio.wait_for(self.c.backend.probe(info), 10.0)
+                self.c.probes[name] = (result.reachable, result.detail, time.time())
+            except Exception as exc:
+                self.c.probes[name] = (False, f"probe error: {exc}", time.time())
+            finally:
+                self.c.probing.discard(name)
+
+        self.c.spawn(run())
+
+

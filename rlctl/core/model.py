@@ -1,0 +1,455 @@
+"""The job model: the whole state of one job, rebuilt by applying its events in order.
+
+Nodes, worker slots, faults, the weights registry, checkpoints, the ETTR ledger and the round
+scheduler all live here. ``apply`` is the only mutator, so the live controller, a resumed
+controller and the simulator see the same state for the same events. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.core.ettr import EttrLedger
+from rlctl.core.events import Event
+from rlctl.core.rounds import RoundScheduler
+from rlctl.core.states import JobState, Lifecycle, NodeState, WorkerState
+
+RECENT_EVENTS = 200
+QUIET_EVENTS = frozenset({"HeartbeatSummary", "ItemsDispatched", "ScoringDispatched", "TrajectoryStored", "RewardsStored"})
+
+
+@dataclass
+class NodeRecord:
+    name: str
+    host: str
+    role: str  # trainer | rollout | reward | spare
+    life: Lifecycle[NodeState]
+    incarnation: int = 0
+    facts: dict[str, Any] = field(default_factory=dict)
+    connected: bool = False
+    last_heartbeat_at: float | None = None
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    last_signal: str = ""
+    excluded: bool = False
+    backend_ref: str = ""
+
+
+@dataclass
+class SlotRecord:
+    """A role position (``rollout-1``) and the worker that currently fills it."""
+
+    slot: str
+    role: str
+    node: str | None
+    wid: str | None = None
+    generation: int = 0
+    life: Lifecycle[WorkerState] | None = None
+    phase: str = "starting"
+    phase_step: int = 0
+    phase_since: float = 0.0
+    progress: float = 0.0
+    progress_at: float = 0.0
+    pid: int | None = None
+    restarts_on_node: int = 0
+    weights_version: int = -1
+    standby: bool = False
+
+
+@dataclass
+class FaultRecord:
+    fault_id: str
+    kind: str
+    node: str
+    slot: str | None
+    occurred_at: float
+    injected: bool
+    detected_at: float | None = None
+    recovered_at: float | None = None
+    verdict: str = ""
+    action: str = ""
+    reason: str = ""
+    impact: float = 1.0
+    trajectories_lost: int = 0
+
+    @property
+    def open(self) -> bool:
+        return self.recovered_at is None
+
+
+@dataclass
+class JobModel:
+    job_id: str
+    policy: str = "role"
+    total_steps: int = 0
+    life: Lifecycle[JobState] = field(default_factory=lambda: Lifecycle.begin(JobState.PENDING, 0.0, "submitted"))
+    ledger: EttrLedger = field(default_factory=lambda: EttrLedger(started_at=0.0))
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    slots: dict[str, SlotRecord] = field(default_factory=dict)
+    faults: dict[str, FaultRecord] = field(default_factory=dict)
+    weights_holders: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    published_version: int = 0
+    published_checksum: str = ""
+    checkpoint_step: int = -1
+    checkpoint_path: str = ""
+    step_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
+    training_seconds: dict[int, float] = field(default_factory=dict)
+    productive_at_version: dict[int, float] = field(default_factory=dict)
+    first_round_at: float | None = None
+    recent: deque[Event] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
+    heartbeats_total: int = 0
+    last_seq: int = 0
+    scheduler: RoundScheduler | None = None
+
+    # ------------------------------------------------------------------------ derived views
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (= newest published weights version)."""
+        return self.published_version
+
+    def slots_of(self, role: str) -> list[SlotRecord]:
+        return [s for s in self.slots.values() if s.role == role and not s.standby]
+
+    def slot_of_wid(self, wid: str) -> SlotRecord | None:
+        for slot in self.slots.values():
+            if slot.wid == wid:
+                return slot
+        return None
+
+    def slot_on_node(self, node: str) -> SlotRecord | None:
+        for slot in self.slots.values():
+            if slot.node == node and not slot.standby:
+                return slot
+        return None
+
+    def standby_slots(self) -> list[SlotRecord]:
+        return [s for s in self.slots.values() if s.standby and s.node is not None]
+
+    def open_faults(self) -> list[FaultRecord]:
+        return [f for f in self.faults.values() if f.open]
+
+    def ettr_weights(self) -> dict[str, float]:
+        """How the current instant is split between ETTR categories (sums to 1)."""
+        if self.first_round_at is None:
+            return {"init": 1.0}
+        undetected = detected = 0.0
+        for fault in self.open_faults():
+            if fault.detected_at is None:
+                undetected += fault.impact
+            else:
+                detected += fault.impact
+        impaired = min(1.0, undetected + detected)
+        if impaired <= 0:
+            return {"productive": 1.0}
+        share = impaired / (undetected + detected)
+        weights = {"productive": 1.0 - impaired, "detection": undetected * share, "recovery": detected * share}
+        return {k: v for k, v in weights.items() if v > 0} or {"productive": 1.0}
+
+    def live_ledger(self, now: float) -> EttrLedger:
+        if self.life.state.terminal:
+            return self.ledger
+        return self.ledger.projected(now, self.ettr_weights())
+
+    def fault_impact(self, slot: SlotRecord | None) -> float:
+        """Fraction of the job's progress a fault on this slot takes away."""
+        if self.policy == "full-restart":
+            return 1.0
+        if slot is None or slot.standby:
+            return 0.0
+        if slot.role == "trainer":
+            return 1.0
+        peers = len(self.slots_of(slot.role))
+        return 1.0 / max(peers, 1)
+
+    # --------------------------------------------------------------------------------- apply
+
+    def apply(self, ev: Event) -> None:
+        """Advance the ledger to the event's time, then change state by one event."""
+        if not self.life.state.terminal and ev.at > self.ledger.last_at:
+            self.ledger.advance(ev.at, self.ettr_weights())
+        self.last_seq = max(self.last_seq, ev.seq)
+        if ev.type not in QUIET_EVENTS:
+            self.recent.append(ev)
+        handler = getattr(self, f"_on_{ev.type}", None)
+        if handler is not None:
+            handler(ev)
+        if self.scheduler is not None:
+            self.scheduler.apply(ev)
+
+    def _on_JobSubmitted(self, ev: Event) -> None:
+        self.policy = ev.data["policy"]
+        self.total_steps = int(ev.data.get("steps", 0))
+        self.life = Lifecycle.begin(JobState.PENDING, ev.at, "submitted")
+        self.ledger = EttrLedger(started_at=ev.at)
+
+    def _on_JobStateChanged(self, ev: Event) -> None:
+        self.life.move(JobState(ev.data["state"]), ev.at, ev.data["reason"])
+
+    def _on_NodeAllocated(self, ev: Event) -> None:
+        d = ev.data
+        self.nodes[d["node"]] = NodeRecord(
+            name=d["node"],
+            host=d["host"],
+            role=d["role"],
+            life=Lifecycle.begin(NodeState.STARTING, ev.at, "allocated"),
+            backend_ref=d.get("backend_ref", ""),
+        )
+        slot_name = d["slot"]
+        if slot_name:
+            standby = bool(d.get("standby", False))
+            slot = self.slots.get(slot_name)
+            if slot is None:
+                self.slots[slot_name] = SlotRecord(slot=slot_name, role=d["role_of_slot"] if "role_of_slot" in d else d["role"], node=d["node"], standby=standby)
+            else:
+                slot.node = d["node"]
+
+    def _on_NodeStateChanged(self, ev: Event) -> None:
+        node = self.nodes.get(ev.data["node"])
+        if node is None:
+            return
+        node.life.move(NodeState(ev.data["state"]), ev.at, ev.data["reason"])
+        if ev.data["state"] in (NodeState.FAILED.value, NodeState.RELEASED.value):
+            node.connected = False
+        if ev.data.get("exclude"):
+            node.excluded = True
+        if "role" in ev.data:
+            node.role = ev.data["role"]
+
+    def _on_AgentRegistered(self, ev: Event) -> None:
+        node = self.nodes.get(ev.data["node"])
+        if node is None:
+            return
+        node.incarnation = int(ev.data["incarnation"])
+        node.facts = dict(ev.data["facts"])
+        node.connected = True
+        node.last_heartbeat_at = ev.at
+        self._recover_matching("agent-lost", node.name, None, ev.at)
+
+    def _on_AgentDisconnected(self, ev: Event) -> None:
+        node = self.nodes.get(ev.data["node"])
+        if node is not None:
+            node.connected = False
+
+    def _on_HeartbeatSummary(self, ev: Event) -> None:
+        self.heartbeats_total += int(ev.data["beats"])
+        for name, at in ev.data.get("last_seen", {}).items():
+            if name in self.nodes:
+                self.nodes[name].last_heartbeat_at = float(at)
+
+    def _on_WorkerStarting(self, ev: Event) -> None:
+        d = ev.data
+        slot = self.slots.get(d["slot"])
+        if slot is None:
+            slot = SlotRecord(slot=d["slot"], role=d["role"], node=d["node"], standby=bool(d.get("standby", False)))
+            self.slots[d["slot"]] = slot
+        if slot.node != d["node"]:
+            slot.restarts_on_node = 0
+        elif slot.wid is not None:
+            slot.restarts_on_node += 1
+        slot.node = d["node"]
+        slot.wid = d["wid"]
+        slot.generation = int(d.get("generation", slot.generation + 1))
+        slot.life = Lifecycle.begin(WorkerState.STARTING, ev.at, "start requested")
+        slot.phase, slot.phase_since, slot.progress_at, slot.pid = "starting", ev.at, ev.at, None
+        slot.weights_version = -1
+
+    def _on_WorkerStarted(self, ev: Event) -> None:
+        slot = self._slot_for(ev)
+        if slot is not None and slot.life is not None:
+            slot.pid = ev.data["pid"]
+            if slot.life.can_move(WorkerState.RUNNING):
+                slot.life.move(WorkerState.RUNNING, ev.at, "process started")
+
+    def _on_WorkerPhase(self, ev: Event) -> None:
+        slot = self._slot_for(ev)
+        if slot is None:
+            return
+        phase, step = ev.data["phase"], int(ev.data["step"])
+        if slot.role == "trainer" and not slot.standby:
+            if phase == "training":
+                self.training_seconds.setdefault(step, -ev.at)
+        slot.phase, slot.phase_step, slot.phase_since, slot.progress_at = phase, step, ev.at, ev.at
+        if slot.life is not None and slot.life.state == WorkerState.STARTING:
+            slot.life.move(WorkerState.RUNNING, ev.at, "reported a phase")
+        if slot.role == "reward" and phase in ("waiting-for-work", "scoring"):
+            self._recover_slot(slot, ev.at)
+
+    def _on_WorkerExited(self, ev: Event) -> None:
+        slot = self._slot_for(ev)
+        if slot is None or slot.life is None:
+            return
+        code, sig = ev.data["exit_code"], ev.data["signal"]
+        target = WorkerState.EXITED if code == 0 and sig is None else WorkerState.FAILED
+        if slot.life.state == WorkerState.STOPPING:
+            target = WorkerState.EXITED
+        if slot.life.can_move(target):
+            slot.life.move(target, ev.at, f"exit code {code}" if sig is None else f"signal {sig}")
+        elif slot.life.can_move(WorkerState.EXITED):
+            slot.life.move(WorkerState.EXITED, ev.at, "process gone")
+        slot.pid = None
+        for holders in self.weights_holders.values():
+            holders.pop(slot.slot, None)
+
+    def _on_FaultInjected(self, ev: Event) -> None:
+        d = ev.data
+        slot = self.slot_on_node(d["node"])
+        self.faults[d["fault_id"]] = FaultRecord(
+            fault_id=d["fault_id"],
+            kind=d["kind"],
+            node=d["node"],
+            slot=slot.slot if slot else None,
+            occurred_at=ev.at + float(d["params"].get("after", 0.0)),
+            injected=True,
+            impact=self.fault_impact(slot),
+        )
+
+    def _on_FaultSignal(self, ev: Event) -> None:
+        node = self.nodes.get(ev.data["node"])
+        if node is not None:
+            node.last_signal = f"{ev.data['kind']}: {ev.data['detail']}"[:120]
+
+    def _on_Verdict(self, ev: Event) -> None:
+        d = ev.data
+        if d["verdict"] not in ("failed", "slow"):
+            return
+        fault = self._open_fault_for(d["node"], d.get("slot"))
+        if fault is None:
+            slot = self.slots.get(d["slot"]) if d.get("slot") else self.slot_on_node(d["node"])
+            fault = FaultRecord(
+                fault_id=d["fault"],
+                kind=d.get("fault_kind", d["fault"]),
+                node=d["node"],
+                slot=slot.slot if slot else None,
+                occurred_at=float(d.get("evidence_since", ev.at)),
+                injected=False,
+                impact=self.fault_impact(slot),
+            )
+            self.faults[fault.fault_id] = fault
+        if fault.detected_at is None:
+            fault.detected_at = ev.at
+            fault.verdict = d.get("fault_kind", d["fault"])
+            fault.reason = d["reason"]
+            fault.action = d.get("action", "")
+        slot = self.slots.get(d["slot"]) if d.get("slot") else None
+        if slot is not None and slot.life is not None and slot.life.can_move(WorkerState.FAILED):
+            slot.life.move(WorkerState.FAILED, ev.at, d["reason"][:80])
+
+    def _on_ActionTaken(self, ev: Event) -> None:
+        d = ev.data
+        for fault_id in d.get("fault_ids", []):
+            fault = self.faults.get(fault_id)
+            if fault is not None:
+                fault.action = d["action"]
+                fault.trajectories_lost += int(d.get("trajectories_lost", 0))
+        if d["action"] == "move-slot":
+            slot = self.slots.get(d["slot"])
+            if slot is not None:
+                slot.node = d["node"]
+                slot.restarts_on_node = 0
+        if d["action"] == "vacate-slot":
+            slot = self.slots.get(d["slot"])
+            if slot is not None:
+                slot.node, slot.wid = None, None
+        if d["action"] == "activate-standby":
+            self._activate_standby(d)
+
+    def _activate_standby(self, d: dict[str, Any]) -> None:
+        standby = self.slots.pop(d["standby_slot"], None)
+        target = self.slots.get(d["slot"])
+        if standby is None or target is None:
+            return
+        target.node, target.wid, target.life = standby.node, standby.wid, standby.life
+        target.phase, target.pid, target.restarts_on_node = standby.phase, standby.pid, 0
+
+    def _on_FaultRecovered(self, ev: Event) -> None:
+        for fault_id in ev.data["fault_ids"]:
+            fault = self.faults.get(fault_id)
+            if fault is not None and fault.recovered_at is None:
+                fault.recovered_at = ev.at
+                if fault.detected_at is None:
+                    fault.detected_at = ev.at
+
+    def _on_RoundStarted(self, ev: Event) -> None:
+        if self.first_round_at is None:
+            self.first_round_at = ev.at
+
+    def _on_WeightsPublished(self, ev: Event) -> None:
+        version = int(ev.data["version"])
+        self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
+        if version > self.published_version:
+            self.published_version = version
+            self.published_checksum = str(ev.data["source"].get("checksum", ""))
+        self.productive_at_version[version] = self.ledger.seconds["productive"]
+        for old in [v for v in self.weights_holders if v < version - 1]:
+            del self.weights_holders[old]
+
+    def _on_WeightsHeld(self, ev: Event) -> None:
+        version = int(ev.data["version"])
+        self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
+        slot = self.slots.get(ev.data["slot"])
+        if slot is not None:
+            slot.weights_version = max(slot.weights_version, version)
+            if slot.role == "rollout" and version >= self.published_version:
+                self._recover_slot(slot, ev.at)
+
+    def _on_StepTrained(self, ev: Event) -> None:
+        step = int(ev.data["step"])
+        self.step_metrics[step] = dict(ev.data["metrics"])
+        started = self.training_seconds.get(step)
+        if started is not None and started < 0:
+            self.training_seconds[step] = ev.at + started
+
+    def _on_Checkpointed(self, ev: Event) -> None:
+        self.checkpoint_step = int(ev.data["step"])
+        self.checkpoint_path = str(ev.data["path"])
+
+    def _on_TrainerRestored(self, ev: Event) -> None:
+        replayed = [int(s) for s in ev.data["replayed_steps"]]
+        lost = sum(max(0.0, self.training_seconds.get(s, 0.0)) for s in replayed)
+        self.ledger.reclassify(lost, "productive", "lost")
+        slot = self.slots.get(ev.data["slot"])
+        if slot is not None:
+            self._recover_slot(slot, ev.at)
+        for fault in self.open_faults():
+            if fault.kind == "full-restart" or (self.policy == "full-restart" and fault.detected_at is not None):
+                self._recover_fault(fault, ev.at)
+
+    def _on_SchedulerRolledBack(self, ev: Event) -> None:
+        to_step = int(ev.data["to_step"])
+        since = self.productive_at_version.get(to_step)
+        if since is not None:
+            self.ledger.reclassify(self.ledger.seconds["productive"] - since, "productive", "lost")
+        self.published_version = to_step
+        self.weights_holders = {v: h for v, h in self.weights_holders.items() if v <= to_step}
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _slot_for(self, ev: Event) -> SlotRecord | None:
+        slot = self.slots.get(ev.data.get("slot", ""))
+        if slot is None or slot.wid != ev.data.get("wid"):
+            return None
+        return slot
+
+    def _open_fault_for(self, node: str, slot: str | None) -> FaultRecord | None:
+        for fault in self.open_faults():
+            if fault.node == node and (slot is None or fault.slot in (None, slot)):
+                return fault
+        return None
+
+    def _recover_slot(self, slot: SlotRecord, at: float) -> None:
+        for fault in self.open_faults():
+            if fault.slot == slot.slot and fault.detected_at is not None and self.policy == "role":
+                self._recover_fault(fault, at)
+
+    def _recover_matching(self, kind: str, node: str, slot: str | None, at: float) -> None:
+        for fault in self.open_faults():
+            if fault.node == node and fault.verdict == kind:
+                self._recover_fault(fault, at)
+
+    @staticmethod
+    def _recover_fault(fault: FaultRecord, at: float) -> None:
+        fault.recovered_at = at
+        if fault.detected_at is None:
+            fault.detected_at = at

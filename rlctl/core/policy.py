@@ -1,0 +1,90 @@
+"""Recovery policy: from a verdict and the job model to an ordered recovery plan.
+
+``role`` (default) recovers only what failed; ``full-restart`` is the ByteRobust-style baseline
+(stop everything, reload the last checkpoint, replay). The plan is data: the controller carries
+out each step and journals what it did. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.core.detector import Verdict
+from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.states import NodeState
+
+
+@dataclass(frozen=True)
+class Step:
+    """One recovery step: ``kind`` names what to do, ``args`` with what."""
+
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[Step]:
+    """The recovery steps for ``verdict`` under the job's policy."""
+    if verdict.action in ("observe", "probe"):
+        return []
+    if model.policy == "full-restart":
+        return _full_restart(model, verdict)
+    if verdict.action == "restart-agent":
+        return [Step("restart-agent", {"node": verdict.node})]
+    if verdict.action == "restart-role":
+        slot = model.slots.get(verdict.slot or "") or model.slot_on_node(verdict.node)
+        role = slot.role if slot else "trainer"
+        return [Step("restart-worker", {"slot": s.slot}) for s in model.slots_of(role) if s.node is not None]
+    slot = model.slots.get(verdict.slot) if verdict.slot else model.slot_on_node(verdict.node)
+    node_bad = verdict.action in ("replace-node", "drain-replace")
+    if slot is None:
+        return _retire_node(verdict, drain=verdict.action == "drain-replace") if node_bad else []
+    if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
+        return [Step("restart-worker", {"slot": slot.slot})]
+    return _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, slot, verdict.node)
+
+
+def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
+    return [Step("fail-node", {"node": verdict.node, "reason": verdict.reason, "drain": drain})]
+
+
+def _move(model: JobModel, slot: SlotRecord, bad_node: str) -> list[Step]:
+    """Put ``slot`` on a healthy node: a warm standby for the trainer, a spare, or a new node."""
+    standbys = [s for s in model.standby_slots() if s.node != bad_node and _usable(model, s.node)]
+    if slot.role == "trainer" and standbys:
+        return [Step("activate-standby", {"slot": slot.slot, "standby_slot": standbys[0].slot})]
+    if standbys:
+        spare = standbys[0]
+        return [
+            Step("retire-standby", {"standby_slot": spare.slot}),
+            Step("move-slot", {"slot": slot.slot, "node": spare.node}),
+            Step("restart-worker", {"slot": slot.slot}),
+        ]
+    idle = [n.name for n in model.nodes.values() if n.role == "spare" and n.name != bad_node and _usable(model, n.name)]
+    idle = [n for n in idle if model.slot_on_node(n) is None]
+    if idle:
+        return [Step("move-slot", {"slot": slot.slot, "node": idle[0]}), Step("restart-worker", {"slot": slot.slot})]
+    return [Step("request-node", {"slot": slot.slot, "exclude_node": bad_node})]
+
+
+def _usable(model: JobModel, node: str | None) -> bool:
+    if node is None or node not in model.nodes:
+        return False
+    record = model.nodes[node]
+    return not record.excluded and record.connected and record.life.state in (
+        NodeState.READY,
+        NodeState.STANDBY,
+        NodeState.ACTIVE,
+    )
+
+
+def _full_restart(model: JobModel, verdict: Verdict) -> list[Step]:
+    """Stop every worker, replace the bad node, roll back to the checkpoint and start all again."""
+    steps = [Step("stop-all", {})]
+    if verdict.action in ("replace-node", "drain-replace"):
+        slot = model.slot_on_node(verdict.node)
+        steps += _retire_node(verdict, drain=verdict.action == "drain-replace")
+        if slot is not None:
+            steps += [s for s in _move(model, slot, verdict.node) if s.kind != "restart-worker"]
+    steps += [Step("rollback", {"to_step": max(model.checkpoint_step, 0)}), Step("start-all", {})]
+    return steps

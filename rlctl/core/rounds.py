@@ -1,0 +1,460 @@
+"""The rollout round scheduler: prompts, samples, rounds and tail batching (RollPacker).
+
+The controller owns prompts and trajectories; this module decides what each rollout and reward
+worker does next. Decisions return events and apply them at once (``apply`` is the only place
+state changes), so a resumed controller rebuilds the scheduler by applying the journal.
+
+Tail batching (DESIGN.md): a short round dispatches ``batch * (1 + overprovision)`` prompts with
+responses capped at ``short_max_tokens``; a prompt any of whose samples hits the cap is deferred
+to the long queue; the round ends when ``batch`` groups are complete and in-flight extras go back
+to the pool. When the long queue holds ``long_batch`` prompts the next round is a long round with
+the full cap. Off means plain synchronous batching. Every trained sample was generated with the
+round's weights version (on-policy); no prompt is trained twice in an epoch.
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rlctl.core.events import Event, event
+
+if TYPE_CHECKING:
+    from rlctl.core.spec import JobSpec
+
+PENDING, INFLIGHT, DONE, SCORING, SCORED = "pending", "inflight", "done", "scoring", "scored"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    batch_prompts: int
+    group_size: int
+    max_new_tokens: int
+    tail_enabled: bool
+    short_max_tokens: int
+    overprovision: float
+    long_batch: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class PromptRef:
+    prompt_id: str
+    tokens: tuple[int, ...]
+    meta: dict[str, Any]
+
+
+@dataclass
+class Sample:
+    item_id: str
+    prompt_id: str
+    sample_index: int
+    seed: int
+    status: str = PENDING
+    wid: str | None = None
+    response_tokens: list[int] | None = None
+    truncated: bool = False
+    weights_version: int = -1
+    reward: float | None = None
+    correct: bool | None = None
+
+
+@dataclass
+class Round:
+    step: int
+    kind: str  # "short" | "long" | "sync"
+    weights_version: int
+    max_new_tokens: int
+    target_groups: int
+    prompt_ids: list[str]
+    samples: dict[str, Sample] = field(default_factory=dict)
+    completed: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    def progress(self) -> dict[str, Any]:
+        longest = max((len(s.response_tokens or ()) for s in self.samples.values() if s.response_tokens), default=0)
+        generated = sum(1 for s in self.samples.values() if s.status in (DONE, SCORING, SCORED))
+        return {
+            "step": self.step,
+            "kind": self.kind,
+            "weights_version": self.weights_version,
+            "max_new_tokens": self.max_new_tokens,
+            "groups_done": len(self.completed),
+            "groups_target": self.target_groups,
+            "prompts": len(self.prompt_ids),
+            "deferred": len(self.deferred),
+            "samples_generated": generated,
+            "samples_total": len(self.samples),
+            "longest_response": longest,
+            "closed": self.closed,
+        }
+
+
+@dataclass
+class Batch:
+    step: int
+    kind: str
+    epoch: int
+    weights_version: int
+    prompt_ids: list[str]
+    samples: list[Sample]
+
+
+def config_from_spec(spec: "JobSpec") -> SchedulerConfig:
+    tail = spec.rollout.tail_batching
+    return SchedulerConfig(
+        batch_prompts=spec.rollout.batch_prompts,
+        group_size=spec.rollout.group_size,
+        max_new_tokens=spec.rollout.max_new_tokens,
+        tail_enabled=tail.enabled,
+        short_max_tokens=tail.short_max_tokens,
+        overprovision=tail.overprovision,
+        long_batch=spec.long_batch,
+        seed=spec.seed,
+    )
+
+
+def sample_seed(job_seed: int, step: int, prompt_id: str, sample_index: int) -> int:
+    """The per-sample seed: the same sample is reproducible whichever worker generates it."""
+    digest = hashlib.sha256(f"{job_seed}/{step}/{prompt_id}/{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+class RoundScheduler:
+    """Owns the epoch's prompt pool, the long queue, the current round and the retained batches.
+
+    With an empty prompt list it can still ``apply`` a journal (read-only views such as `status`).
+    """
+
+    def __init__(self, config: SchedulerConfig, prompts: list[PromptRef]) -> None:
+        self.config = config
+        self.prompts = {p.prompt_id: p for p in prompts}
+        self.epoch = -1
+        self.pool: deque[str] = deque()
+        self.long_queue: list[str] = []
+        self.round: Round | None = None
+        self.batches: dict[int, Batch] = {}
+        self.epoch_trained: set[str] = set()
+        self.cancelled: set[str] = set()
+        self.trajectories_stored = 0
+        self.trajectories_discarded = 0
+
+    # ----------------------------------------------------------------- decisions (return events)
+
+    def start_round(self, step: int, at: float) -> list[Event]:
+        """Open the round for ``step`` (generated with weights version ``step``)."""
+        out: list[Event] = []
+        cfg = self.config
+        if cfg.tail_enabled and len(self.long_queue) >= cfg.long_batch:
+            return self._emit(out, self._round_event(step, "long", self.long_queue[: cfg.long_batch], at))
+        if len(self.pool) < cfg.batch_prompts:
+            if cfg.tail_enabled and self.long_queue:
+                return self._emit(out, self._round_event(step, "long", list(self.long_queue), at))
+            self._emit(out, self._epoch_event(at))
+        count = cfg.batch_prompts
+        kind = "sync"
+        if cfg.tail_enabled:
+            count = math.ceil(cfg.batch_prompts * (1.0 + cfg.overprovision))
+            kind = "short"
+        chosen = list(self.pool)[:count]
+        return self._emit(out, self._round_event(step, kind, chosen, at))
+
+    def dispatch(self, slot: str, wid: str, capacity: int, at: float) -> list[Event]:
+        """Hand up to ``capacity`` pending samples of the open round to rollout worker ``wid``."""
+        rnd = self.round
+        if rnd is None or rnd.closed or capacity <= 0:
+            return []
+        chosen = [s.item_id for s in self._ordered_samples(rnd) if s.status == PENDING][:capacity]
+        if not chosen:
+            return []
+        return self._emit([], event("ItemsDispatched", at, slot=slot, wid=wid, item_ids=chosen))
+
+    def submit(self, slot: str, wid: str, results: list[dict[str, Any]], at: float) -> list[Event]:
+        """Store generated samples from ``wid``; defer long-tail prompts; maybe close the round."""
+        out: list[Event] = []
+        rnd = self.round
+        if rnd is None:
+            return out
+        for result in results:
+            sample = rnd.samples.get(str(result.get("item_id")))
+            if sample is None or sample.status != INFLIGHT or sample.wid != wid:
+                continue
+            if int(result.get("weights_version", -1)) != rnd.weights_version:
+                self._emit(out, event("ItemsReturned", at, item_ids=[sample.item_id], reason="stale-weights"))
+                continue
+            truncated = bool(result.get("truncated"))
+            if truncated and rnd.kind == "short" and sample.prompt_id not in rnd.deferred:
+                self._emit(out, event("PromptDeferred", at, prompt_id=sample.prompt_id, step=rnd.step))
+                continue
+            self._emit(
+                out,
+                event(
+                    "TrajectoryStored",
+                    at,
+                    item_id=sample.item_id,
+                    response_tokens=[int(t) for t in result.get("response_tokens", [])],
+                    truncated=truncated,
+                    weights_version=rnd.weights_version,
+                    slot=slot,
+                ),
+            )
+        self._maybe_close(out, at)
+        return out
+
+    def dispatch_scoring(self, slot: str, wid: str, capacity: int, at: float) -> list[Event]:
+        """Hand up to ``capacity`` generated, unscored samples to reward worker ``wid``."""
+        rnd = self.round
+        if rnd is None or rnd.closed or capacity <= 0:
+            return []
+        chosen = [s.item_id for s in self._ordered_samples(rnd) if s.status == DONE][:capacity]
+        if not chosen:
+            return []
+        return self._emit([], event("ScoringDispatched", at, slot=slot, wid=wid, item_ids=chosen))
+
+    def submit_scores(self, wid: str, scores: list[dict[str, Any]], at: float) -> list[Event]:
+        """Store rewards from reward worker ``wid``; close the round when the batch is full."""
+        out: list[Event] = []
+        rnd = self.round
+        if rnd is None:
+            return out
+        accepted = []
+        for score in scores:
+            sample = rnd.samples.get(str(score.get("item_id")))
+            if sample is None or sample.status != SCORING or sample.wid != wid:
+                continue
+            accepted.append(
+                {"item_id": sample.item_id, "reward": float(score["reward"]), "correct": bool(score.get("correct"))}
+            )
+        if accepted:
+            self._emit(out, event("RewardsStored", at, scores=accepted))
+        self._maybe_close(out, at)
+        return out
+
+    def release_worker(self, wid: str, reason: str, at: float) -> list[Event]:
+        """Give every sample held by a failed worker back to the round (nothing is lost)."""
+        rnd = self.round
+        if rnd is None or rnd.closed:
+            return []
+        held = [s.item_id for s in rnd.samples.values() if s.wid == wid and s.status in (INFLIGHT, SCORING)]
+        if not held:
+            return []
+        return self._emit([], event("ItemsReturned", at, item_ids=held, reason=reason))
+
+    def rollback(self, to_step: int, at: float) -> list[Event]:
+        """Full-restart baseline: forget batches from ``to_step`` on; their prompts go back to the pool."""
+        return self._emit([], event("SchedulerRolledBack", at, to_step=to_step))
+
+    # ------------------------------------------------------------------------------ queries
+
+    def cancelled_among(self, item_ids: list[str]) -> list[str]:
+        rnd = self.round
+        return [i for i in item_ids if i in self.cancelled or rnd is None or i not in rnd.samples or rnd.closed]
+
+    def batch_for(self, step: int) -> Batch | None:
+        return self.batches.get(step)
+
+    def progress(self) -> dict[str, Any]:
+        base = self.round.progress() if self.round else {}
+        return {**base, "epoch": self.epoch, "pool": len(self.pool), "long_queue": len(self.long_queue)}
+
+    # ------------------------------------------------------------------------------- apply
+
+    def apply(self, ev: Event) -> None:
+        """Change state by one event. The only mutator; replaying the journal calls just this."""
+        handler = getattr(self, f"_on_{ev.type}", None)
+        if handler is not None:
+            handler(ev.data)
+
+    def _on_EpochStarted(self, data: dict[str, Any]) -> None:
+        self.epoch = int(data["epoch"])
+        self.pool = deque(data["order"])
+        self.epoch_trained = set()
+
+    def _on_RoundStarted(self, data: dict[str, Any]) -> None:
+        step = int(data["step"])
+        prompts = list(data["prompts"])
+        rnd = Round(
+            step=step,
+            kind=data["kind"],
+            weights_version=int(data["weights_version"]),
+            max_new_tokens=int(data["max_new_tokens"]),
+            target_groups=int(data["target_groups"]),
+            prompt_ids=prompts,
+        )
+        for prompt_id in prompts:
+            for index in range(self.config.group_size):
+                item_id = f"s{step}/{prompt_id}/{index}"
+                rnd.samples[item_id] = Sample(item_id, prompt_id, index, sample_seed(self.config.seed, step, prompt_id, index))
+        taken = set(prompts)
+        if rnd.kind == "long":
+            self.long_queue = [p for p in self.long_queue if p not in taken]
+        else:
+            self.pool = deque(p for p in self.pool if p not in taken)
+        self.round = rnd
+        self.cancelled = set()
+
+    def _on_ItemsDispatched(self, data: dict[str, Any]) -> None:
+        for sample in self._samples(data["item_ids"]):
+            sample.status, sample.wid = INFLIGHT, data["wid"]
+
+    def _on_ItemsReturned(self, data: dict[str, Any]) -> None:
+        for sample in self._samples(data["item_ids"]):
+            if sample.status == INFLIGHT:
+                sample.status, sample.wid = PENDING, None
+            elif sample.status == SCORING:
+                sample.status, sample.wid = DONE, None
+
+    def _on_TrajectoryStored(self, data: dict[str, Any]) -> None:
+        for sample in self._samples([data["item_id"]]):
+            sample.status, sample.wid = DONE, None
+            sample.response_tokens = list(data["response_tokens"])
+            sample.truncated = bool(data["truncated"])
+            sample.weights_version = int(data["weights_version"])
+            self.trajectories_stored += 1
+
+    def _on_PromptDeferred(self, data: dict[str, Any]) -> None:
+        rnd = self.round
+        prompt_id = data["prompt_id"]
+        if rnd is None or prompt_id in rnd.deferred:
+            return
+        rnd.deferred.append(prompt_id)
+        for sample in [s for s in rnd.samples.values() if s.prompt_id == prompt_id]:
+            if sample.status == INFLIGHT:
+                self.cancelled.add(sample.item_id)
+            del rnd.samples[sample.item_id]
+        self.long_queue.append(prompt_id)
+
+    def _on_ScoringDispatched(self, data: dict[str, Any]) -> None:
+        for sample in self._samples(data["item_ids"]):
+            sample.status, sample.wid = SCORING, data["wid"]
+
+    def _on_RewardsStored(self, data: dict[str, Any]) -> None:
+        rnd = self.round
+        if rnd is None:
+            return
+        touched: set[str] = set()
+        for score in data["scores"]:
+            sample = rnd.samples.get(score["item_id"])
+            if sample is None:
+                continue
+            sample.status, sample.wid = SCORED, None
+            sample.reward, sample.correct = float(score["reward"]), bool(score["correct"])
+            touched.add(sample.prompt_id)
+        for prompt_id in sorted(touched, key=rnd.prompt_ids.index):
+            group = [s for s in rnd.samples.values() if s.prompt_id == prompt_id]
+            if prompt_id not in rnd.completed and all(s.status == SCORED for s in group):
+                rnd.completed.append(prompt_id)
+
+    def _on_BatchFormed(self, data: dict[str, Any]) -> None:
+        rnd = self.round
+        if rnd is None:
+            return
+        chosen = list(data["prompt_ids"])
+        in_batch = set(chosen)
+        samples = sorted(
+            (s for s in rnd.samples.values() if s.prompt_id in in_batch),
+            key=lambda s: (chosen.index(s.prompt_id), s.sample_index),
+        )
+        for sample in rnd.samples.values():
+            if sample.prompt_id not in in_batch and sample.status in (INFLIGHT, SCORING):
+                self.cancelled.add(sample.item_id)
+            if sample.prompt_id not in in_batch and sample.status in (DONE, SCORING, SCORED):
+                self.trajectories_discarded += 1
+        self.batches[rnd.step] = Batch(rnd.step, rnd.kind, self.epoch, rnd.weights_version, chosen, samples)
+        self.epoch_trained.update(chosen)
+        returned = [p for p in data["returned_prompt_ids"]]
+        self.pool.extendleft(reversed(returned))
+        rnd.closed = True
+
+    def _on_Checkpointed(self, data: dict[str, Any]) -> None:
+        for step in [s for s in self.batches if s < int(data["step"])]:
+            del self.batches[step]
+
+    def _on_SchedulerRolledBack(self, data: dict[str, Any]) -> None:
+        to_step = int(data["to_step"])
+        undone: list[str] = []
+        for step in sorted(s for s in self.batches if s >= to_step):
+            batch = self.batches.pop(step)
+            if batch.epoch == self.epoch:
+                undone.extend(batch.prompt_ids)
+                self.epoch_trained.difference_update(batch.prompt_ids)
+        rnd = self.round
+        if rnd is not None and not rnd.closed:
+            live = [p for p in rnd.prompt_ids if p not in rnd.deferred]
+            self.cancelled.update(s.item_id for s in rnd.samples.values() if s.status in (INFLIGHT, SCORING))
+            if rnd.kind == "long":
+                self.long_queue = live + self.long_queue
+            else:
+                undone.extend(live)
+            rnd.closed = True
+        self.pool.extendleft(reversed(undone))
+        self.round = None
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _emit(self, out: list[Event], ev: Event) -> list[Event]:
+        self.apply(ev)
+        out.append(ev)
+        return out
+
+    def _samples(self, item_ids: list[str]) -> list[Sample]:
+        rnd = self.round
+        if rnd is None:
+            return []
+        return [rnd.samples[i] for i in item_ids if i in rnd.samples]
+
+    @staticmethod
+    def _ordered_samples(rnd: Round) -> list[Sample]:
+        order = {p: i for i, p in enumerate(rnd.prompt_ids)}
+        return sorted(rnd.samples.values(), key=lambda s: (order[s.prompt_id], s.sample_index))
+
+    def _round_event(self, step: int, kind: str, prompts: list[str], at: float) -> Event:
+        cfg = self.config
+        if kind == "short":
+            cap, target = cfg.short_max_tokens, min(cfg.batch_prompts, len(prompts))
+        else:
+            cap, target = cfg.max_new_tokens, len(prompts) if kind == "long" else min(cfg.batch_prompts, len(prompts))
+        return event(
+            "RoundStarted",
+            at,
+            step=step,
+            kind=kind,
+            weights_version=step,
+            max_new_tokens=cap,
+            prompts=prompts,
+            target_groups=target,
+        )
+
+    def _epoch_event(self, at: float) -> Event:
+        epoch = self.epoch + 1
+        leftover = list(self.pool)
+        excluded = set(leftover) | set(self.long_queue)
+        rest = sorted(p for p in self.prompts if p not in excluded)
+        random.Random(self.config.seed * 1_000_003 + epoch).shuffle(rest)
+        return event("EpochStarted", at, epoch=epoch, order=leftover + rest)
+
+    def _maybe_close(self, out: list[Event], at: float) -> None:
+        rnd = self.round
+        if rnd is None or rnd.closed:
+            return
+        full = len(rnd.completed) >= rnd.target_groups
+        live = [p for p in rnd.prompt_ids if p not in rnd.deferred]
+        exhausted = all(p in rnd.completed for p in live)
+        if not (full or exhausted):
+            return
+        if not rnd.completed:
+            # Every prompt of the round was deferred: open a new round for the same step.
+            out.extend(self.start_round(rnd.step, at))
+            return
+        chosen = rnd.completed[: rnd.target_groups]
+        returned = [p for p in live if p not in chosen]
+        self._emit(
+            out,
+            event("BatchFormed", at, step=rnd.step, kind=rnd.kind, prompt_ids=chosen, returned_prompt_ids=returned),
+        )

@@ -1,0 +1,137 @@
+"""The status snapshot: one JSON-able view of a job model at a given time.
+
+What `rlctl status --json` prints and what the live view renders, whether it comes from a
+running controller or from replaying the journal of a stopped one. Pure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlctl.core.model import JobModel
+
+RECENT_IN_SNAPSHOT = 12
+
+
+def snapshot(model: JobModel, now: float, controller: dict[str, Any] | None = None) -> dict[str, Any]:
+    ledger = model.live_ledger(now)
+    end = now if not model.life.state.terminal else model.life.since
+    elapsed = max(0.0, end - model.ledger.started_at)
+    last_metrics = model.step_metrics.get(model.step - 1, {})
+    return {
+        "job": {
+            "id": model.job_id,
+            "state": model.life.state.value,
+            "state_reason": model.life.history[-1].reason if model.life.history else "",
+            "policy": model.policy,
+            "step": model.step,
+            "total_steps": model.total_steps,
+            "elapsed_s": round(elapsed, 3),
+            "ettr": round(ledger.ettr(), 4),
+            "ledger_s": {k: round(v, 3) for k, v in ledger.seconds.items()},
+            "mean_reward": last_metrics.get("mean_reward"),
+            "checkpoint_step": model.checkpoint_step,
+            "weights_version": model.published_version,
+        },
+        "roles": _roles(model),
+        "nodes": _nodes(model, now),
+        "round": model.scheduler.progress() if model.scheduler is not None else {},
+        "rewards": {str(step): m.get("mean_reward") for step, m in sorted(model.step_metrics.items())},
+        "faults": [_fault(f) for f in model.faults.values()],
+        "events": [_event_line(e) for e in list(model.recent)[-RECENT_IN_SNAPSHOT:]],
+        "controller": controller or {"live": False},
+        "journal_seq": model.last_seq,
+    }
+
+
+def _roles(model: JobModel) -> list[dict[str, Any]]:
+    out = []
+    for role in ("trainer", "rollout", "reward"):
+        slots = model.slots_of(role)
+        states: dict[str, int] = {}
+        for slot in slots:
+            state = slot.life.state.value if slot.life else "pending"
+            states[state] = states.get(state, 0) + 1
+        versions = [s.weights_version for s in slots if s.weights_version >= 0]
+        out.append(
+            {
+                "role": role,
+                "slots": len(slots),
+                "states": states,
+                "phases": sorted({s.phase for s in slots}),
+                "weights_version": model.published_version if role == "trainer" else (min(versions) if versions else None),
+            }
+        )
+    standbys = model.standby_slots()
+    if standbys or any(n.role == "spare" for n in model.nodes.values()):
+        out.append(
+            {
+                "role": "spare",
+                "slots": sum(1 for n in model.nodes.values() if n.role == "spare" and model.slot_on_node(n.name) is None),
+                "states": {"standby": len(standbys)},
+                "phases": sorted({s.phase for s in standbys}),
+                "weights_version": None,
+            }
+        )
+    return out
+
+
+def _nodes(model: JobModel, now: float) -> list[dict[str, Any]]:
+    out = []
+    for node in model.nodes.values():
+        slot = model.slot_on_node(node.name)
+        standby = next((s for s in model.standby_slots() if s.node == node.name), None)
+        worker = slot or standby
+        gpus = node.gpus or []
+        out.append(
+            {
+                "name": node.name,
+                "host": node.host,
+                "role": slot.role if slot else node.role,
+                "slot": worker.slot if worker else None,
+                "state": node.life.state.value,
+                "excluded": node.excluded,
+                "connected": node.connected,
+                "heartbeat_age_s": round(now - node.last_heartbeat_at, 3) if node.last_heartbeat_at else None,
+                "worker_state": worker.life.state.value if worker and worker.life else None,
+                "phase": worker.phase if worker else None,
+                "progress": worker.progress if worker else None,
+                "gpu_util": _mean(gpus, "util"),
+                "gpu_temp_c": _mean(gpus, "temp_c"),
+                "gpu_mem_used": sum(float(g.get("mem_used") or 0) for g in gpus) if gpus else None,
+                "gpu_mem_total": sum(float(g.get("mem_total") or 0) for g in gpus) if gpus else None,
+                "last_signal": node.last_signal,
+            }
+        )
+    return out
+
+
+def _mean(gpus: list[dict[str, Any]], key: str) -> float | None:
+    values = [float(g[key]) for g in gpus if g.get(key) is not None]
+    return round(sum(values) / len(values), 1) if values else None
+
+
+def _fault(fault: Any) -> dict[str, Any]:
+    return {
+        "fault_id": fault.fault_id,
+        "kind": fault.kind,
+        "verdict": fault.verdict,
+        "node": fault.node,
+        "slot": fault.slot,
+        "injected": fault.injected,
+        "occurred_at": fault.occurred_at,
+        "detected_at": fault.detected_at,
+        "recovered_at": fault.recovered_at,
+        "detection_s": round(fault.detected_at - fault.occurred_at, 3) if fault.detected_at else None,
+        "recovery_s": round(fault.recovered_at - fault.detected_at, 3) if fault.recovered_at and fault.detected_at else None,
+        "action": fault.action,
+        "reason": fault.reason,
+        "trajectories_lost": fault.trajectories_lost,
+    }
+
+
+def _event_line(ev: Any) -> dict[str, Any]:
+    data = ev.data
+    keys = ("node", "slot", "state", "phase", "verdict", "action", "reason", "kind", "step", "version")
+    summary = " ".join(f"{k}={data[k]}" for k in keys if k in data and data[k] not in (None, ""))
+    return {"seq": ev.seq, "at": ev.at, "type": ev.type, "summary": summary[:160]}

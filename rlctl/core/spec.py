@@ -1,0 +1,471 @@
+"""The job spec (job.toml): its schema, validation and the typed JobSpec it becomes.
+
+``parse_spec`` takes the already-parsed TOML data and the file name (for messages) and either
+returns a JobSpec or raises SpecError listing every problem as ``file: key: what was expected``.
+Pure: reading the file is the caller's job (see rlctl.jobfile).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.core.schema import Field, Problem, render_markdown, validate_table
+
+ROLE_NAMES = ("trainer", "rollout", "reward")
+PHASES_WITH_BOUNDS = (
+    "starting",
+    "compiling",
+    "loading",
+    "generating",
+    "scoring",
+    "training",
+    "weight-sync",
+    "checkpointing",
+    "waiting-for-work",
+    "waiting-for-batch",
+)
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class SpecError(ValueError):
+    """The job file is invalid. ``problems`` holds every problem found, each naming its key."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(p.render(source) for p in problems))
+
+
+def _job_name_check(value: str) -> str | None:
+    if _JOB_NAME.match(value):
+        return None
+    return "expected a name of letters, digits, '.', '_' or '-' (at most 63, starting with a letter or digit)"
+
+
+def _non_empty_list(value: list[str]) -> str | None:
+    return None if value else "expected a non-empty list of strings"
+
+
+def _role_fields(nodes_default: int, command: list[str], minimum_nodes: int) -> dict[str, Field]:
+    return {
+        "nodes": Field("int", "Nodes that run this role, one worker per node.", nodes_default, minimum=minimum_nodes),
+        "gpus_per_node": Field("int", "GPUs each node of this role uses (simulated on the local backend).", 1, minimum=0),
+        "command": Field(
+            "str-list",
+            "Program the role's worker runs (argv). `python` means the controller's interpreter on the local backend "
+            "and `[cluster.*].python` elsewhere.",
+            command,
+            check=_non_empty_list,
+        ),
+        "env": Field("str-map", "Extra environment variables for the role's workers.", {}),
+    }
+
+
+JOB_SCHEMA: dict[str, Field] = {
+    "job": Field(
+        "table",
+        "The job as a whole.",
+        fields={
+            "name": Field("str", "Job name; the job id is the name plus a timestamp.", required=True, check=_job_name_check),
+            "steps": Field("int", "RL steps (optimizer updates) to run; the job succeeds after the last one.", 20, minimum=1),
+            "seed": Field("int", "Seed for prompts, sampling and initialisation.", 0, minimum=0),
+            "state_dir": Field(
+                "str",
+                "Where per-job directories (journal, logs, checkpoints) are created. `~` is expanded. "
+                "Overridden by `RLCTL_HOME`.",
+                "~/.rlctl/jobs",
+            ),
+            "checkpoint_every": Field("int", "Trainer checkpoint interval in steps.", 5, minimum=1),
+        },
+    ),
+    "cluster": Field(
+        "table",
+        "Where the nodes come from.",
+        fields={
+            "backend": Field("choice", "Which backend allocates nodes.", "local", choices=("local", "ssh", "slurm")),
+            "local": Field(
+                "table",
+                "The embedded local backend: virtual nodes that are processes on this machine.",
+                fields={
+                    "nodes": Field("int", "Virtual nodes available (roles plus spares must fit).", 0, minimum=0),
+                    "gpus_per_node": Field("int", "Simulated GPUs per virtual node.", 1, minimum=0, maximum=16),
+                },
+            ),
+            "ssh": Field(
+                "table",
+                "A static inventory of SSH-reachable machines.",
+                fields={
+                    "hosts": Field("str-list", "Inventory entries `name=address` (address may be `user@host:port`).", []),
+                    "spares": Field("str-list", "Names from `hosts` kept as spares.", []),
+                    "user": Field("str", "Default SSH user.", "root"),
+                    "port": Field("int", "Default SSH port.", 22, minimum=1, maximum=65535),
+                    "key_file": Field("str", "Private key used to log in.", "~/.ssh/id_ed25519"),
+                    "known_hosts": Field("str", "known_hosts file used to verify host keys.", "~/.ssh/known_hosts"),
+                    "insecure_no_host_key_check": Field(
+                        "bool", "Skip host-key verification. Test-only; logs a loud warning.", False
+                    ),
+                    "python": Field("str", "Python interpreter on the nodes.", "python3"),
+                    "remote_dir": Field("str", "Directory on the nodes for the agent and its state.", "/tmp/rlctl"),
+                    "controller_host": Field("str", "Address the agents use to reach the controller.", "127.0.0.1"),
+                    "max_parallel": Field("int", "Concurrent SSH operations.", 32, minimum=1),
+                    "connect_timeout_s": Field("float", "Per-host SSH connect timeout.", 10.0, minimum=0.1),
+                },
+            ),
+            "slurm": Field(
+                "table",
+                "A Slurm cluster reached through sbatch/srun/squeue/scontrol on this machine.",
+                fields={
+                    "partition": Field("str", "Partition to submit to (empty: the cluster default).", ""),
+                    "account": Field("str", "Account to charge (empty: none).", ""),
+                    "time_limit": Field("str", "Time limit for every allocation (`--time`).", "01:00:00"),
+                    "max_nodes": Field("int", "Nodes the partition has (0: do not check placements).", 0, minimum=0),
+                    "exclude": Field("str-list", "Nodes never to use.", []),
+                    "allow_drain": Field("bool", "Drain a node rlctl judged bad (needs Slurm operator rights).", False),
+                    "python": Field("str", "Python interpreter on the nodes.", "python3"),
+                    "controller_host": Field("str", "Address the agents use to reach the controller.", "127.0.0.1"),
+                    "extra_sbatch": Field("str-list", "Extra `#SBATCH` options, verbatim (e.g. `--qos=high`).", []),
+                },
+            ),
+        },
+    ),
+    "roles": Field(
+        "table",
+        "The three RL roles. Each runs one worker per node.",
+        fields={
+            "trainer": Field(
+                "table",
+                "The policy trainer (GRPO).",
+                fields=_role_fields(1, ["python", "-m", "rlctl.workload.roles.trainer"], 0),
+            ),
+            "rollout": Field(
+                "table",
+                "Generation workers; they also hold the newest weights and are the trainer's warm standbys.",
+                fields=_role_fields(2, ["python", "-m", "rlctl.workload.roles.rollout"], 0),
+            ),
+            "reward": Field(
+                "table",
+                "Verifier workers that score completions.",
+                fields=_role_fields(1, ["python", "-m", "rlctl.workload.roles.reward"], 0),
+            ),
+        },
+    ),
+    "spares": Field(
+        "table",
+        "Spare nodes kept ready to replace failed ones.",
+        fields={
+            "nodes": Field("int", "Spare nodes allocated with the job.", 1, minimum=0),
+            "warm": Field("bool", "Pre-start the trainer environment on spares so a trainer takeover skips cold start.", True),
+        },
+    ),
+    "fault_tolerance": Field(
+        "table",
+        "Detection and recovery.",
+        fields={
+            "policy": Field(
+                "choice",
+                "`role` recovers only what failed; `full-restart` is the stop-everything baseline.",
+                "role",
+                choices=("role", "full-restart"),
+            ),
+            "heartbeat_interval_s": Field("float", "Agent heartbeat interval.", 1.0, minimum=0.05, maximum=60.0),
+            "phi_threshold": Field("float", "φ-accrual suspicion threshold for missing heartbeats.", 8.0, minimum=1.0),
+            "min_silence_s": Field(
+                "float", "Never suspect a node silent for less than this (acceptable pause).", 2.0, minimum=0.1
+            ),
+            "confirm_with_probe": Field(
+                "bool", "Declare node loss only when the backend's second path (process/SSH/Slurm) also fails.", True
+            ),
+            "max_restarts_per_slot": Field(
+                "int", "Worker restarts on the same node before the node is replaced instead.", 2, minimum=0
+            ),
+            "slow_ratio": Field(
+                "float", "A node whose throughput is below this fraction of its peers' median is slow.", 0.35, minimum=0.01,
+                maximum=1.0,
+            ),
+            "slow_window_s": Field("float", "How long a node must stay slow before it is a fault.", 10.0, minimum=1.0),
+            "exclude_failed_nodes": Field("bool", "Never place work again on a node judged failed.", True),
+            "phase_timeout_s": Field(
+                "table",
+                "Per-phase progress bounds: a worker whose progress counter is frozen this long in the phase is hung. "
+                "Idle phases (`waiting-*`, `weight-sync`, `checkpointing`, `compiling`, `loading`) get generous "
+                "bounds and are never judged by utilisation.",
+                fields={
+                    phase: Field("float", f"Bound for `{phase}`.", default, minimum=0.5)
+                    for phase, default in {
+                        "starting": 120.0,
+                        "compiling": 900.0,
+                        "loading": 600.0,
+                        "generating": 8.0,
+                        "scoring": 8.0,
+                        "training": 30.0,
+                        "weight-sync": 120.0,
+                        "checkpointing": 300.0,
+                        "waiting-for-work": 3600.0,
+                        "waiting-for-batch": 3600.0,
+                    }.items()
+                },
+            ),
+        },
+    ),
+    "rollout": Field(
+        "table",
+        "Rollout scheduling.",
+        fields={
+            "batch_prompts": Field("int", "Prompts per training batch (each yields `group_size` samples).", 8, minimum=1),
+            "group_size": Field("int", "Samples per prompt (GRPO group).", 4, minimum=1),
+            "max_new_tokens": Field("int", "Hard cap on response length (long rounds).", 256, minimum=1),
+            "dataset_size": Field("int", "Prompts in the generated dataset (one epoch).", 512, minimum=1),
+            "worker_batch": Field("int", "Items a rollout worker generates together.", 16, minimum=1),
+            "tail_batching": Field(
+                "table",
+                "RollPacker-style tail batching: short capped rounds, long prompts deferred to long rounds.",
+                fields={
+                    "enabled": Field("bool", "Off means plain synchronous batching.", True),
+                    "short_max_tokens": Field("int", "Response cap in short rounds.", 32, minimum=1),
+                    "overprovision": Field(
+                        "float", "Extra prompts dispatched in a short round, as a fraction of the batch.", 0.5,
+                        minimum=0.0, maximum=4.0,
+                    ),
+                    "long_batch": Field("int", "Prompts in a long round (0: the same as `batch_prompts`).", 0, minimum=0),
+                },
+            ),
+        },
+    ),
+    "weights": Field(
+        "table",
+        "Weight synchronisation between holders (point to point; no collective group).",
+        fields={
+            "transport": Field(
+                "choice", "`auto` uses UCX when ucxx imports, else TCP.", "auto", choices=("auto", "ucx", "ucx-sm", "tcp")
+            ),
+            "host": Field("str", "Address holders listen on and advertise.", "127.0.0.1"),
+        },
+    ),
+    "workload": Field(
+        "table",
+        "Settings of the reference GRPO workload, passed to the role programs.",
+        fields={
+            "model_dim": Field("int", "Transformer width.", 128, minimum=16),
+            "layers": Field("int", "Transformer layers.", 4, minimum=1),
+            "heads": Field("int", "Attention heads.", 4, minimum=1),
+            "learning_rate": Field("float", "AdamW learning rate.", 3e-4, minimum=0.0),
+            "temperature": Field("float", "Sampling temperature.", 1.0, minimum=0.0),
+            "kl_coef": Field("float", "KL penalty to the initial policy (0 disables).", 0.0, minimum=0.0),
+            "clip_eps": Field("float", "PPO ratio clip ε.", 0.2, minimum=0.0),
+            "warmstart_steps": Field("int", "Supervised warm-start steps before RL (0: random init).", 300, minimum=0),
+            "init_checkpoint": Field("str", "Start from this checkpoint instead of the warm-start.", ""),
+            "device": Field("str", "torch device for trainer and rollouts (`cpu`, `cuda`, `auto`).", "auto"),
+            "engine": Field("choice", "Rollout generation engine.", "torch", choices=("torch", "vllm")),
+        },
+    ),
+}
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role: how many nodes, GPUs per node, what it runs."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    command: tuple[str, ...]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class TailBatchingSpec:
+    enabled: bool
+    short_max_tokens: int
+    overprovision: float
+    long_batch: int
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    batch_prompts: int
+    group_size: int
+    max_new_tokens: int
+    dataset_size: int
+    worker_batch: int
+    tail_batching: TailBatchingSpec
+
+
+@dataclass(frozen=True)
+class FaultToleranceSpec:
+    policy: str
+    heartbeat_interval_s: float
+    phi_threshold: float
+    min_silence_s: float
+    confirm_with_probe: bool
+    max_restarts_per_slot: int
+    slow_ratio: float
+    slow_window_s: float
+    exclude_failed_nodes: bool
+    phase_timeout_s: dict[str, float]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated job. ``raw`` keeps every value (defaults filled) for the backends and workload."""
+
+    source: str
+    name: str
+    steps: int
+    seed: int
+    state_dir: str
+    checkpoint_every: int
+    backend: str
+    roles: dict[str, RoleSpec]
+    spare_nodes: int
+    warm_spares: bool
+    fault_tolerance: FaultToleranceSpec
+    rollout: RolloutSpec
+    weights_transport: str
+    weights_host: str
+    raw: dict[str, Any] = field(repr=False)
+
+    @property
+    def cluster(self) -> dict[str, Any]:
+        """The table of the chosen backend (`[cluster.local]`, `[cluster.ssh]` or `[cluster.slurm]`)."""
+        return dict(self.raw["cluster"][self.backend])
+
+    @property
+    def workload(self) -> dict[str, Any]:
+        return dict(self.raw["workload"])
+
+    @property
+    def nodes_needed(self) -> int:
+        return sum(r.nodes for r in self.roles.values()) + self.spare_nodes
+
+    @property
+    def long_batch(self) -> int:
+        return self.rollout.tail_batching.long_batch or self.rollout.batch_prompts
+
+
+def parse_spec(data: dict[str, Any], source: str) -> JobSpec:
+    """Validate parsed TOML ``data`` from file ``source``; raise SpecError naming every problem."""
+    values, problems = validate_table(JOB_SCHEMA, data, "")
+    if not problems:
+        problems = _cross_checks(values)
+    if problems:
+        raise SpecError(source, problems)
+    return _build(values, source)
+
+
+def _cross_checks(values: dict[str, Any]) -> list[Problem]:
+    """Checks that involve several keys: placements, role counts, tail-batching coherence."""
+    problems: list[Problem] = []
+    roles = values["roles"]
+    if roles["trainer"]["nodes"] < 1:
+        problems.append(Problem("roles.trainer.nodes", "expected at least 1 trainer node, got 0"))
+    if roles["rollout"]["nodes"] < 1:
+        problems.append(Problem("roles.rollout.nodes", "expected at least 1 rollout node, got 0"))
+    needed = sum(r["nodes"] for r in roles.values()) + values["spares"]["nodes"]
+    backend = values["cluster"]["backend"]
+    cluster = values["cluster"][backend]
+    if backend == "local":
+        available = cluster["nodes"] or needed
+        if available < needed:
+            problems.append(
+                Problem("cluster.local.nodes", f"roles and spares need {needed} nodes but the cluster has {available}")
+            )
+        for role, table in roles.items():
+            if table["gpus_per_node"] > cluster["gpus_per_node"] and table["nodes"] > 0:
+                problems.append(
+                    Problem(
+                        f"roles.{role}.gpus_per_node",
+                        f"asks for {table['gpus_per_node']} GPUs per node but local nodes have {cluster['gpus_per_node']}",
+                    )
+                )
+    elif backend == "ssh":
+        problems.extend(_ssh_inventory_checks(cluster, needed))
+    elif backend == "slurm" and cluster["max_nodes"] and cluster["max_nodes"] < needed:
+        problems.append(
+            Problem("cluster.slurm.max_nodes", f"roles and spares need {needed} nodes but the cluster has {cluster['max_nodes']}")
+        )
+    rollout = values["rollout"]
+    tail = rollout["tail_batching"]
+    if tail["enabled"] and tail["short_max_tokens"] >= rollout["max_new_tokens"]:
+        problems.append(
+            Problem(
+                "rollout.tail_batching.short_max_tokens",
+                f"expected less than rollout.max_new_tokens ({rollout['max_new_tokens']}), got {tail['short_max_tokens']}",
+            )
+        )
+    batch = tail["long_batch"] or rollout["batch_prompts"]
+    if rollout["dataset_size"] < max(rollout["batch_prompts"], batch):
+        problems.append(
+            Problem("rollout.dataset_size", f"expected at least one batch ({max(rollout['batch_prompts'], batch)} prompts)")
+        )
+    workload = values["workload"]
+    if workload["model_dim"] % workload["heads"]:
+        problems.append(Problem("workload.heads", f"expected a divisor of workload.model_dim ({workload['model_dim']})"))
+    return problems
+
+
+def _ssh_inventory_checks(cluster: dict[str, Any], needed: int) -> list[Problem]:
+    problems: list[Problem] = []
+    names: list[str] = []
+    for index, entry in enumerate(cluster["hosts"]):
+        name, sep, address = entry.partition("=")
+        if not sep or not name or not address:
+            problems.append(Problem(f"cluster.ssh.hosts[{index}]", f"expected 'name=address', got {entry!r}"))
+        names.append(name)
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        problems.append(Problem("cluster.ssh.hosts", f"duplicate node names: {', '.join(duplicates)}"))
+    for spare in cluster["spares"]:
+        if spare not in names:
+            problems.append(Problem("cluster.ssh.spares", f"{spare!r} is not a name in cluster.ssh.hosts"))
+    if len(names) < needed:
+        problems.append(Problem("cluster.ssh.hosts", f"roles and spares need {needed} hosts but the inventory has {len(names)}"))
+    return problems
+
+
+def _build(values: dict[str, Any], source: str) -> JobSpec:
+    roles = {
+        name: RoleSpec(
+            name=name,
+            nodes=table["nodes"],
+            gpus_per_node=table["gpus_per_node"],
+            command=tuple(table["command"]),
+            env=dict(table["env"]),
+        )
+        for name, table in values["roles"].items()
+    }
+    ft = values["fault_tolerance"]
+    rollout = values["rollout"]
+    return JobSpec(
+        source=source,
+        name=values["job"]["name"],
+        steps=values["job"]["steps"],
+        seed=values["job"]["seed"],
+        state_dir=values["job"]["state_dir"],
+        checkpoint_every=values["job"]["checkpoint_every"],
+        backend=values["cluster"]["backend"],
+        roles=roles,
+        spare_nodes=values["spares"]["nodes"],
+        warm_spares=values["spares"]["warm"],
+        fault_tolerance=FaultToleranceSpec(**{**ft, "phase_timeout_s": dict(ft["phase_timeout_s"])}),
+        rollout=RolloutSpec(
+            **{k: v for k, v in rollout.items() if k != "tail_batching"},
+            tail_batching=TailBatchingSpec(**rollout["tail_batching"]),
+        ),
+        weights_transport=values["weights"]["transport"],
+        weights_host=values["weights"]["host"],
+        raw=values,
+    )
+
+
+def spec_reference_markdown() -> str:
+    """docs/job-spec.md: every key, its type, default and meaning."""
+    header = [
+        "# job.toml reference",
+        "",
+        "Generated from `rlctl/core/spec.py` (`rlctl spec-doc > docs/job-spec.md`). Unknown keys, wrong types and",
+        "impossible placements are errors that name the file and the key; nothing starts.",
+        "",
+    ]
+    return "\n".join(header + render_markdown(JOB_SCHEMA)) + "\n"
