@@ -60,6 +60,7 @@ class AgentHub:
         self._links: dict[str, AgentLink] = {}
         self._server: asyncio.base_events.Server | None = None
         self._cmd_ids = itertools.count(1)
+        self._hello_tasks: set[asyncio.Task[None]] = set()
         self.epoch = 0
 
     async def start(self, host: str, port: int) -> int:
@@ -127,7 +128,10 @@ class AgentHub:
             if old is not None:
                 old.writer.close()
             self._links[node] = link
-            await self._on_hello(node, hello)
+            # Run the hello handler beside the read loop: it sends commands whose acks this loop reads.
+            hello_task = asyncio.get_running_loop().create_task(self._on_hello(node, hello))
+            self._hello_tasks.add(hello_task)
+            hello_task.add_done_callback(self._hello_tasks.discard)
             while True:
                 line = await reader.readline()
                 if not line:

@@ -329,8 +329,9 @@ class Controller:
                 continue
             progress = float(worker.get("progress") or 0.0)
             age = float(worker.get("progress_age_s") or 0.0)
+            if progress != slot.progress or slot.progress_at < slot.phase_since:
+                slot.progress_at = max(slot.phase_since, now - age)
             slot.progress = progress
-            slot.progress_at = now - age
             self.detector.progress(slot.wid or "", progress, now)
         if record.life.state == NodeState.SUSPECT:
             self.record("NodeStateChanged", node=node, state=_restored_state(self.model, node).value,
@@ -404,7 +405,11 @@ class Controller:
             "worker_batch": self.spec.rollout.worker_batch,
             "dataset_size": self.spec.rollout.dataset_size,
         }
+        ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
+        if self.spec.backend == "local":
+            ucx_defaults["UCX_NET_DEVICES"] = "lo"
         env = {
+            **{k: v for k, v in ucx_defaults.items() if k not in os.environ},
             **role.env,
             "RLCTL_WORKLOAD": json.dumps(workload),
             "RLCTL_CHECKPOINT_DIR": str(self.jobdir.checkpoints),

@@ -96,7 +96,7 @@ class JobModel:
     step_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
     training_seconds: dict[int, float] = field(default_factory=dict)
     productive_at_version: dict[int, float] = field(default_factory=dict)
-    first_round_at: float | None = None
+    productive_since: float | None = None
     recent: deque[Event] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
     heartbeats_total: int = 0
     last_seq: int = 0
@@ -132,7 +132,7 @@ class JobModel:
 
     def ettr_weights(self) -> dict[str, float]:
         """How the current instant is split between ETTR categories (sums to 1)."""
-        if self.first_round_at is None:
+        if self.productive_since is None:
             return {"init": 1.0}
         undetected = detected = 0.0
         for fault in self.open_faults():
@@ -371,17 +371,15 @@ class JobModel:
                 if fault.detected_at is None:
                     fault.detected_at = ev.at
 
-    def _on_RoundStarted(self, ev: Event) -> None:
-        if self.first_round_at is None:
-            self.first_round_at = ev.at
-
     def _on_WeightsPublished(self, ev: Event) -> None:
         version = int(ev.data["version"])
+        if self.productive_since is None:
+            self.productive_since = ev.at  # init ends once the first weights exist
         self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
         if version > self.published_version:
             self.published_version = version
             self.published_checksum = str(ev.data["source"].get("checksum", ""))
-        self.productive_at_version[version] = self.ledger.seconds["productive"]
+        self.productive_at_version.setdefault(version, self.ledger.seconds["productive"])
         for old in [v for v in self.weights_holders if v < version - 1]:
             del self.weights_holders[old]
 

@@ -179,7 +179,7 @@ class RoundScheduler:
         """Store generated samples from ``wid``; defer long-tail prompts; maybe close the round."""
         out: list[Event] = []
         rnd = self.round
-        if rnd is None:
+        if rnd is None or rnd.closed:
             return out
         for result in results:
             sample = rnd.samples.get(str(result.get("item_id")))
@@ -221,7 +221,7 @@ class RoundScheduler:
         """Store rewards from reward worker ``wid``; close the round when the batch is full."""
         out: list[Event] = []
         rnd = self.round
-        if rnd is None:
+        if rnd is None or rnd.closed:
             return out
         accepted = []
         for score in scores:
@@ -336,7 +336,7 @@ class RoundScheduler:
 
     def _on_RewardsStored(self, data: dict[str, Any]) -> None:
         rnd = self.round
-        if rnd is None:
+        if rnd is None or rnd.closed:
             return
         touched: set[str] = set()
         for score in data["scores"]:

@@ -137,17 +137,17 @@ JOB_SCHEMA: dict[str, Field] = {
             "trainer": Field(
                 "table",
                 "The policy trainer (GRPO).",
-                fields=_role_fields(1, ["python", "-m", "rlctl.workload.roles.trainer"], 0),
+                fields=_role_fields(1, ["python", "-m", "rlctl.roles.trainer"], 0),
             ),
             "rollout": Field(
                 "table",
                 "Generation workers; they also hold the newest weights and are the trainer's warm standbys.",
-                fields=_role_fields(2, ["python", "-m", "rlctl.workload.roles.rollout"], 0),
+                fields=_role_fields(2, ["python", "-m", "rlctl.roles.rollout"], 0),
             ),
             "reward": Field(
                 "table",
                 "Verifier workers that score completions.",
-                fields=_role_fields(1, ["python", "-m", "rlctl.workload.roles.reward"], 0),
+                fields=_role_fields(1, ["python", "-m", "rlctl.roles.reward"], 0),
             ),
         },
     ),

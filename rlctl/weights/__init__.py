@@ -1,1 +1,42 @@
-"""rlctl.weights package."""
+"""Versioned weight publication and point-to-point transfer between any two holders.
+
+A holder runs a `WeightServer` (or `WeightServerThread` from synchronous code) and publishes
+versions; each publish returns a source descriptor
+`{transport, host, port, worker_address_hex?, version, nbytes, checksum}` for the controller's
+registry. A joiner calls `fetch(source)` / `fetch_sync(source)` and gets `(version, state_dict)`,
+verified. Transports: `ucx` (ucxx listener), `ucx-sm` (ucxx worker-address endpoint, shared
+memory on one host), `tcp` (stdlib fallback). No collective group. See docs/weight-sync.md.
+"""
+
+from rlctl.weights.bundle import Bundle, Manifest, TensorEntry, compute_checksum, flatten, unflatten, verify
+from rlctl.weights.client import fetch, fetch_bundle, fetch_bundle_sync, fetch_sync, receive_raw
+from rlctl.weights.errors import (
+    TransportUnavailableError,
+    WeightError,
+    WeightIntegrityError,
+    WeightTransferError,
+)
+from rlctl.weights.server import TRANSPORTS, WeightServer, WeightServerThread, resolve_transport
+
+__all__ = [
+    "TRANSPORTS",
+    "Bundle",
+    "Manifest",
+    "TensorEntry",
+    "TransportUnavailableError",
+    "WeightError",
+    "WeightIntegrityError",
+    "WeightServer",
+    "WeightServerThread",
+    "WeightTransferError",
+    "compute_checksum",
+    "fetch",
+    "fetch_bundle",
+    "fetch_bundle_sync",
+    "fetch_sync",
+    "flatten",
+    "receive_raw",
+    "resolve_transport",
+    "unflatten",
+    "verify",
+]

@@ -1,0 +1,538 @@
+"""Slurm backend: one job array per role (one single-node allocation per array task) via sbatch/srun.
+
+Design (docs/backends.md has the reasoning): each role (and the spares) is submitted as one
+``sbatch --array=0-(n-1)`` with ``--nodes=1 --exclusive --no-requeue``; each array task holds one
+node and runs ``srun --ntasks-per-node=1 bash <task script>``, which starts the agent with the
+0600 config the controller writes to the (shared) job dir once it knows the node. A node
+failure ends only that node's task (NODE_FAIL); nothing else is touched. A replacement is one
+more single-task array with ``--exclude=<bad nodes>`` (or ``--nodelist=<node>``).
+
+State comes from ``squeue --json`` and ``scontrol show node|job -o`` (no sacct/slurmdbd), and
+is translated by :mod:`rlctl.backends.slurm_states` so that NODE_FAIL/PREEMPTED/TIMEOUT and a
+DOWN/DRAIN node never look like an application failure. Submitted job ids are persisted in
+``<job_dir>/slurm/state.json`` for ``adopt`` after a controller restart.
+
+Assumes the job dir is on a filesystem shared by this machine and the nodes (true in the lab
+and on most Slurm clusters: $HOME or a parallel FS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from rlctl.backends.base import AgentLaunch, AllocationRequest, BackendError, NodeInfo, ProbeResult
+from rlctl.backends.slurm_states import JobOutcome, JobVerdict, map_job_state, map_node_state
+
+log = logging.getLogger(__name__)
+
+SPARE_ROLE = "spare"
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
+ROLE_TEMPLATE = "slurm_role.sbatch.j2"
+TASK_TEMPLATE = "slurm_agent_task.sh.j2"
+LAB_FAULTS = ("partition", "heal", "node-down", "node-up", "slow")
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class SlurmTask:
+    """One array task as seen in ``squeue --json``."""
+
+    job_id: str
+    array_job_id: str
+    array_task_id: int | None
+    name: str
+    state: str
+    nodes: str
+    reason: str
+    exit_code: int | None
+
+
+def parse_squeue_json(text: str) -> list[SlurmTask]:
+    """The jobs in ``squeue --json`` output (Slurm 22.05 schema; newer ones are accepted too)."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise BackendError(f"squeue --json printed invalid JSON: {exc}") from exc
+    tasks = []
+    for job in data.get("jobs", []):
+        state = job.get("job_state", "")
+        if isinstance(state, list):  # 23.02+: a list of flags
+            state = state[0] if state else ""
+        task_id = job.get("array_task_id")
+        if isinstance(task_id, dict):  # 23.02+: {"set": bool, "number": int}
+            task_id = task_id.get("number") if task_id.get("set") else None
+        exit_code = job.get("exit_code")
+        if isinstance(exit_code, dict):
+            exit_code = (exit_code.get("return_code") or {}).get("number") if isinstance(
+                exit_code.get("return_code"), dict) else exit_code.get("return_code")
+        tasks.append(SlurmTask(
+            job_id=str(job.get("job_id")),
+            array_job_id=str(job.get("array_job_id") or job.get("job_id")),
+            array_task_id=int(task_id) if isinstance(task_id, int) else None,
+            name=str(job.get("name", "")),
+            state=str(state),
+            nodes=str(job.get("nodes", "") or ""),
+            reason=str(job.get("state_reason", "") or ""),
+            exit_code=exit_code if isinstance(exit_code, int) else None,
+        ))
+    return tasks
+
+
+_KV_SPLIT = re.compile(r"\s+(?=[A-Za-z][\w/:]*=)")
+
+
+def parse_scontrol_record(line: str) -> dict[str, str]:
+    """One ``scontrol show node|job -o`` line as a dict (values may contain spaces, e.g. Reason)."""
+    out: dict[str, str] = {}
+    for token in _KV_SPLIT.split(line.strip()):
+        key, sep, value = token.partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def parse_exit_code(text: str) -> tuple[int | None, int | None]:
+    """``ExitCode=2:0`` -> (2, 0)."""
+    code, _, sig = text.partition(":")
+    try:
+        return int(code), int(sig or 0)
+    except ValueError:
+        return None, None
+
+
+class SlurmBackend:
+    """Backend over sbatch/srun/squeue/scontrol on this machine (see the module docstring)."""
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        *,
+        job_dir: Path,
+        partition: str = "",
+        account: str = "",
+        time_limit: str = "",
+        python: str = "python3",
+        node_workdir: str = "/tmp/rlctl/{job_id}/{node}",
+        exclude: frozenset[str] = frozenset(),
+        allow_drain: bool = False,
+        extra_sbatch: tuple[str, ...] = (),
+        slurm_conf: Path | None = None,
+        allocate_timeout_s: float = 120.0,
+        replace_timeout_s: float = 60.0,
+        agent_start_timeout_s: float = 30.0,
+        command_timeout_s: float = 30.0,
+        template_dir: Path = TEMPLATE_DIR,
+        lab_dir: Path | None = None,
+    ) -> None:
+        self.job_dir = Path(job_dir)
+        self.slurm_dir = self.job_dir / "slurm"
+        self.partition = partition
+        self.account = account
+        self.time_limit = time_limit
+        self.python = python
+        self.node_workdir = node_workdir
+        self.exclude = frozenset(exclude)
+        self.allow_drain = allow_drain
+        self.extra_sbatch = tuple(extra_sbatch)
+        self.slurm_conf = slurm_conf
+        self.allocate_timeout_s = allocate_timeout_s
+        self.replace_timeout_s = replace_timeout_s
+        self.agent_start_timeout_s = agent_start_timeout_s
+        self.command_timeout_s = command_timeout_s
+        self.lab_dir = lab_dir
+        self._env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(str(template_dir)),
+            undefined=jinja2.StrictUndefined,
+            keep_trailing_newline=True,
+            autoescape=False,
+        )
+        self._state: dict[str, Any] = self._load_state()
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], job_dir: Path) -> SlurmBackend:
+        """Build from the ``[cluster.slurm]`` table (keys: see docs/backends.md)."""
+        conf = cfg.get("slurm_conf")
+        lab_dir = cfg.get("lab_dir")
+        return cls(
+            job_dir=job_dir,
+            partition=str(cfg.get("partition", "")),
+            account=str(cfg.get("account", "")),
+            time_limit=str(cfg.get("time_limit", "")),
+            python=str(cfg.get("python", "python3")),
+            node_workdir=str(cfg.get("node_workdir", "/tmp/rlctl/{job_id}/{node}")),
+            exclude=frozenset(cfg.get("exclude", [])),
+            allow_drain=bool(cfg.get("allow_drain", False)),
+            extra_sbatch=tuple(cfg.get("extra_sbatch", [])),
+            slurm_conf=Path(str(conf)) if conf else None,
+            allocate_timeout_s=float(cfg.get("allocate_timeout_s", 120.0)),
+            replace_timeout_s=float(cfg.get("replace_timeout_s", 60.0)),
+            agent_start_timeout_s=float(cfg.get("agent_start_timeout_s", 30.0)),
+            lab_dir=Path(str(lab_dir)) if lab_dir else None,
+        )
+
+    # --- persisted state ---------------------------------------------------------------------
+    def _state_path(self) -> Path:
+        return self.slurm_dir / "state.json"
+
+    def _load_state(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self._state_path().read_text()))
+        except (OSError, ValueError):
+            return {"arrays": []}
+
+    def _save_state(self) -> None:
+        self.slurm_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self._state_path().with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._state, indent=2, sort_keys=True))
+        tmp.replace(self._state_path())
+
+    # --- rendering (pure) --------------------------------------------------------------------
+    @property
+    def task_script(self) -> Path:
+        return self.slurm_dir / "agent-task.sh"
+
+    @property
+    def zipapp_path(self) -> Path:
+        return self.slurm_dir / "agent.pyz"
+
+    def job_name(self, job_id: str, role: str) -> str:
+        return f"rlctl-{job_id}-{role}"
+
+    def render_role_script(self, job_id: str, role: str, count: int, gpus: int, *,
+                           exclude: frozenset[str] = frozenset(), nodelist: tuple[str, ...] = ()) -> str:
+        """The sbatch script for ``count`` nodes of ``role``. Pure."""
+        return self._env.get_template(ROLE_TEMPLATE).render(
+            job_id=job_id, role=role, count=count, gpus=gpus, job_name=self.job_name(job_id, role),
+            slurm_dir=str(self.slurm_dir), partition=self.partition, account=self.account,
+            time_limit=self.time_limit, exclude=sorted(exclude | self.exclude), nodelist=list(nodelist),
+            extra_sbatch=list(self.extra_sbatch), task_script=str(self.task_script),
+        )
+
+    def render_task_script(self, job_id: str) -> str:
+        """The per-node srun task (agent starter). Pure."""
+        return self._env.get_template(TASK_TEMPLATE).render(
+            job_id=job_id, slurm_dir=str(self.slurm_dir), python=self.python, zipapp=str(self.zipapp_path),
+        )
+
+    def _role_counts(self, request: AllocationRequest) -> list[tuple[str, int, int]]:
+        roles = [(r, n, request.gpus_per_node.get(r, 0)) for r, n in request.nodes_by_role.items() if n > 0]
+        if request.spares > 0:
+            spare_gpus = max(request.gpus_per_node.values(), default=0)
+            roles.append((SPARE_ROLE, request.spares, spare_gpus))
+        return roles
+
+    def plan_text(self, request: AllocationRequest) -> str:
+        """Every sbatch script ``allocate`` would submit, plus the task script. No side effects."""
+        parts = []
+        for role, count, gpus in self._role_counts(request):
+            parts.append(f"### {self.slurm_dir}/{role}.sbatch  (sbatch --parsable)\n")
+            parts.append(self.render_role_script(request.job_id, role, count, gpus, exclude=request.exclude))
+        parts.append(f"### {self.task_script}\n")
+        parts.append(self.render_task_script(request.job_id))
+        return "\n".join(parts)
+
+    # --- slurm commands ----------------------------------------------------------------------
+    def _cmd_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.slurm_conf is not None:
+            env["SLURM_CONF"] = str(self.slurm_conf)
+        return env
+
+    async def _slurm(self, *argv: str, check: bool = True) -> str:
+        """Run a Slurm client command; raise BackendError naming it on failure or timeout."""
+        if shutil.which(argv[0]) is None:
+            raise BackendError(f"{argv[0]} not found on PATH (is slurm-client installed?)")
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=self._cmd_env(),
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), self.command_timeout_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise BackendError(f"`{' '.join(argv)}` timed out after {self.command_timeout_s:.0f}s") from None
+        if check and proc.returncode != 0:
+            raise BackendError(f"`{' '.join(argv)}` exited {proc.returncode}: {err.decode(errors='replace').strip()}")
+        return out.decode(errors="replace")
+
+    async def squeue(self) -> list[SlurmTask]:
+        """Every job slurmctld knows about (``squeue --json``; filters are ignored by 22.05 --json)."""
+        return parse_squeue_json(await self._slurm("squeue", "--json"))
+
+    async def show_node(self, node: str) -> dict[str, str]:
+        out = await self._slurm("scontrol", "show", "node", "-o", node)
+        return parse_scontrol_record(out.splitlines()[0] if out.strip() else "")
+
+    async def show_job(self, job_id: str) -> dict[str, str] | None:
+        """``scontrol show job -o`` of one job, None once slurmctld forgot it (MinJobAge)."""
+        out = await self._slurm("scontrol", "show", "job", "-o", job_id, check=False)
+        line = out.splitlines()[0] if out.strip() else ""
+        return parse_scontrol_record(line) if line.startswith("JobId=") else None
+
+    async def job_verdict(self, job_id: str) -> JobVerdict:
+        """A job's state in rlctl terms (CANCELLED-like UNKNOWN when slurmctld forgot it)."""
+        rec = await self.show_job(job_id)
+        if rec is None:
+            return map_job_state("UNKNOWN")
+        code, sig = parse_exit_code(rec.get("ExitCode", ""))
+        return map_job_state(rec.get("JobState", "UNKNOWN"), code, sig)
+
+    # --- allocation --------------------------------------------------------------------------
+    def _prepare_dirs(self, job_id: str) -> None:
+        for sub in ("", "agents", "log"):
+            (self.slurm_dir / sub).mkdir(parents=True, exist_ok=True)
+        (self.slurm_dir / "agents").chmod(0o700)
+        self.task_script.write_text(self.render_task_script(job_id))
+        self.task_script.chmod(0o755)
+
+    async def _submit(self, job_id: str, role: str, count: int, gpus: int, *,
+                      exclude: frozenset[str] = frozenset(), nodelist: tuple[str, ...] = ()) -> str:
+        """Write and sbatch one role script; returns the array job id."""
+        script = self.render_role_script(job_id, role, count, gpus, exclude=exclude, nodelist=nodelist)
+        n = len(self._state["arrays"])
+        path = self.slurm_dir / f"{role}-{n}.sbatch"
+        path.write_text(script)
+        out = await self._slurm("sbatch", "--parsable", str(path))
+        array_id = out.strip().split(";")[0]
+        if not array_id.isdigit():
+            raise BackendError(f"sbatch {path} printed {out.strip()!r}, expected a job id")
+        self._state["arrays"].append({"array_job_id": array_id, "role": role, "count": count, "script": str(path)})
+        self._save_state()
+        log.info("submitted %s: %d node(s) for role %s as array job %s", path.name, count, role, array_id)
+        return array_id
+
+    async def _wait_running(self, arrays: dict[str, tuple[str, int]], timeout_s: float) -> list[SlurmTask]:
+        """Wait until every task of ``arrays`` ({array id: (role, count)}) runs; raise/None on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            tasks = [t for t in await self.squeue() if t.array_job_id in arrays]
+            running = [t for t in tasks if map_job_state(t.state).outcome is JobOutcome.RUNNING and t.nodes]
+            dead = [t for t in tasks if map_job_state(t.state).terminal]
+            if dead:
+                raise BackendError("allocation ended before it ran: " + ", ".join(
+                    f"job {t.job_id} ({t.name}) {t.state} {t.reason}" for t in dead))
+            if len(running) == sum(c for _, c in arrays.values()):
+                return running
+            if time.monotonic() > deadline:
+                pending = [f"{t.name} {t.job_id}: {t.state} ({t.reason})" for t in tasks if t not in running]
+                raise TimeoutError(f"allocation not running after {timeout_s:.0f}s: {'; '.join(pending)}")
+            await asyncio.sleep(POLL_S)
+
+    async def _node_info(self, task: SlurmTask, role: str, gpus: int) -> NodeInfo:
+        rec = await self.show_node(task.nodes)
+        return NodeInfo(
+            name=task.nodes, host=rec.get("NodeAddr", task.nodes), backend_ref=task.job_id, gpus=gpus,
+            extra={"role": role, "spare": role == SPARE_ROLE, "array_job_id": task.array_job_id,
+                   "array_task_id": task.array_task_id},
+        )
+
+    async def allocate(self, request: AllocationRequest) -> list[NodeInfo]:
+        """Submit one array per role (+ spares) and wait until every task runs. Call once per job."""
+        self._state.update({"job_id": request.job_id, "arrays": self._state.get("arrays", [])})
+        self._prepare_dirs(request.job_id)
+        arrays: dict[str, tuple[str, int]] = {}
+        gpus_of: dict[str, int] = {}
+        for role, count, gpus in self._role_counts(request):
+            arrays[await self._submit(request.job_id, role, count, gpus, exclude=request.exclude)] = (role, count)
+            gpus_of[role] = gpus
+        try:
+            running = await self._wait_running(arrays, self.allocate_timeout_s)
+        except (TimeoutError, BackendError) as exc:
+            await self._scancel(list(arrays))
+            raise BackendError(f"allocate for job {request.job_id}: {exc}; cancelled the submitted arrays") from exc
+        running.sort(key=lambda t: (list(arrays).index(t.array_job_id), t.array_task_id or 0))
+        nodes = [await self._node_info(t, arrays[t.array_job_id][0], gpus_of[arrays[t.array_job_id][0]])
+                 for t in running]
+        self._state["nodes"] = {n.name: n.backend_ref for n in nodes}
+        self._save_state()
+        return nodes
+
+    async def adopt(self, nodes: list[NodeInfo]) -> None:
+        """Check that the adopted nodes' allocations still exist; they keep running as they are."""
+        known = {t.job_id: t for t in await self.squeue()}
+        gone = [f"{n.name} (job {n.backend_ref})" for n in nodes if n.backend_ref not in known]
+        if gone:
+            log.warning("adopt: allocations no longer in squeue: %s", ", ".join(gone))
+
+    async def replace(self, bad: NodeInfo, exclude: frozenset[str]) -> NodeInfo | None:
+        """A new single-node allocation for ``bad``'s role with ``--exclude``; None if none in time.
+
+        Cancels ``bad``'s own allocation (if still there) and drains ``bad`` when ``allow_drain``.
+        """
+        role = str(bad.extra.get("role", SPARE_ROLE))
+        if self.allow_drain:
+            await self.drain(bad.name, f"rlctl: replaced in job {self._state.get('job_id', '?')}")
+        if bad.backend_ref:
+            await self._scancel([bad.backend_ref])
+        array_id = await self._submit(str(self._state.get("job_id", "job")), role, 1, bad.gpus,
+                                      exclude=frozenset(exclude) | {bad.name})
+        try:
+            running = await self._wait_running({array_id: (role, 1)}, self.replace_timeout_s)
+        except (TimeoutError, BackendError) as exc:
+            log.warning("replace %s: %s; cancelling array %s", bad.name, exc, array_id)
+            await self._scancel([array_id])
+            return None
+        node = await self._node_info(running[0], role, bad.gpus)
+        self._state.setdefault("nodes", {})[node.name] = node.backend_ref
+        self._save_state()
+        return node
+
+    async def drain(self, node: str, reason: str) -> None:
+        """``scontrol update nodename=X state=drain reason=...`` (needs operator rights)."""
+        await self._slurm("scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}")
+
+    # --- agent -------------------------------------------------------------------------------
+    def config_path(self, node: NodeInfo) -> Path:
+        return self.slurm_dir / "agents" / f"{node.name}-{node.backend_ref}.json"
+
+    def status_path(self, node: NodeInfo) -> Path:
+        return self.slurm_dir / "agents" / f"{node.name}-{node.backend_ref}.status"
+
+    def agent_config(self, node: NodeInfo, launch: AgentLaunch) -> bytes:
+        cfg = {
+            "job_id": launch.job_id,
+            "node": node.name,
+            "controller_host": launch.controller_host,
+            "controller_port": launch.controller_port,
+            "secret_hex": launch.secret_hex,
+            "workdir": self.node_workdir.format(job_id=launch.job_id, node=node.name, job_dir=self.job_dir),
+            "gpu_provider": launch.gpu_provider,
+            "sim_gpus": launch.sim_gpus,
+            "heartbeat_interval_s": launch.heartbeat_interval_s,
+        }
+        return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+
+    def _ship_zipapp(self, launch: AgentLaunch) -> bool:
+        """Copy the zipapp into the shared job dir unless the same bytes are there. True if copied."""
+        if self.zipapp_path.exists() and _sha256(self.zipapp_path) == launch.agent_zipapp_sha256:
+            return False
+        tmp = self.zipapp_path.with_suffix(".tmp")
+        shutil.copyfile(launch.agent_zipapp, tmp)
+        tmp.replace(self.zipapp_path)
+        return True
+
+    def _read_status(self, node: NodeInfo) -> list[str]:
+        try:
+            return self.status_path(node).read_text().split()
+        except OSError:
+            return []
+
+    async def start_agent(self, node: NodeInfo, launch: AgentLaunch) -> None:
+        """Write the node's 0600 config (new file => the task starts/restarts the agent) and wait
+        until the task reports the agent running with it. Idempotent."""
+        self._ship_zipapp(launch)
+        path = self.config_path(node)
+        config = self.agent_config(node, launch)
+        status = self._read_status(node)
+        current = path.exists() and path.read_bytes() == config
+        if current and status[:1] == ["running"] and status[2:3] == [str(path.stat().st_ino)]:
+            return
+        _write_private(path, config)
+        await self._wait_agent(node, str(path.stat().st_ino))
+
+    async def _wait_agent(self, node: NodeInfo, gen: str) -> None:
+        deadline = time.monotonic() + self.agent_start_timeout_s
+        while time.monotonic() < deadline:
+            status = self._read_status(node)
+            if status[:1] == ["running"] and status[2:3] == [gen]:
+                return
+            if status[:1] == ["exited"] and status[2:3] == [gen]:
+                raise BackendError(f"{node.name} (job {node.backend_ref}): agent exited with {status[1]}; "
+                                   f"log {self.slurm_dir}/agents/{node.name}-{node.backend_ref}.log")
+            await asyncio.sleep(0.1)
+        verdict = await self.job_verdict(node.backend_ref)
+        raise BackendError(f"{node.name} (job {node.backend_ref}): agent not started within "
+                           f"{self.agent_start_timeout_s:.0f}s (task status {self._read_status(node) or 'none'}, "
+                           f"job {verdict.outcome}/{verdict.reason})")
+
+    # --- probe / release / inject ------------------------------------------------------------
+    async def probe(self, node: NodeInfo) -> ProbeResult:
+        """Slurm's view: node state (DOWN/not responding => unreachable) and its allocation's state."""
+        try:
+            rec = await self.show_node(node.name)
+            nv = map_node_state(rec.get("State", "UNKNOWN"))
+            jv = await self.job_verdict(node.backend_ref) if node.backend_ref else None
+        except BackendError as exc:
+            return ProbeResult(False, f"{node.name}: slurm query failed: {exc}")
+        job_ok = jv is None or jv.outcome is JobOutcome.RUNNING
+        detail = f"{node.name}: node {nv.state} ({nv.health}, {nv.reason})"
+        if jv is not None:
+            detail += f"; job {node.backend_ref} {jv.outcome} ({jv.reason})"
+        return ProbeResult(nv.reachable and job_ok, detail)
+
+    async def _scancel(self, job_ids: list[str]) -> None:
+        if job_ids:
+            await self._slurm("scancel", *job_ids, check=False)
+
+    async def release(self, nodes: list[NodeInfo]) -> None:
+        """Stop the agents (stop marker) and cancel the nodes' allocations. Idempotent."""
+        for node in nodes:
+            if node.backend_ref:
+                (self.slurm_dir / "agents").mkdir(parents=True, exist_ok=True)
+                (self.slurm_dir / "agents" / f"{node.name}-{node.backend_ref}.stop").touch()
+                self.config_path(node).unlink(missing_ok=True)
+        await self._scancel([n.backend_ref for n in nodes if n.backend_ref])
+        for node in nodes:
+            self._state.get("nodes", {}).pop(node.name, None)
+        self._save_state()
+
+    async def release_all(self) -> None:
+        """Cancel every array this backend submitted for the job (pending ones too) and wait until
+        squeue no longer lists them (bounded by ``command_timeout_s``)."""
+        arrays = [a["array_job_id"] for a in self._state.get("arrays", [])]
+        await self._scancel(arrays)
+        deadline = time.monotonic() + self.command_timeout_s
+        while time.monotonic() < deadline:
+            live = [t for t in await self.squeue() if t.array_job_id in arrays
+                    and not map_job_state(t.state).terminal]
+            if not live:
+                break
+            await asyncio.sleep(POLL_S)
+        for path in (self.slurm_dir / "agents").glob("*.json"):
+            path.unlink(missing_ok=True)
+        self._state["nodes"] = {}
+        self._save_state()
+
+    async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
+        """Lab faults when ``lab_dir`` is set (see SshBackend.inject); False otherwise."""
+        if self.lab_dir is None or kind not in LAB_FAULTS:
+            return False
+        from rlctl.lab import apply_fault
+
+        await asyncio.to_thread(apply_fault, node.name, kind, params, state_dir=self.lab_dir)
+        return True
+
+    async def close(self) -> None:
+        """Nothing held open between calls."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically as a new 0600 file (a new inode every time)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)

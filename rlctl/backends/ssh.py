@@ -1,0 +1,547 @@
+"""SSH backend: a static inventory of machines reached with asyncssh.
+
+Contract (see ``rlctl.backends.base.Backend``):
+
+* Host keys are always verified against a ``known_hosts`` file. ``insecure_no_host_key_check``
+  turns that off, logs a loud warning, and is meant for tests only.
+* Every remote operation goes through one semaphore (``max_parallel``) and has a connect and
+  a command timeout, so one dead host never stalls the others.
+* ``start_agent`` uploads the agent zipapp over SFTP only when the remote ``sha256sum``
+  differs, writes the agent config (it holds the job secret) 0600 over SFTP (never in argv),
+  and starts the agent detached with ``setsid nohup``; it is idempotent (an agent already
+  running with the same zipapp and config is left alone).
+* ``probe`` opens a fresh connection and runs ``true`` with a short timeout: the detector's
+  second path, independent of the agent's heartbeats.
+* Which inventory host serves which role is persisted in ``<job_dir>/backend-ssh.json`` so a
+  restarted controller can ``adopt`` its nodes.
+
+Remote layout per host (``remote_dir`` may contain ``{node}``, needed when hosts share a
+filesystem, as lab nodes do)::
+
+    <remote_dir>/agent.pyz                      shared by jobs, replaced only when its hash changes
+    <remote_dir>/jobs/<job_id>/agent.json       0600, the secret
+    <remote_dir>/jobs/<job_id>/agent.pid|.log   the detached agent
+    <remote_dir>/jobs/<job_id>/work/            the agent's workdir
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import shlex
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from rlctl.backends.base import (
+    AgentLaunch,
+    AllocationRequest,
+    BackendError,
+    NodeInfo,
+    ProbeResult,
+)
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "backend-ssh.json"
+SPARE_ROLE = "spare"
+LAB_FAULTS = ("partition", "heal", "node-down", "node-up", "slow")  # = rlctl.lab.FAULT_KINDS
+
+
+@dataclass(frozen=True)
+class SshHost:
+    """One inventory entry. ``spare`` hosts are handed out for spares and replacements first."""
+
+    name: str
+    address: str
+    user: str = "root"
+    port: int = 22
+    key_file: Path | None = None
+    spare: bool = False
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class DeployOutcome:
+    """What the last ``start_agent`` did on one host (the tests and the bench read it)."""
+
+    uploaded_zipapp: bool
+    wrote_config: bool
+    started: bool
+    pid: int | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RemotePaths:
+    """Where the agent's files live on one host for one job."""
+
+    root: str
+    job_id: str
+
+    @property
+    def zipapp(self) -> str:
+        return f"{self.root}/agent.pyz"
+
+    @property
+    def job_dir(self) -> str:
+        return f"{self.root}/jobs/{self.job_id}"
+
+    @property
+    def config(self) -> str:
+        return f"{self.job_dir}/agent.json"
+
+    @property
+    def pidfile(self) -> str:
+        return f"{self.job_dir}/agent.pid"
+
+    @property
+    def logfile(self) -> str:
+        return f"{self.job_dir}/agent.log"
+
+    @property
+    def workdir(self) -> str:
+        return f"{self.job_dir}/work"
+
+
+def parse_host_entry(entry: str, *, user: str, port: int, spare: bool = False,
+                     key_file: Path | None = None) -> SshHost:
+    """Parse a job.toml inventory entry ``name=address`` where address is ``[user@]host[:port]``."""
+    name, sep, address = entry.partition("=")
+    if not sep or not name.strip() or not address.strip():
+        raise BackendError(f"ssh inventory entry {entry!r}: expected 'name=[user@]host[:port]'")
+    address = address.strip()
+    if "@" in address:
+        user, address = address.split("@", 1)
+    if address.count(":") == 1:
+        address, port_text = address.split(":")
+        if not port_text.isdigit():
+            raise BackendError(f"ssh inventory entry {entry!r}: port {port_text!r} is not a number")
+        port = int(port_text)
+    return SshHost(name=name.strip(), address=address, user=user, port=port, key_file=key_file, spare=spare)
+
+
+class SshBackend:
+    """Backend over a static SSH inventory (see the module docstring for the contract)."""
+
+    name = "ssh"
+
+    def __init__(
+        self,
+        hosts: list[SshHost],
+        *,
+        known_hosts: Path | None,
+        job_dir: Path,
+        key_file: Path | None = None,
+        remote_dir: str = "/tmp/rlctl/{node}",
+        python: str = "python3",
+        max_parallel: int = 32,
+        connect_timeout_s: float = 10.0,
+        command_timeout_s: float = 60.0,
+        probe_timeout_s: float = 5.0,
+        insecure_no_host_key_check: bool = False,
+        lab_dir: Path | None = None,
+    ) -> None:
+        names = [h.name for h in hosts]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise BackendError(f"ssh inventory has duplicate host names: {', '.join(dupes)}")
+        if known_hosts is None and not insecure_no_host_key_check:
+            raise BackendError("ssh backend needs a known_hosts file (host keys are always verified)")
+        if insecure_no_host_key_check:
+            log.warning("!!! SSH HOST KEY VERIFICATION IS DISABLED (insecure_no_host_key_check=True). "
+                        "Anyone on the network can impersonate these hosts. Use this only in tests. !!!")
+        self.hosts: dict[str, SshHost] = {h.name: h for h in hosts}
+        self.known_hosts = known_hosts
+        self.job_dir = Path(job_dir)
+        self.key_file = key_file
+        self.remote_dir = remote_dir
+        self.python = python
+        self.connect_timeout_s = connect_timeout_s
+        self.command_timeout_s = command_timeout_s
+        self.probe_timeout_s = probe_timeout_s
+        self.insecure = insecure_no_host_key_check
+        self.lab_dir = lab_dir
+        self.last_deploy: dict[str, DeployOutcome] = {}
+        self._sem = asyncio.Semaphore(max_parallel)
+        self._conns: dict[str, asyncssh.SSHClientConnection] = {}
+        self._conn_locks: dict[str, asyncio.Lock] = {}
+        self._assigned: dict[str, str] = self._load_state()
+
+    # --- construction from job.toml --------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], job_dir: Path) -> SshBackend:
+        """Build from the ``[cluster.ssh]`` table (keys: see docs/backends.md)."""
+        user = str(cfg.get("user", "root"))
+        port = int(cfg.get("port", 22))
+        spares = set(cfg.get("spares", []))
+        key = cfg.get("key_file") or cfg.get("key")
+        key_path = Path(str(key)).expanduser() if key else None
+        hosts = [parse_host_entry(e, user=user, port=port, key_file=key_path, spare=False)
+                 for e in cfg.get("hosts", [])]
+        unknown = spares - {h.name for h in hosts}
+        if unknown:
+            raise BackendError(f"cluster.ssh.spares names hosts not in the inventory: {', '.join(sorted(unknown))}")
+        hosts = [dataclasses.replace(h, spare=h.name in spares) for h in hosts]
+        known = cfg.get("known_hosts", "~/.ssh/known_hosts")
+        lab_dir = cfg.get("lab_dir")
+        return cls(
+            hosts,
+            known_hosts=Path(str(known)).expanduser() if known else None,
+            job_dir=job_dir,
+            key_file=key_path,
+            remote_dir=str(cfg.get("remote_dir", "/tmp/rlctl/{node}")),
+            python=str(cfg.get("python", "python3")),
+            max_parallel=int(cfg.get("max_parallel", 32)),
+            connect_timeout_s=float(cfg.get("connect_timeout_s", 10.0)),
+            command_timeout_s=float(cfg.get("command_timeout_s", 60.0)),
+            probe_timeout_s=float(cfg.get("probe_timeout_s", 5.0)),
+            insecure_no_host_key_check=bool(cfg.get("insecure_no_host_key_check", False)),
+            lab_dir=Path(str(lab_dir)) if lab_dir else None,
+        )
+
+    # --- persisted assignment ----------------------------------------------------------------
+    def _state_path(self) -> Path:
+        return self.job_dir / STATE_FILE
+
+    def _load_state(self) -> dict[str, str]:
+        try:
+            data = json.loads(self._state_path().read_text())
+        except (OSError, ValueError):
+            return {}
+        return {str(k): str(v) for k, v in data.get("assigned", {}).items()}
+
+    def _save_state(self) -> None:
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self._state_path().with_suffix(".tmp")
+        tmp.write_text(json.dumps({"assigned": self._assigned}, indent=2, sort_keys=True))
+        tmp.replace(self._state_path())
+
+    def _node(self, host: SshHost, role: str) -> NodeInfo:
+        return NodeInfo(name=host.name, host=host.address, backend_ref=host.name, gpus=host.gpus,
+                        extra={"role": role, "spare": role == SPARE_ROLE})
+
+    def _host(self, node: NodeInfo) -> SshHost:
+        try:
+            return self.hosts[node.backend_ref or node.name]
+        except KeyError:
+            raise BackendError(f"{node.name} is not in the ssh inventory") from None
+
+    # --- plan / allocate ---------------------------------------------------------------------
+    def _pick(self, request: AllocationRequest) -> list[tuple[SshHost, str]]:
+        free = [h for h in self.hosts.values() if h.name not in request.exclude and h.name not in self._assigned]
+        regular = [h for h in free if not h.spare]
+        spare = [h for h in free if h.spare]
+        picks: list[tuple[SshHost, str]] = []
+        for role, count in request.nodes_by_role.items():
+            if len(regular) < count:
+                raise BackendError(f"ssh inventory: role {role!r} needs {count} hosts, "
+                                   f"{len(regular)} non-spare hosts left (inventory {len(self.hosts)})")
+            picks += [(regular.pop(0), role) for _ in range(count)]
+        pool = spare + regular
+        if len(pool) < request.spares:
+            raise BackendError(f"ssh inventory: {request.spares} spares wanted, {len(pool)} hosts left")
+        picks += [(pool.pop(0), SPARE_ROLE) for _ in range(request.spares)]
+        return picks
+
+    def plan_text(self, request: AllocationRequest) -> str:
+        """Which inventory host gets which role. No side effects."""
+        lines = [f"# ssh backend plan for job {request.job_id}"]
+        try:
+            picks = self._pick(request)
+        except BackendError as exc:
+            return "\n".join([*lines, f"# cannot place the job: {exc}"]) + "\n"
+        for host, role in picks:
+            lines.append(f"{role:<8} {host.name:<12} {host.user}@{host.address}:{host.port}")
+        unused = [h for h in self.hosts.values() if h.name not in {p[0].name for p in picks}]
+        lines += [f"{'(free)':<8} {h.name:<12} {'spare-marked' if h.spare else ''}".rstrip() for h in unused]
+        return "\n".join(lines) + "\n"
+
+    async def allocate(self, request: AllocationRequest) -> list[NodeInfo]:
+        """Assign inventory hosts to roles and spares (nothing remote happens). Call once per job."""
+        picks = self._pick(request)
+        for host, role in picks:
+            self._assigned[host.name] = role
+        self._save_state()
+        return [self._node(host, role) for host, role in picks]
+
+    async def adopt(self, nodes: list[NodeInfo]) -> None:
+        """Mark ``nodes`` as this job's again (after a controller restart)."""
+        for node in nodes:
+            self._assigned[self._host(node).name] = str(node.extra.get("role", SPARE_ROLE))
+        self._save_state()
+
+    async def replace(self, bad: NodeInfo, exclude: frozenset[str]) -> NodeInfo | None:
+        """Next unused host (spare-marked first), never ``bad`` or one in ``exclude``."""
+        role = str(bad.extra.get("role", SPARE_ROLE))
+        free = [h for h in self.hosts.values()
+                if h.name not in self._assigned and h.name not in exclude and h.name != bad.name]
+        free.sort(key=lambda h: not h.spare)  # spare-marked hosts first, inventory order kept
+        if not free:
+            return None
+        host = free[0]
+        self._assigned[host.name] = role
+        self._save_state()
+        return self._node(host, role)
+
+    # --- connections -------------------------------------------------------------------------
+    def _connect_kwargs(self, host: SshHost, connect_timeout_s: float) -> dict[str, Any]:
+        key = host.key_file or self.key_file
+        return {
+            "host": host.address,
+            "port": host.port,
+            "username": host.user,
+            "client_keys": [str(key)] if key else None,
+            "known_hosts": None if self.insecure else str(self.known_hosts),
+            "connect_timeout": connect_timeout_s,
+            "keepalive_interval": 5,
+            "keepalive_count_max": 3,
+        }
+
+    async def _conn(self, host: SshHost) -> asyncssh.SSHClientConnection:
+        lock = self._conn_locks.setdefault(host.name, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(host.name)
+            if conn is not None and not conn.is_closed():
+                return conn
+            try:
+                conn = await asyncssh.connect(**self._connect_kwargs(host, self.connect_timeout_s))
+            except asyncssh.HostKeyNotVerifiable as exc:
+                raise BackendError(f"{host.name} ({host.address}): host key not verified against "
+                                   f"{self.known_hosts}: {exc}") from exc
+            except (TimeoutError, OSError, asyncssh.Error) as exc:
+                raise BackendError(f"{host.name} ({host.address}:{host.port}): ssh connect failed: "
+                                   f"{_describe(exc)}") from exc
+            self._conns[host.name] = conn
+            return conn
+
+    def _drop(self, host: SshHost) -> None:
+        conn = self._conns.pop(host.name, None)
+        if conn is not None:
+            conn.abort()
+
+    async def _run(self, host: SshHost, command: str, what: str, timeout_s: float | None = None) -> str:
+        """Run ``command`` on ``host``; returns stdout. Raises BackendError naming host and step."""
+        timeout = timeout_s or self.command_timeout_s
+        conn = await self._conn(host)
+        try:
+            result = await asyncio.wait_for(conn.run(command, check=False), timeout)
+        except (TimeoutError, OSError, asyncssh.Error) as exc:
+            self._drop(host)
+            raise BackendError(f"{host.name}: {what} failed: {_describe(exc)} (timeout {timeout:.0f}s)") from exc
+        if result.exit_status != 0:
+            err = str(result.stderr or result.stdout or "").strip()[-500:]
+            raise BackendError(f"{host.name}: {what} exited {result.exit_status}: {err}")
+        return str(result.stdout or "")
+
+    async def run_command(self, node: NodeInfo, command: str, timeout_s: float | None = None) -> str:
+        """Run a shell command on ``node`` (bounded, timed out); stdout. For tools and tests."""
+        host = self._host(node)
+        async with self._sem:
+            return await self._run(host, command, f"`{command[:60]}`", timeout_s)
+
+    # --- agent -------------------------------------------------------------------------------
+    def paths(self, node: NodeInfo, job_id: str) -> RemotePaths:
+        """Remote paths; ``remote_dir`` without ``{node}`` gets ``/<node>`` appended (shared-FS safe)."""
+        root = self.remote_dir if "{node}" in self.remote_dir else self.remote_dir.rstrip("/") + "/{node}"
+        return RemotePaths(root=root.format(node=node.name).rstrip("/"), job_id=job_id)
+
+    def agent_config(self, node: NodeInfo, launch: AgentLaunch) -> bytes:
+        """The agent's JSON config for ``node`` (holds the secret; shipped 0600 only)."""
+        cfg = {
+            "job_id": launch.job_id,
+            "node": node.name,
+            "controller_host": launch.controller_host,
+            "controller_port": launch.controller_port,
+            "secret_hex": launch.secret_hex,
+            "workdir": self.paths(node, launch.job_id).workdir,
+            "gpu_provider": launch.gpu_provider,
+            "sim_gpus": launch.sim_gpus,
+            "heartbeat_interval_s": launch.heartbeat_interval_s,
+        }
+        return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+
+    async def start_agent(self, node: NodeInfo, launch: AgentLaunch) -> None:
+        """Ship the zipapp (if its hash differs) and the 0600 config, start the agent. Idempotent."""
+        host = self._host(node)
+        t0 = time.perf_counter()
+        paths = self.paths(node, launch.job_id)
+        config = self.agent_config(node, launch)
+        config_sha = hashlib.sha256(config).hexdigest()
+        async with self._sem:
+            remote = await self._remote_state(host, paths)
+            need_zip = remote.get(paths.zipapp) != launch.agent_zipapp_sha256
+            need_cfg = remote.get(paths.config) != config_sha
+            if need_zip or need_cfg:
+                await self._upload(host, paths, launch.agent_zipapp if need_zip else None,
+                                   config if need_cfg else None)
+            pid = remote.get("alive")
+            started = False
+            if pid is None or need_zip or need_cfg:
+                if pid is not None:
+                    await self._stop(host, paths)
+                pid = await self._spawn(host, paths)
+                started = True
+        self.last_deploy[node.name] = DeployOutcome(need_zip, need_cfg, started, int(pid) if pid else None,
+                                                    time.perf_counter() - t0)
+        log.info("agent on %s: zipapp %s, config %s, %s (pid %s)", node.name,
+                 "uploaded" if need_zip else "unchanged", "written" if need_cfg else "unchanged",
+                 "started" if started else "already running", pid)
+
+    async def _remote_state(self, host: SshHost, paths: RemotePaths) -> dict[str, str]:
+        """sha256 of the remote zipapp/config and the running agent's pid (key ``alive``)."""
+        q = shlex.quote
+        cmd = (
+            f"mkdir -p {q(paths.workdir)} && chmod 700 {q(paths.job_dir)} && "
+            f"sha256sum {q(paths.zipapp)} {q(paths.config)} 2>/dev/null; "
+            f"p=$(cat {q(paths.pidfile)} 2>/dev/null); "
+            f'if [ -n "$p" ] && kill -0 "$p" 2>/dev/null && '
+            f"tr '\\0' ' ' </proc/$p/cmdline | grep -qF -- {q('--config ' + paths.config)}; "
+            f'then echo "alive $p"; fi; true'
+        )
+        out = await self._run(host, cmd, "reading the remote agent state")
+        state: dict[str, str] = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "alive":
+                state["alive"] = parts[1]
+            elif len(parts) == 2:
+                state[parts[1]] = parts[0]
+        return state
+
+    async def _upload(self, host: SshHost, paths: RemotePaths, zipapp: Path | None, config: bytes | None) -> None:
+        """SFTP: zipapp and/or config to temp names, then atomic rename; the config is 0600 from creation."""
+        conn = await self._conn(host)
+        try:
+            async with conn.start_sftp_client() as sftp:
+                if zipapp is not None:
+                    tmp = f"{paths.zipapp}.tmp-{paths.job_id}"
+                    await asyncio.wait_for(sftp.put(str(zipapp), tmp), self.command_timeout_s)
+                    await sftp.posix_rename(tmp, paths.zipapp)
+                if config is not None:
+                    tmp = f"{paths.config}.tmp"
+                    attrs = asyncssh.SFTPAttrs(permissions=0o600)
+                    async with sftp.open(tmp, "wb", attrs) as fh:
+                        await fh.write(config)
+                    await sftp.chmod(tmp, 0o600)  # in case the server's umask widened it
+                    await sftp.posix_rename(tmp, paths.config)
+        except (TimeoutError, OSError, asyncssh.Error) as exc:
+            self._drop(host)
+            raise BackendError(f"{host.name}: SFTP upload to {paths.root} failed: {_describe(exc)}") from exc
+
+    async def _spawn(self, host: SshHost, paths: RemotePaths) -> str:
+        """Start the agent detached (own session, so its process group is its pid); returns the pid."""
+        q = shlex.quote
+        cmd = (
+            f"cd {q(paths.job_dir)} || exit 2; "  # not `cd && cmd &`: that forks a subshell holding the channel
+            f"setsid nohup {q(self.python)} {q(paths.zipapp)} --config {q(paths.config)} "
+            f">{q(paths.logfile)} 2>&1 </dev/null & p=$!; echo $p >{q(paths.pidfile)}; "
+            f'sleep 0.3; if kill -0 "$p" 2>/dev/null; then echo "pid $p"; '
+            f'else echo "agent exited at once; log:"; tail -n 20 {q(paths.logfile)}; exit 3; fi'
+        )
+        out = await self._run(host, cmd, "starting the agent")
+        return out.split()[1]
+
+    async def _stop(self, host: SshHost, paths: RemotePaths, grace_s: float = 5.0) -> None:
+        """SIGTERM the agent's process group (agent + its workers), SIGKILL after ``grace_s``."""
+        q = shlex.quote
+        ticks = max(1, int(grace_s * 5))
+        cmd = (
+            f"p=$(cat {q(paths.pidfile)} 2>/dev/null); "
+            f'if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then kill -TERM -- -"$p" 2>/dev/null || kill -TERM "$p"; '
+            f'for i in $(seq {ticks}); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done; '
+            f'kill -KILL -- -"$p" 2>/dev/null; fi; rm -f {q(paths.pidfile)}'
+        )
+        await self._run(host, cmd, "stopping the agent", timeout_s=grace_s + self.command_timeout_s)
+
+    # --- probe / release / inject ------------------------------------------------------------
+    async def probe(self, node: NodeInfo) -> ProbeResult:
+        """Fresh SSH connection + ``true`` within ``probe_timeout_s``. Never raises."""
+        try:
+            host = self._host(node)
+        except BackendError as exc:
+            return ProbeResult(False, str(exc))
+        t0 = time.perf_counter()
+        try:
+            async with self._sem, asyncssh.connect(**self._connect_kwargs(host, self.probe_timeout_s)) as conn:
+                result = await asyncio.wait_for(conn.run("true", check=False), self.probe_timeout_s)
+        except asyncssh.HostKeyNotVerifiable as exc:
+            return ProbeResult(False, f"{host.name}: host key not verified: {exc}")
+        except (TimeoutError, OSError, asyncssh.Error) as exc:
+            return ProbeResult(False, f"{host.name} ({host.address}:{host.port}): ssh probe failed after "
+                                      f"{time.perf_counter() - t0:.1f}s: {_describe(exc)}")
+        if result.exit_status != 0:
+            return ProbeResult(False, f"{host.name}: `true` exited {result.exit_status}")
+        return ProbeResult(True, f"{host.name}: ssh ok in {time.perf_counter() - t0:.2f}s")
+
+    async def release(self, nodes: list[NodeInfo], *, clean: bool = False, job_id: str | None = None) -> None:
+        """Stop the agents (by pidfile), optionally delete their job dirs, give the hosts back.
+
+        Idempotent; an unreachable host is logged and still given back. ``job_id`` defaults to
+        every job dir under ``remote_dir`` for which a pidfile exists.
+        """
+        results = await asyncio.gather(*(self._release_one(n, clean, job_id) for n in nodes), return_exceptions=True)
+        for node, result in zip(nodes, results):
+            if isinstance(result, BaseException):
+                log.warning("release %s: %s", node.name, result)
+            self._assigned.pop(node.backend_ref or node.name, None)
+        self._save_state()
+
+    async def _release_one(self, node: NodeInfo, clean: bool, job_id: str | None) -> None:
+        host = self._host(node)
+        job_ids = [job_id] if job_id else await self._job_ids(host, node)
+        async with self._sem:
+            for jid in job_ids:
+                paths = self.paths(node, jid)
+                await self._stop(host, paths)
+                if clean:
+                    await self._run(host, f"rm -rf {shlex.quote(paths.job_dir)}", "removing the job dir")
+
+    async def _job_ids(self, host: SshHost, node: NodeInfo) -> list[str]:
+        root = shlex.quote(self.paths(node, "_").root)
+        async with self._sem:
+            out = await self._run(host, f"ls {root}/jobs 2>/dev/null; true", "listing job dirs")
+        return [j for j in out.split() if j]
+
+    async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
+        """Lab faults (``partition``, ``heal``, ``node-down``, ``node-up``, ``slow``) when ``lab_dir``
+        is set; False (unsupported) otherwise."""
+        if self.lab_dir is None or kind not in LAB_FAULTS:
+            return False
+        from rlctl.lab import apply_fault
+
+        await asyncio.to_thread(apply_fault, node.name, kind, params, state_dir=self.lab_dir)
+        return True
+
+    async def close(self) -> None:
+        """Close every cached SSH connection. Nodes and agents are left as they are."""
+        conns = list(self._conns.values())
+        self._conns.clear()
+        for conn in conns:
+            conn.close()
+        for conn in conns:
+            try:
+                await asyncio.wait_for(conn.wait_closed(), 5)
+            except (TimeoutError, OSError, asyncssh.Error):
+                pass
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+def hosts_from_lab(names_and_ips: Iterable[tuple[str, str]], spares: Iterable[str] = (),
+                   user: str = "rlctl-lab") -> list[SshHost]:
+    """Inventory for lab nodes (the lab's login user, port 22) with ``spares`` marked."""
+    spare_set = set(spares)
+    return [SshHost(name=n, address=ip, user=user, spare=n in spare_set) for n, ip in names_and_ips]

@@ -1,0 +1,107 @@
+"""The rollout role: generates samples with the current weights and serves those weights on.
+
+It holds the newest weights it received (so it can serve any joiner: a new rollout or a
+restored trainer), generates the items the controller hands it with their per-sample seeds,
+checks for cancellations between decode chunks, and reports tokens generated as progress.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rlctl import worker
+from rlctl.roles.common import RoleSettings, model_config, setup_torch, wait_or_stop
+
+CHUNK_TOKENS = 8
+
+
+class Rollout:
+    def __init__(self, w: worker.Worker, settings: RoleSettings) -> None:
+        from rlctl.weights import WeightServerThread
+        from rlctl.workload.engine import SamplingConfig, TorchEngine
+        from rlctl.workload.model import build_model
+
+        self.w = w
+        self.settings = settings
+        device = setup_torch(settings)
+        model = build_model(model_config(settings))
+        sampling = SamplingConfig(temperature=float(settings.get("temperature", 1.0)))
+        self.engine = TorchEngine(model, sampling, device=device)
+        self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
+        self.server.start()
+        self.held_version = -1
+        self.tokens_generated = 0
+        self.step = 0
+
+    def sync_weights(self, version: int, source: dict[str, Any] | None) -> None:
+        from rlctl.weights import fetch_sync
+
+        self.w.phase("weight-sync", self.step)
+        while source is None:
+            reply = self.w.request("weights.source", version=version)
+            source = reply.get("weights_source") if reply else None
+            if source is None:
+                time.sleep(0.2)
+        got, state = fetch_sync(source, timeout=120.0)
+        if got != version:
+            raise RuntimeError(f"asked for weights v{version}, holder sent v{got}")
+        self.engine.load_state_dict(state, got)
+        self.held_version = got
+        descriptor = self.server.publish(got, state)
+        self.w.notify("weights.held", version=got, source=descriptor)
+
+    def generate(self, work: dict[str, Any]) -> list[dict[str, Any]]:
+        from rlctl.workload.engine import GenRequest
+
+        self.w.phase("generating", self.step)
+        requests = [GenRequest(i["item_id"], list(i["prompt_tokens"]), int(i["seed"])) for i in work["items"]]
+        base = self.tokens_generated
+
+        def should_cancel(active: list[str]) -> set[str]:
+            stats = self.engine.last_stats
+            self.w.progress(base + stats.decode_steps * max(len(active), 1))
+            reply = self.w.request("rollout.poll", item_ids=active)
+            return set(reply.get("cancel", [])) if reply else set()
+
+        results = self.engine.generate(requests, int(work["max_new_tokens"]), should_cancel=should_cancel,
+                                       chunk_tokens=CHUNK_TOKENS)
+        self.tokens_generated = base + sum(len(r.response_tokens) for r in results)
+        self.w.progress(self.tokens_generated)
+        return [
+            {"item_id": r.item_id, "response_tokens": r.response_tokens, "truncated": r.truncated,
+             "weights_version": int(work["weights_version"])}
+            for r in results
+        ]
+
+    def run(self) -> int:
+        capacity = int(self.settings.get("worker_batch", 16))
+        while True:
+            self.w.phase("waiting-for-work", self.step)
+            work = self.w.request("rollout.get_work", capacity=capacity)
+            if not work or "items" not in work:
+                if wait_or_stop(work):
+                    return 0
+                continue
+            self.step = int(work["step"])
+            version = int(work["weights_version"])
+            if version != self.held_version:
+                self.sync_weights(version, work.get("weights_source"))
+            results = self.generate(work)
+            if results:
+                self.w.request("rollout.submit", results=results)
+
+
+def main() -> int:
+    w = worker.connect()
+    w.phase("loading")
+    rollout = Rollout(w, RoleSettings.from_env())
+    try:
+        return rollout.run()
+    finally:
+        rollout.server.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

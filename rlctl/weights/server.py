@@ -1,0 +1,189 @@
+"""Weight holders: `WeightServer` (asyncio) and `WeightServerThread` (for synchronous role programs).
+
+Role: any process that holds a weights version (the trainer after a step, a rollout that fetched
+it, a restored trainer) runs one server and advertises its **source descriptor**
+`{transport, host, port, worker_address_hex?, version, nbytes, checksum}` to the controller's
+holder registry (`trainer.publish` / `weights.held`). Any joiner can then `fetch` from it; there
+is no collective group, so holders and joiners come and go independently.
+
+Contract:
+* `publish(version, state)` snapshots `state` (one copy into a flat buffer, CUDA staged to host),
+  then atomically makes it the version served. Transfers already in flight finish with the
+  bundle they started with; the previous buffer is freed when they are done.
+* `publish_bundle(bundle)` serves an already flat bundle (what `fetch_bundle` returns) without
+  copying: a rollout re-serves exactly the bytes it received.
+* A joiner is served whatever version the holder has now; the joiner checks it against the
+  descriptor it was given (`WeightIntegrityError` on mismatch), so a stale descriptor never
+  yields silently wrong weights.
+* Concurrent joiners are served in parallel, at most `max_concurrent` at a time per server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from rlctl.weights.bundle import Bundle, flatten
+from rlctl.weights.errors import TransportUnavailableError
+from rlctl.weights.transport_tcp import DEFAULT_HOLDER_IO_TIMEOUT_S, TcpHolder
+
+TRANSPORTS = ("tcp", "ucx", "ucx-sm")
+DEFAULT_HOST = "127.0.0.1"
+THREAD_CALL_TIMEOUT_S = 600.0
+
+
+class Holder(Protocol):
+    """What a transport's serving side provides to `WeightServer`."""
+
+    transport: str
+
+    async def start(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+def resolve_transport(transport: str) -> str:
+    """`auto` → `ucx` when ucxx imports, else `tcp`; other names are validated as given."""
+    if transport == "auto":
+        from rlctl.weights.transport_ucx import ucxx_importable
+
+        return "ucx" if ucxx_importable() else "tcp"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {transport!r}; expected auto or one of {TRANSPORTS}")
+    return transport
+
+
+def _make_holder(transport: str, server: WeightServer, host: str, port: int, max_concurrent: int,
+                 io_timeout: float) -> Holder:
+    if transport == "tcp":
+        return TcpHolder(server.current_bundle, host, port, max_concurrent, io_timeout)
+    from rlctl.weights.transport_ucx import UcxHolder, UcxSmHolder
+
+    if transport == "ucx":
+        return UcxHolder(server.current_bundle, port, io_timeout)
+    if transport == "ucx-sm":
+        return UcxSmHolder(server.current_bundle, host, port, max_concurrent, io_timeout)
+    raise TransportUnavailableError(f"no holder for transport {transport!r}")
+
+
+class WeightServer:
+    """Serves the latest published weights version to any joiner, over one transport.
+
+    Use from one event loop: `await start()`, then `publish`/`publish_bundle` as versions come,
+    `await close()` at the end (idempotent). `host` is where the TCP/control socket binds and,
+    unless `advertise_host` is given, the address put in the descriptor. The `ucx` listener binds
+    every interface (ucxx has no bind address).
+    """
+
+    def __init__(self, transport: str = "auto", host: str = DEFAULT_HOST, port: int = 0,
+                 advertise_host: str | None = None, max_concurrent: int = 16,
+                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, checksum_algorithm: str | None = None) -> None:
+        self.transport = resolve_transport(transport)
+        self._host = host
+        self._port = port
+        self._advertise_host = advertise_host or host
+        self._max_concurrent = max_concurrent
+        self._io_timeout = io_timeout
+        self._checksum_algorithm = checksum_algorithm
+        self._holder: Holder | None = None
+        self._endpoint_fields: dict[str, Any] = {}
+        self._bundle: Bundle | None = None
+
+    def current_bundle(self) -> Bundle | None:
+        """The bundle served right now (None before the first publish)."""
+        return self._bundle
+
+    async def start(self) -> None:
+        """Bind and start serving (joiners get a refusal until the first publish)."""
+        if self._holder is not None:
+            return
+        holder = _make_holder(self.transport, self, self._host, self._port, self._max_concurrent, self._io_timeout)
+        self._endpoint_fields = await holder.start()
+        self._holder = holder
+
+    async def publish(self, version: int, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Snapshot `state` as `version`, serve it from now on, and return its source descriptor."""
+        bundle = await asyncio.to_thread(flatten, state, version, self._checksum_algorithm)
+        return await self.publish_bundle(bundle)
+
+    async def publish_bundle(self, bundle: Bundle) -> dict[str, Any]:
+        """Serve an already flat bundle (not copied, must not be mutated) and return its descriptor."""
+        if self._holder is None:
+            raise RuntimeError("WeightServer.start() must be awaited before publishing")
+        self._bundle = bundle
+        descriptor = self.descriptor()
+        assert descriptor is not None
+        return descriptor
+
+    def descriptor(self) -> dict[str, Any] | None:
+        """The source descriptor of the version served now, or None before the first publish."""
+        if self._bundle is None:
+            return None
+        manifest = self._bundle.manifest
+        return {"transport": self.transport, "host": self._advertise_host, **self._endpoint_fields,
+                "version": manifest.version, "nbytes": manifest.nbytes, "checksum": manifest.checksum}
+
+    async def close(self) -> None:
+        """Stop accepting and abort transfers in flight. Idempotent."""
+        holder, self._holder = self._holder, None
+        if holder is not None:
+            await holder.close()
+        self._bundle = None
+
+
+class WeightServerThread:
+    """A `WeightServer` running on its own event loop in a daemon thread, driven synchronously.
+
+    For role programs that are plain synchronous code. Every method blocks the calling thread
+    until the server's loop has done the work. Usable as a context manager.
+    """
+
+    def __init__(self, transport: str = "auto", host: str = DEFAULT_HOST, port: int = 0,
+                 advertise_host: str | None = None, max_concurrent: int = 16,
+                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, checksum_algorithm: str | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rlctl-weight-server", daemon=True)
+        self.server = WeightServer(transport, host, port, advertise_host, max_concurrent, io_timeout,
+                                   checksum_algorithm)
+
+    @property
+    def transport(self) -> str:
+        return self.server.transport
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(THREAD_CALL_TIMEOUT_S)
+
+    def start(self) -> None:
+        """Start the thread and the server; returns once it accepts connections."""
+        if not self._thread.is_alive():
+            self._thread.start()
+        self._call(self.server.start())
+
+    def publish(self, version: int, state: Mapping[str, Any]) -> dict[str, Any]:
+        """See `WeightServer.publish`."""
+        return self._call(self.server.publish(version, state))
+
+    def publish_bundle(self, bundle: Bundle) -> dict[str, Any]:
+        """See `WeightServer.publish_bundle`."""
+        return self._call(self.server.publish_bundle(bundle))
+
+    def descriptor(self) -> dict[str, Any] | None:
+        return self.server.descriptor()
+
+    def close(self) -> None:
+        """Close the server, stop the loop and join the thread. Idempotent."""
+        if not self._thread.is_alive():
+            return
+        self._call(self.server.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> WeightServerThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

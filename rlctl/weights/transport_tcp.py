@@ -1,0 +1,156 @@
+"""Plain TCP weight transport (asyncio, stdlib sockets): the fallback when ucxx is missing.
+
+Role: the holder side (`TcpHolder`) accepts joiners and, per connection, answers one request
+frame with a header frame carrying the manifest, then streams the raw flat buffer. The joiner
+side (`tcp_receive`) reads the header, checks the announced size against its bound, and reads the
+body straight into a preallocated buffer (`sock_recv_into` on memoryview slices).
+
+Wire (one connection per transfer):
+    joiner → holder  frame {"v":1, "op":"fetch", "version": int|null}
+    holder → joiner  frame {"v":1, "ok":true, "manifest":{...}}  or  {"v":1, "ok":false, "error":str}
+    holder → joiner  manifest.nbytes raw bytes
+
+`SocketServer` (the accept loop with bounded concurrency) is reused by the UCX shared-memory
+transport for its control channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from rlctl.weights import framing
+from rlctl.weights.bundle import Buffer, Bundle, Manifest
+from rlctl.weights.errors import WeightTransferError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NBYTES = 1 << 40
+DEFAULT_HOLDER_IO_TIMEOUT_S = 600.0
+
+BundleGetter = Callable[[], Bundle | None]
+ConnectionHandler = Callable[[socket.socket], Awaitable[None]]
+
+
+class SocketServer:
+    """A TCP accept loop running one handler task per connection, at most `max_concurrent` at once.
+
+    Not thread-safe: start, use and close it from one event loop. `close` is idempotent.
+    """
+
+    def __init__(self, handler: ConnectionHandler, host: str, port: int, max_concurrent: int) -> None:
+        self._handler = handler
+        self._host = host
+        self._port = port
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._sock: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    @property
+    def port(self) -> int:
+        if self._sock is None:
+            raise RuntimeError("server not started")
+        return int(self._sock.getsockname()[1])
+
+    async def start(self) -> None:
+        self._sock = framing.listen_socket(self._host, self._port)
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._run_handler(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _run_handler(self, conn: socket.socket) -> None:
+        try:
+            async with self._slots:
+                await self._handler(conn)
+        except WeightTransferError as exc:
+            log.info("weight transfer to a joiner aborted: %s", exc)
+        except Exception:
+            log.exception("weight serving handler failed")
+        finally:
+            conn.close()
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._accept_task, *self._connections) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._accept_task = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class TcpHolder:
+    """Serves the current bundle to any number of joiners over plain TCP."""
+
+    transport = "tcp"
+
+    def __init__(self, current: BundleGetter, host: str, port: int = 0, max_concurrent: int = 16,
+                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S) -> None:
+        self._current = current
+        self._io_timeout = io_timeout
+        self._server = SocketServer(self._serve, host, port, max_concurrent)
+
+    async def start(self) -> dict[str, Any]:
+        """Bind and start accepting; returns the descriptor fields this transport adds (`port`)."""
+        await self._server.start()
+        return {"port": self._server.port}
+
+    async def close(self) -> None:
+        await self._server.close()
+
+    async def _serve(self, conn: socket.socket) -> None:
+        deadline = asyncio.get_running_loop().time() + self._io_timeout
+        await framing.recv_frame(conn, deadline)
+        bundle = self._current()
+        if bundle is None:
+            await framing.send_frame(conn, {"ok": False, "error": "this holder has not published weights yet"}, deadline)
+            return
+        await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json()}, deadline)
+        await framing.send_all(conn, memoryview(bundle.buffer), deadline)
+
+
+def manifest_from_reply(reply: dict[str, Any], max_nbytes: int) -> Manifest:
+    """The manifest carried by a holder's header frame; raises if refused or over `max_nbytes`."""
+    if not reply.get("ok"):
+        raise WeightTransferError(f"holder refused the request: {reply.get('error', 'no reason given')}")
+    manifest = Manifest.from_json(reply.get("manifest"))
+    if manifest.nbytes > max_nbytes:
+        raise WeightTransferError(f"holder announced {manifest.nbytes} bytes, above the bound of {max_nbytes}")
+    return manifest
+
+
+def receive_buffer(nbytes: int, out: Buffer | None) -> Buffer:
+    """`out` when it is a uint8 buffer of exactly `nbytes`, else a fresh one."""
+    if out is not None and out.dtype == np.uint8 and out.ndim == 1 and out.nbytes == nbytes and out.flags.writeable:
+        return out
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+async def tcp_receive(source: dict[str, Any], deadline: float, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                      out: Buffer | None = None) -> tuple[Manifest, Buffer]:
+    """Fetch the holder's manifest and flat buffer over TCP (no verification here)."""
+    sock = await framing.connect(source["host"], int(source["port"]), deadline)
+    try:
+        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version")}, deadline)
+        manifest = manifest_from_reply(await framing.recv_frame(sock, deadline), max_nbytes)
+        buffer = receive_buffer(manifest.nbytes, out)
+        await framing.recv_exactly_into(sock, memoryview(buffer), deadline)
+        return manifest, buffer
+    finally:
+        sock.close()

@@ -1,0 +1,384 @@
+"""UCX weight transports over ucxx (imported here only, and only lazily).
+
+Role: two ways to move a flat weight buffer between processes with UCX.
+
+* `ucx`: a ucxx listener on the holder and `create_endpoint(host, port)` on the joiner. UCX's
+  connection manager runs over TCP, so endpoints have error handling on and the data goes over
+  UCX's tcp transport (or RDMA where the UCX build has it). Per transfer the holder sends
+  `[header_len, body_nbytes]` (2 x uint64), the header frame (JSON, as in the TCP transport),
+  then the body; the joiner receives each into an exactly sized buffer and answers an 8-byte ack.
+* `ucx-sm`: an endpoint made from a *worker address* with `endpoint_error_handling=False`, the
+  only way UCX picks its shared-memory transports (CMA/posix/sysv) — a listener endpoint always
+  has error handling and UCX drops shm for it. A small TCP control connection carries the
+  request: the joiner sends its own worker address and a fresh 64-bit tag, the holder answers
+  the header frame (manifest plus its own worker address, which the joiner checks against the
+  source descriptor to detect a stale descriptor), then tag-sends the body to the joiner's
+  worker; the joiner receives it with a worker-level tag recv into an exactly sized buffer and
+  acks on the control connection. The control connection also tells each side promptly when
+  the other process dies (EOF), since a worker-address endpoint without error handling does not.
+
+Process-global state: ucxx has one context and one worker per process, and binds its progress
+to the event loop that first used it. `UcxRuntime` therefore owns one daemon thread with its own
+event loop on which *every* ucxx call of this package runs; callers on any loop or thread hand
+coroutines to it. Consequences, documented in docs/weight-sync.md: one process can serve and
+fetch at the same time (same worker, the holder and joiner may even be the same process), but
+nothing else in the process may use ucxx on another loop, `ucxx.reset()` must not be called while
+a `UcxRuntime` exists, and UCX environment variables must be set before the first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+from rlctl.weights import framing
+from rlctl.weights.bundle import Buffer, Bundle, Manifest
+from rlctl.weights.errors import TransportUnavailableError, WeightTransferError
+from rlctl.weights.transport_tcp import (
+    DEFAULT_HOLDER_IO_TIMEOUT_S,
+    DEFAULT_MAX_NBYTES,
+    BundleGetter,
+    SocketServer,
+    manifest_from_reply,
+    receive_buffer,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAX_WORKER_ADDRESS_BYTES = 64 * 1024
+ACK = 0xAC4ED
+CLOSE_PERIOD_NS = 2_000_000_000
+
+
+def ucxx_importable() -> bool:
+    """True when `import ucxx` succeeds in this process (imports it; ~0.6 s the first time)."""
+    try:
+        _import_ucxx()
+    except TransportUnavailableError:
+        return False
+    return True
+
+
+def _import_ucxx() -> Any:
+    try:
+        import ucxx
+    except ImportError as exc:
+        raise TransportUnavailableError(f"ucxx cannot be imported ({exc}); install the 'ucx' extra") from exc
+    return ucxx
+
+
+class UcxRuntime:
+    """The process-wide owner of ucxx: one daemon thread running the event loop all UCX work uses.
+
+    `get()` is thread-safe and creates it on first use; it is never torn down (ucxx cannot be
+    re-initialised cleanly while endpoints may exist), the thread dies with the process.
+    """
+
+    _instance: ClassVar[UcxRuntime | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self.ucxx = _import_ucxx()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rlctl-ucx", daemon=True)
+        self._thread.start()
+        self.worker_address: bytes = self.run_sync(self._init_ucx())
+
+    @classmethod
+    def get(cls) -> UcxRuntime:
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    async def _init_ucx(self) -> bytes:
+        progress_mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
+        try:
+            self.ucxx.init(progress_mode=progress_mode)
+        except RuntimeError:
+            log.warning("ucxx was already initialised in this process; rlctl.weights shares that context")
+        return bytes(self.ucxx.get_worker_address())
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the UCX loop and await it from any loop; cancelling the caller cancels it."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            return await coro
+        return await asyncio.wrap_future(self._submit(coro))
+
+    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the UCX loop and block the calling thread (not the UCX thread) until done."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("run_sync called from the UCX thread itself")
+        return self._submit(coro).result()
+
+
+def _ucx_errors() -> tuple[type[BaseException], ...]:
+    from ucxx.exceptions import UCXError
+
+    from ucxx._lib.libucxx import UCXCanceled
+
+    return (UCXError, UCXCanceled)
+
+
+async def _bounded(awaitable: Any, deadline: float, what: str) -> Any:
+    """Await with the remaining time to `deadline`, mapping timeouts and UCX errors to ours."""
+    try:
+        return await asyncio.wait_for(awaitable, framing.remaining(deadline))
+    except asyncio.TimeoutError as exc:
+        raise WeightTransferError(f"timed out while {what}") from exc
+    except _ucx_errors() as exc:
+        raise WeightTransferError(f"UCX error while {what}: {exc!r}") from exc
+
+
+async def _close_endpoint(endpoint: Any) -> None:
+    try:
+        await endpoint.close(period=CLOSE_PERIOD_NS)
+    except Exception as exc:  # closing a broken endpoint must not mask the real outcome
+        log.debug("closing UCX endpoint failed: %r", exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# ucx: listener + create_endpoint
+
+
+class UcxHolder:
+    """Serves the current bundle through a ucxx listener (UCX connection manager over TCP).
+
+    The listener accepts on every interface (ucxx takes no bind address); `port=0` lets UCX pick.
+    """
+
+    transport = "ucx"
+
+    def __init__(self, current: BundleGetter, port: int = 0, io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S) -> None:
+        self._current = current
+        self._port = port
+        self._io_timeout = io_timeout
+        self._runtime = UcxRuntime.get()
+        self._listener: Any = None
+
+    async def start(self) -> dict[str, Any]:
+        port = await self._runtime.run(self._create_listener())
+        return {"port": port, "worker_address_hex": self._runtime.worker_address.hex()}
+
+    async def _create_listener(self) -> int:
+        self._listener = self._runtime.ucxx.create_listener(self._serve, port=self._port or None)
+        return int(self._listener.port)
+
+    async def close(self) -> None:
+        await self._runtime.run(self._close_listener())
+
+    async def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    async def _serve(self, endpoint: Any) -> None:
+        deadline = asyncio.get_running_loop().time() + self._io_timeout
+        try:
+            await self._send_bundle(endpoint, self._current(), deadline)
+        except WeightTransferError as exc:
+            log.info("UCX weight transfer to a joiner aborted: %s", exc)
+        except Exception:
+            log.exception("UCX weight serving handler failed")
+        finally:
+            await _close_endpoint(endpoint)
+
+    async def _send_bundle(self, endpoint: Any, bundle: Bundle | None, deadline: float) -> None:
+        if bundle is None:
+            reply: dict[str, Any] = {"ok": False, "error": "this holder has not published weights yet"}
+            nbytes = 0
+        else:
+            reply = {"ok": True, "manifest": bundle.manifest.to_json()}
+            nbytes = bundle.manifest.nbytes
+        header = np.frombuffer(framing.json_bytes(reply), dtype=np.uint8)
+        await _bounded(endpoint.send(np.array([header.nbytes, nbytes], dtype=np.uint64)), deadline, "sending sizes")
+        await _bounded(endpoint.send(header), deadline, "sending the header")
+        if bundle is not None and nbytes:
+            await _bounded(endpoint.send(bundle.buffer), deadline, "sending the weights")
+        ack = np.zeros(1, dtype=np.uint64)
+        await _bounded(endpoint.recv(ack), deadline, "waiting for the joiner's ack")
+
+
+async def ucx_receive(source: dict[str, Any], deadline: float, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                      out: Buffer | None = None) -> tuple[Manifest, Buffer]:
+    """Fetch the holder's manifest and flat buffer through its ucxx listener (no verification)."""
+    runtime = UcxRuntime.get()
+    return await runtime.run(_ucx_receive_on_loop(runtime, source, deadline, max_nbytes, out))
+
+
+async def _ucx_receive_on_loop(runtime: UcxRuntime, source: dict[str, Any], deadline: float, max_nbytes: int,
+                               out: Buffer | None) -> tuple[Manifest, Buffer]:
+    host, port = source["host"], int(source["port"])
+    endpoint = await _bounded(
+        runtime.ucxx.create_endpoint(host, port, connect_timeout=framing.remaining(deadline)),
+        deadline, f"connecting to {host}:{port}")
+    try:
+        sizes = np.zeros(2, dtype=np.uint64)
+        await _bounded(endpoint.recv(sizes), deadline, "receiving sizes")
+        header_len, nbytes = int(sizes[0]), int(sizes[1])
+        if header_len > framing.MAX_FRAME_BYTES or nbytes > max_nbytes:
+            raise WeightTransferError(f"holder announced a {header_len} B header / {nbytes} B body, above bounds")
+        header = np.empty(header_len, dtype=np.uint8)
+        await _bounded(endpoint.recv(header), deadline, "receiving the header")
+        manifest = manifest_from_reply(framing.decode_frame(header.tobytes()), max_nbytes)
+        if manifest.nbytes != nbytes:
+            raise WeightTransferError(f"holder announced {nbytes} B but its manifest says {manifest.nbytes} B")
+        buffer = receive_buffer(nbytes, out)
+        if nbytes:
+            await _bounded(endpoint.recv(buffer), deadline, "receiving the weights")
+        await _bounded(endpoint.send(np.array([ACK], dtype=np.uint64)), deadline, "sending the ack")
+        return manifest, buffer
+    finally:
+        await _close_endpoint(endpoint)
+
+
+# ---------------------------------------------------------------------------------------------
+# ucx-sm: worker-address endpoint (shared memory on one host), TCP control channel
+
+
+class UcxSmHolder:
+    """Serves the current bundle by tag-sending it to the joiner's UCX worker address.
+
+    The control channel is a TCP `SocketServer` on `host:port` running on the caller's loop; the
+    UCX sends run on the `UcxRuntime` loop.
+    """
+
+    transport = "ucx-sm"
+
+    def __init__(self, current: BundleGetter, host: str, port: int = 0, max_concurrent: int = 16,
+                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S) -> None:
+        self._current = current
+        self._io_timeout = io_timeout
+        self._runtime = UcxRuntime.get()
+        self._control = SocketServer(self._serve, host, port, max_concurrent)
+
+    @property
+    def worker_address_hex(self) -> str:
+        return self._runtime.worker_address.hex()
+
+    async def start(self) -> dict[str, Any]:
+        await self._control.start()
+        return {"port": self._control.port, "worker_address_hex": self.worker_address_hex}
+
+    async def close(self) -> None:
+        await self._control.close()
+
+    async def _serve(self, conn: socket.socket) -> None:
+        deadline = asyncio.get_running_loop().time() + self._io_timeout
+        peer_address, tag = _parse_sm_request(await framing.recv_frame(conn, deadline))
+        bundle = self._current()
+        if bundle is None:
+            await framing.send_frame(conn, {"ok": False, "error": "this holder has not published weights yet"}, deadline)
+            return
+        await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json(),
+                                        "worker_address_hex": self.worker_address_hex}, deadline)
+        if bundle.manifest.nbytes == 0:
+            await framing.recv_frame(conn, deadline)
+            return
+        endpoint = await self._runtime.run(self._connect(peer_address))
+        try:
+            await _first_failure_or_all(
+                self._runtime.run(_bounded(endpoint.send(bundle.buffer, tag=tag, force_tag=True), deadline,
+                                           "tag-sending the weights")),
+                _expect_ack(conn, deadline))
+        finally:
+            await self._runtime.run(_close_endpoint(endpoint))
+
+    async def _connect(self, peer_address: bytes) -> Any:
+        ucxx = self._runtime.ucxx
+        address = ucxx.get_ucx_address_from_buffer(peer_address)
+        return await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
+
+
+def _parse_sm_request(request: dict[str, Any]) -> tuple[bytes, int]:
+    address_hex, tag = request.get("worker_address_hex"), request.get("tag")
+    if not isinstance(address_hex, str) or len(address_hex) > 2 * MAX_WORKER_ADDRESS_BYTES:
+        raise WeightTransferError("ucx-sm request without a valid worker address")
+    if not isinstance(tag, int) or not 0 <= tag < 2**64:
+        raise WeightTransferError("ucx-sm request without a valid 64-bit tag")
+    try:
+        return bytes.fromhex(address_hex), tag
+    except ValueError as exc:
+        raise WeightTransferError("ucx-sm worker address is not hex") from exc
+
+
+async def _expect_ack(conn: socket.socket, deadline: float) -> None:
+    ack = await framing.recv_frame(conn, deadline)
+    if not ack.get("ok"):
+        raise WeightTransferError(f"joiner reported failure: {ack.get('error')}")
+
+
+async def _first_failure_or_all(*awaitables: Any) -> None:
+    """Await all; on the first exception cancel the rest and re-raise it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                     out: Buffer | None = None) -> tuple[Manifest, Buffer]:
+    """Fetch over the control channel + a worker-address UCX tag message (no verification)."""
+    runtime = UcxRuntime.get()
+    sock = await framing.connect(source["host"], int(source["port"]), deadline)
+    try:
+        tag = secrets.randbits(64)
+        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version"), "tag": tag,
+                                        "worker_address_hex": runtime.worker_address.hex()}, deadline)
+        reply = await framing.recv_frame(sock, deadline)
+        manifest = manifest_from_reply(reply, max_nbytes)
+        _check_holder_address(source, reply)
+        buffer = receive_buffer(manifest.nbytes, out)
+        if manifest.nbytes:
+            await _receive_tagged(runtime, sock, buffer, tag, deadline)
+        await framing.send_frame(sock, {"ok": True}, deadline)
+        return manifest, buffer
+    finally:
+        sock.close()
+
+
+def _check_holder_address(source: dict[str, Any], reply: dict[str, Any]) -> None:
+    expected = source.get("worker_address_hex")
+    if expected and reply.get("worker_address_hex") != expected:
+        raise WeightTransferError("stale source descriptor: another UCX worker now answers on "
+                                  f"{source['host']}:{source['port']}")
+
+
+async def _receive_tagged(runtime: UcxRuntime, sock: socket.socket, buffer: Buffer, tag: int,
+                          deadline: float) -> None:
+    """Worker-level tag recv, abandoned with an error if the holder's control connection drops."""
+    receive = asyncio.ensure_future(
+        runtime.run(_bounded(runtime.ucxx.recv(buffer, tag=tag), deadline, "receiving the weights")))
+    holder_gone = asyncio.ensure_future(framing.wait_for_eof(sock))
+    try:
+        done, _ = await asyncio.wait({receive, holder_gone}, return_when=asyncio.FIRST_COMPLETED)
+        if receive in done:
+            receive.result()
+            return
+        raise WeightTransferError("holder closed the control connection before the weights arrived")
+    finally:
+        for task in (receive, holder_gone):
+            task.cancel()
+        await asyncio.gather(receive, holder_gone, return_exceptions=True)

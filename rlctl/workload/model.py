@@ -1,0 +1,334 @@
+"""A small GPT-style causal language model with a KV cache, plus loading of checkpoints.
+
+Role: the policy network of the reference GRPO workload. ``GPT`` is a pre-norm transformer
+(RMSNorm, rotary position embeddings, GELU MLP, tied embeddings) sized to train on a
+laptop CPU in minutes; the default ``ModelConfig`` has about 0.8 M parameters.
+
+The interface every engine and trainer relies on (``CausalLM``):
+
+- ``model(input_ids, attention_mask=None, position_ids=None, cache=None) -> logits [B, T, V]``.
+  ``attention_mask`` ([B, K], 1 = real token) covers every key: the cached ones and the new ones.
+  Without a mask the batch is treated as unpadded (right padding is harmless for training since
+  pads come after every real token).
+- ``model.new_cache(batch_size, max_len) -> cache`` with ``cache.select(rows)`` to drop finished
+  rows from a batched decode.
+
+``load_model`` reads our own files (``save_model`` output or a trainer checkpoint) and, where
+``transformers`` can be imported and the path is a Hugging Face model folder, wraps a real HF
+causal LM behind the same interface (``HFCausalLM``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlctl.workload.task import TOKENIZER
+
+MODEL_FORMAT = "rlctl-gpt-v1"
+MODEL_FILE_NAME = "model.pt"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a ``GPT``. ``d_model`` must divide by ``n_heads``; head_dim must be even (rotary)."""
+
+    vocab_size: int = TOKENIZER.vocab_size
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    max_seq_len: int = 320
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError("d_model / n_heads must be an even integer")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        return cls(**data)
+
+
+class KVCache:
+    """Preallocated keys/values for every layer: ``[L, B, H, max_len, head_dim]``.
+
+    ``update`` writes the new keys at ``length`` and returns the keys so far; the last layer's
+    update advances ``length``. ``select(rows)`` keeps only the given batch rows (in that order).
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, n_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (n_layers, batch_size, n_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.n_layers = n_layers
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        new_len = self.length + k.shape[2]
+        if new_len > self.max_len:
+            raise ValueError(f"KV cache overflow: {new_len} > {self.max_len}")
+        self.keys[layer, :, :, self.length:new_len] = k
+        self.values[layer, :, :, self.length:new_len] = v
+        if layer == self.n_layers - 1:
+            self.length = new_len
+        return self.keys[layer, :, :, :new_len], self.values[layer, :, :, :new_len]
+
+    def select(self, rows: Tensor) -> None:
+        self.keys = self.keys.index_select(1, rows)
+        self.values = self.values.index_select(1, rows)
+
+
+class CausalLM(Protocol):
+    """What engines and trainers need from a model (ours or a wrapped HF one)."""
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                 position_ids: Tensor | None = None, cache: Any = None) -> Tensor: ...
+
+    def new_cache(self, batch_size: int, max_len: int) -> Any: ...
+
+    def parameters(self) -> Any: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_cos_sin(position_ids: Tensor, head_dim: int, base: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables ``[B, 1, T, head_dim/2]`` for integer positions ``[B, T]``."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
+    return angles.cos().unsqueeze(1).to(dtype), angles.sin().unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs (first half, second half) of ``x`` ``[B, H, T, D]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.layer_index = layer_index
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None) -> Tensor:
+        batch, length, dim = x.shape
+        q, k, v = (t.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+                   for t in self.qkv(x).split(dim, dim=2))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_index, k, v)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(batch, length, dim))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model)
+        self.attn = SelfAttention(config, layer_index)
+        self.mlp_norm = RMSNorm(config.d_model)
+        hidden = config.mlp_ratio * config.d_model
+        self.mlp = nn.Sequential(nn.Linear(config.d_model, hidden, bias=False), nn.GELU(),
+                                 nn.Linear(hidden, config.d_model, bias=False))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def attention_bias_mask(attention_mask: Tensor, query_len: int) -> Tensor:
+    """Boolean ``[B, 1, Tq, K]``: key is real, and not after the query. The diagonal is always
+    allowed so a padding query never attends to nothing (its output is ignored anyway)."""
+    key_len = attention_mask.shape[1]
+    past = key_len - query_len
+    key_index = torch.arange(key_len, device=attention_mask.device)
+    query_index = torch.arange(past, key_len, device=attention_mask.device)
+    causal = key_index.unsqueeze(0) <= query_index.unsqueeze(1)
+    diagonal = key_index.unsqueeze(0) == query_index.unsqueeze(1)
+    allowed = (attention_mask.bool().unsqueeze(1) & causal.unsqueeze(0)) | diagonal.unsqueeze(0)
+    return allowed.unsqueeze(1)
+
+
+def positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position of each token counted over real tokens only (left padding gets position 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class GPT(nn.Module):
+    """Pre-norm causal transformer with rotary positions and tied input/output embeddings."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.final_norm = RMSNorm(config.d_model)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(param, std=residual_std)
+            elif param.dim() == 2:
+                nn.init.normal_(param, std=0.02)
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        param = self.embed.weight
+        return KVCache(self.config.n_layers, batch_size, self.config.n_heads, max_len,
+                       self.config.head_dim, param.dtype, param.device)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        batch, length = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = positions_from_mask(attention_mask)[:, -length:]
+            else:
+                position_ids = torch.arange(past, past + length, device=input_ids.device).expand(batch, length)
+        if past + length > self.config.max_seq_len:
+            raise ValueError(f"sequence of {past + length} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        mask = None
+        if attention_mask is not None:
+            mask = attention_bias_mask(attention_mask, length)
+        elif past > 0:
+            mask = torch.ones(batch, 1, length, past + length, dtype=torch.bool, device=input_ids.device).tril(past)
+        x = self.embed(input_ids)
+        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_base, x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask, cache)
+        return self.final_norm(x) @ self.embed.weight.T
+
+
+def build_model(config: ModelConfig | None = None, seed: int | None = None) -> GPT:
+    """A freshly initialised ``GPT`` (deterministic when ``seed`` is given)."""
+    if seed is None:
+        return GPT(config or ModelConfig())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(config or ModelConfig())
+
+
+def save_model(model: GPT, path: str | Path) -> Path:
+    """Write ``{format, config, state_dict}`` to ``path`` (a file, or ``path/model.pt`` for a folder)."""
+    target = Path(path)
+    if target.is_dir():
+        target = target / MODEL_FILE_NAME
+    payload = {"format": MODEL_FORMAT, "config": model.config.to_dict(),
+               "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    torch.save(payload, target)
+    return target
+
+
+def _load_own_file(path: Path, map_location: str | torch.device) -> GPT:
+    payload = torch.load(path, map_location=map_location, weights_only=True)
+    if payload.get("format") == MODEL_FORMAT:
+        config, state = payload["config"], payload["state_dict"]
+    elif "model_config" in payload and "model" in payload:  # a trainer checkpoint
+        config, state = payload["model_config"], payload["model"]
+    else:
+        raise ValueError(f"{path} is neither an rlctl model file nor an rlctl trainer checkpoint")
+    model = GPT(ModelConfig.from_dict(config))
+    model.load_state_dict(state)
+    return model.to(map_location)
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and not (path / MODEL_FILE_NAME).is_file()
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> CausalLM:
+    """Load a model for generation or training.
+
+    - an rlctl model file, a folder holding ``model.pt``, or a trainer checkpoint -> ``GPT``;
+    - a Hugging Face model folder (``config.json`` + weights) -> ``HFCausalLM`` when
+      ``transformers`` is importable (``ImportError`` otherwise).
+    """
+    source = Path(path)
+    if _is_hf_dir(source):
+        return HFCausalLM.from_pretrained(source, device)
+    if source.is_dir():
+        source = source / MODEL_FILE_NAME
+    if not source.is_file():
+        raise FileNotFoundError(source)
+    return _load_own_file(source, device)
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM behind the ``CausalLM`` interface (only when transformers exists).
+
+    The cache is the HF ``DynamicCache``; ``new_cache`` ignores ``max_len``.
+    """
+
+    def __init__(self, hf_model: Any) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+
+    @classmethod
+    def from_pretrained(cls, path: Path, device: str | torch.device) -> "HFCausalLM":
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as exc:
+            raise ImportError(f"{path} is a Hugging Face model folder; loading it needs `transformers`") from exc
+        config_text = json.loads((path / "config.json").read_text())
+        hf_model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=config_text.get("torch_dtype", "auto"))
+        return cls(hf_model.to(device))
+
+    def new_cache(self, batch_size: int, max_len: int) -> "_HFCache":
+        from transformers import DynamicCache
+
+        return _HFCache(DynamicCache())
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, cache: "_HFCache | None" = None) -> Tensor:
+        out = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=cache.inner if cache is not None else None,
+                            use_cache=cache is not None)
+        return out.logits
+
+
+class _HFCache:
+    """Adapter giving an HF ``DynamicCache`` the ``select(rows)`` method the engine uses."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def select(self, rows: Tensor) -> None:
+        if hasattr(self.inner, "batch_select_indices"):
+            self.inner.batch_select_indices(rows)
+        else:
+            self.inner.reorder_cache(rows)

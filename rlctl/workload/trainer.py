@@ -1,0 +1,319 @@
+"""The GRPO trainer: one optimizer step per batch, atomic checkpoints, optional data parallelism.
+
+Role: the trainer role's compute. ``Trainer.train_step(samples)`` turns one batch of scored
+samples (all samples of every prompt group of an RL step) into exactly one optimizer step, so
+weights version ``v`` is the model after ``v`` steps (docs/architecture.md, data ops).
+
+Contract:
+- The policy loss is on-policy GRPO: old log-probs are the current model's (detached), i.e. the
+  weights that generated the batch; the ratio is 1 at the step, and the clip matters only when the
+  caller passes ``old_logprobs`` that differ. Loss = token-mean over the whole batch of the
+  clipped surrogate plus ``kl_coef`` x k3 KL to a frozen copy of the initial weights.
+- ``save_checkpoint`` is atomic (temp file in the same folder, fsync, ``os.replace``, fsync of the
+  folder) and holds model, optimizer, scheduler, reference model, step and the python/torch/numpy
+  RNG states. ``load_checkpoint`` followed by ``train_step`` on the retained batches reproduces the
+  uninterrupted run's weights exactly (same process layout, same device).
+- Data parallel when ``WORLD_SIZE`` > 1 (env, ``torch.distributed``: gloo on CPU, nccl on CUDA):
+  every rank receives the *whole* batch, computes the same advantages, trains on its shard
+  (``samples[rank::world]``), and gradients are summed with one all-reduce after each rank scaled its
+  loss by the global token count, so the update equals the single-process one on the whole batch.
+  Only rank 0 writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlctl.workload.grpo import GRPOConfig, LossParts, group_advantages, grpo_loss_parts, sequence_logprobs_from_logits
+from rlctl.workload.model import GPT, ModelConfig, build_model, load_model
+from rlctl.workload.task import PAD_ID
+
+CHECKPOINT_FORMAT = "rlctl-trainer-ckpt-v1"
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One scored sample, as ``trainer.get_batch`` returns it; grouped by ``prompt_id``."""
+
+    item_id: str
+    prompt_id: str
+    group_index: int
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    reward: float
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainSample":
+        return cls(str(data["item_id"]), str(data["prompt_id"]), int(data["group_index"]),
+                   list(data["prompt_tokens"]), list(data["response_tokens"]), float(data["reward"]))
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Optimizer, schedule and objective settings (the schedule is linear warmup then cosine)."""
+
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 0  # 0: constant after warmup
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup to 1, then cosine to ``min_ratio`` at ``total`` (if > 0)."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.total <= self.warmup:
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / (self.total - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed_from_env(device: torch.device) -> DistContext:
+    """Join the process group described by ``WORLD_SIZE``/``RANK``/``MASTER_ADDR``/``MASTER_PORT``.
+
+    Idempotent; a world size of 1 (or unset) means no process group.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistContext()
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=world_size)
+    return DistContext(dist.get_rank(), dist.get_world_size())
+
+
+def collate(samples: Sequence[TrainSample], pad_id: int = PAD_ID) -> tuple[Tensor, Tensor]:
+    """Right-padded ``prompt + response`` ids ``[B, T]`` and the response mask ``[B, T-1]``
+    aligned with next-token log-probs (mask[b, t] = 1 when token t+1 is a response token)."""
+    width = max(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), width - 1), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        sequence = sample.prompt_tokens + sample.response_tokens
+        ids[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        start = len(sample.prompt_tokens) - 1
+        mask[row, start:start + len(sample.response_tokens)] = 1.0
+    return ids, mask
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """python/torch/numpy (and CUDA when present) RNG states, in a ``weights_only``-loadable form."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    npst = state["numpy"]
+    np.random.set_state((npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
+                         npst["has_gauss"], npst["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_torch_save(payload: Any, path: Path) -> None:
+    """``torch.save`` to a temp file in the same folder, fsync, ``os.replace``, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class Trainer:
+    """Policy model + AdamW + LR schedule; see the module docstring for the contract."""
+
+    def __init__(self, model: GPT, config: TrainerConfig | None = None, device: str | torch.device = "cpu",
+                 distributed: bool | None = None) -> None:
+        self.config = config or TrainerConfig()
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        use_dist = distributed if distributed is not None else int(os.environ.get("WORLD_SIZE", "1")) > 1
+        self.dist = init_distributed_from_env(self.device) if use_dist else DistContext()
+        if self.dist.enabled:
+            self._broadcast_parameters()
+        self.ref_model = self._make_reference() if self.config.grpo.kl_coef > 0 else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
+                                           weight_decay=self.config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, WarmupCosine(self.config.warmup_steps, self.config.total_steps, self.config.min_lr_ratio))
+        self.step = 0
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config: TrainerConfig | None = None,
+                        device: str | torch.device = "cpu", distributed: bool | None = None) -> "Trainer":
+        """A trainer whose model shape comes from ``path`` (a model file or trainer checkpoint).
+
+        A trainer checkpoint restores everything (``load_checkpoint``); a model file only the weights.
+        """
+        model = load_model(path)
+        if not isinstance(model, GPT):
+            raise TypeError("the trainer trains rlctl GPT models only")
+        trainer = cls(model, config, device, distributed)
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True) if Path(path).is_file() else {}
+        if payload.get("format") == CHECKPOINT_FORMAT:
+            trainer.load_checkpoint(path)
+        return trainer
+
+    def _make_reference(self) -> GPT:
+        reference = build_model(self.model.config).to(self.device)
+        reference.load_state_dict(self.model.state_dict())
+        reference.requires_grad_(False)
+        return reference.eval()
+
+    def _broadcast_parameters(self) -> None:
+        with torch.no_grad():
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+
+    def _all_reduce(self, tensor: Tensor) -> Tensor:
+        if self.dist.enabled:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def _local_parts(self, samples: Sequence[TrainSample], advantages: Tensor) -> LossParts:
+        ids, mask = collate(samples)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        logprobs = sequence_logprobs_from_logits(self.model(ids), ids)
+        ref_logprobs = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logprobs = sequence_logprobs_from_logits(self.ref_model(ids), ids)
+        return grpo_loss_parts(logprobs, logprobs.detach(), advantages.to(self.device), mask, self.config.grpo,
+                               ref_logprobs)
+
+    def _all_reduce_gradients(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self._all_reduce(flat)
+        offset = 0
+        for param in params:
+            count = param.numel()
+            param.grad = flat[offset:offset + count].view_as(param).clone()
+            offset += count
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One optimizer step on the batch (every rank passes the whole batch); returns metrics."""
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        started = time.perf_counter()
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        advantages = group_advantages(rewards, [s.prompt_id for s in samples], self.config.grpo.adv_eps)
+        local_index = list(range(self.dist.rank, len(samples), self.dist.world_size))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(4, dtype=torch.float64)
+        if local_index:
+            parts = self._local_parts([samples[i] for i in local_index], advantages[local_index])
+            sums = torch.stack([parts.policy_sum, parts.kl_sum, parts.clipped_sum, parts.tokens]).detach().double().cpu()
+        totals = self._all_reduce(sums.clone())
+        total_tokens = max(float(totals[3]), 1.0)
+        if local_index:
+            ((parts.policy_sum + self.config.grpo.kl_coef * parts.kl_sum) / total_tokens).backward()
+        if self.dist.enabled:
+            self._all_reduce_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        policy, kl, clipped = (float(totals[i]) / total_tokens for i in range(3))
+        return {"step": float(self.step), "reward_mean": float(rewards.mean()), "loss": policy + self.config.grpo.kl_coef * kl,
+                "kl": kl, "clip_frac": clipped, "grad_norm": float(grad_norm), "tokens": float(totals[3]),
+                "lr": float(lr), "seconds": time.perf_counter() - started}
+
+    def state_dict_for_publish(self) -> dict[str, Tensor]:
+        """Detached, contiguous CPU copies of the model weights (version = ``self.step``)."""
+        return {name: t.detach().to("cpu").contiguous().clone() for name, t in self.model.state_dict().items()}
+
+    def checkpoint_payload(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step,
+            "model_config": self.model.config.to_dict(),
+            "trainer_config": self.config.to_dict(),
+            "model": self.state_dict_for_publish(),
+            "ref_model": ({k: v.detach().cpu() for k, v in self.ref_model.state_dict().items()}
+                          if self.ref_model is not None else None),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": capture_rng_state(),
+        }
+
+    def save_checkpoint(self, path: str | Path) -> Path | None:
+        """Atomically write a full checkpoint (rank 0 only; other ranks return None)."""
+        if self.dist.rank != 0:
+            return None
+        target = Path(path)
+        atomic_torch_save(self.checkpoint_payload(), target)
+        return target
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore everything ``save_checkpoint`` wrote; returns the restored step."""
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        if payload.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not an rlctl trainer checkpoint")
+        if ModelConfig.from_dict(payload["model_config"]) != self.model.config:
+            raise ValueError("checkpoint model shape differs from this trainer's model")
+        self.model.load_state_dict(payload["model"])
+        if self.ref_model is not None and payload["ref_model"] is not None:
+            self.ref_model.load_state_dict(payload["ref_model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        restore_rng_state(payload["rng"])
+        self.step = int(payload["step"])
+        return self.step

@@ -1,0 +1,137 @@
+"""Helpers for integration tests that run real jobs (controller, agents, workers) on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SMALL_JOB = """
+[job]
+name = "{name}"
+steps = {steps}
+seed = 1
+checkpoint_every = {checkpoint_every}
+
+[cluster]
+backend = "local"
+[cluster.local]
+nodes = {nodes}
+
+[roles.trainer]
+nodes = 1
+[roles.rollout]
+nodes = {rollouts}
+[roles.reward]
+nodes = 1
+
+[spares]
+nodes = {spares}
+warm = true
+
+[fault_tolerance]
+policy = "{policy}"
+heartbeat_interval_s = 0.5
+min_silence_s = 1.5
+
+[fault_tolerance.phase_timeout_s]
+generating = 6.0
+training = 20.0
+
+[rollout]
+batch_prompts = 4
+group_size = 4
+max_new_tokens = 48
+dataset_size = 128
+worker_batch = 16
+
+[rollout.tail_batching]
+enabled = true
+short_max_tokens = 16
+overprovision = 0.5
+long_batch = 4
+
+[workload]
+model_dim = 64
+layers = 2
+heads = 2
+warmstart_steps = 60
+"""
+
+
+def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
+              policy: str = "role", checkpoint_every: int = 3) -> Path:
+    nodes = 1 + rollouts + 1 + spares
+    path = tmp_path / f"{name}.toml"
+    path.write_text(SMALL_JOB.format(name=name, steps=steps, rollouts=rollouts, spares=spares, nodes=nodes,
+                                     policy=policy, checkpoint_every=checkpoint_every))
+    return path
+
+
+def env_for(state_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["RLCTL_HOME"] = str(state_dir)
+    env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
+    env.update(UCX_NET_DEVICES="lo", UCXPY_PROGRESS_MODE="blocking", UCX_WARN_UNUSED_ENV_VARS="n")
+    return env
+
+
+def rlctl(state_dir: Path, *args: str, check: bool = True, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "rlctl.cli", *args], env=env_for(state_dir), capture_output=True,
+                            text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"rlctl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def rlctl_json(state_dir: Path, *args: str) -> Any:
+    return json.loads(rlctl(state_dir, *args, "--json").stdout.strip().splitlines()[-1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def status(state_dir: Path, job: str) -> dict[str, Any]:
+    return rlctl_json(state_dir, "status", job)
+
+
+def processes_under(path: Path) -> list[int]:
+    """PIDs whose working directory or command line is inside ``path`` (what a job leaves behind)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(entry / "cwd")
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except (OSError, ValueError):
+            continue
+        if state == "Z":
+            continue
+        if str(path) in cmdline or cwd.startswith(str(path)):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_everything_under(path: Path) -> None:
+    for pid in processes_under(path):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,85 @@
+"""A real job on the local backend: launch, status --json, SIGKILL the controller and resume with
+no event lost while workers keep running, stop with no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from rlctl.controller.jobdir import JobDir
+from rlctl.controller.store import Journal
+from tests.integration.helpers import (
+    kill_everything_under,
+    processes_under,
+    rlctl,
+    rlctl_json,
+    status,
+    wait_for,
+    write_job,
+)
+
+
+@pytest.fixture()
+def state_dir(tmp_path: Path):
+    yield tmp_path / "jobs"
+    kill_everything_under(tmp_path)
+
+
+def test_launch_status_kill_resume_stop(tmp_path: Path, state_dir: Path) -> None:
+    job_file = write_job(tmp_path)
+    launched = rlctl_json(state_dir, "launch", str(job_file))
+    job = launched["job_id"]
+    jobdir = JobDir(Path(launched["job_dir"]))
+
+    snap = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["step"] >= 2 and s, 180, "two RL steps")
+    assert snap["job"]["state"] in ("running", "recovering")
+    assert {"id", "state", "step", "ettr"} <= set(snap["job"])
+    assert len(snap["nodes"]) == 5
+    for node in snap["nodes"]:
+        assert {"name", "role", "state", "heartbeat_age_s"} <= set(node)
+        assert node["heartbeat_age_s"] is not None and node["heartbeat_age_s"] < 5
+    assert {r["role"] for r in snap["roles"]} >= {"trainer", "rollout", "reward"}
+    assert snap["round"]["kind"] in ("short", "long")
+    assert 0 < snap["job"]["ettr"] <= 1
+
+    worker_pids = {n["name"]: n for n in snap["nodes"]}
+    controller_pid = int(jobdir.read_controller()["pid"])
+    step_before = snap["job"]["step"]
+    os.kill(controller_pid, signal.SIGKILL)
+    wait_for(lambda: not _alive(controller_pid), 10, "the controller to die")
+    seq_at_kill = Journal(jobdir.journal, readonly=True).last_seq()
+
+    rlctl(state_dir, "resume", job)
+    after = wait_for(lambda: (s := status(state_dir, job)) and s["controller"].get("live")
+                     and s["job"]["step"] >= step_before + 2 and s, 180, "training to continue after resume")
+    assert after["job"]["state"] in ("running", "recovering")
+    events = list(Journal(jobdir.journal, readonly=True).read())
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(1, len(seqs) + 1)), "the journal has a gap"
+    assert seqs[-1] > seq_at_kill
+    starts = [e for e in events if e.type == "WorkerStarting"]
+    assert len(starts) == len({e.data["slot"] for e in starts}), "a healthy worker was restarted by the resume"
+    resumed = [e for e in events if e.type == "ControllerStarted"]
+    assert [e.data["resumed"] for e in resumed] == [False, True]
+    assert worker_pids
+
+    result = rlctl_json(state_dir, "stop", job)
+    assert result["state"] == "stopped"
+    wait_for(lambda: not processes_under(jobdir.path), 20, "every process of the job to exit")
+    final = status(state_dir, job)
+    assert final["job"]["state"] == "stopped"
+    assert all(n["state"] == "released" for n in final["nodes"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,129 @@
+"""Process bodies for the weight-transfer tests (run under multiprocessing spawn).
+
+Each function sets the UCX environment first (ucxx reads it when it initialises, and a process
+has one UCX context), then acts as a holder or a joiner and reports through a queue. The
+holder's failure modes patch the real transport code *inside the holder process only*, so the
+joiner talks to a genuinely dying or corrupted peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+UCX_TLS_FOR = {"tcp": "tcp,self", "ucx": "tcp,self", "ucx-sm": "sm,self"}
+
+
+def set_env(transport: str) -> None:
+    os.environ.update(UCX_NET_DEVICES="lo", UCX_TLS=UCX_TLS_FOR[transport], UCXPY_PROGRESS_MODE="blocking",
+                      UCX_WARN_UNUSED_ENV_VARS="n")
+
+
+def make_state(seed: int, big_elements: int = 1 << 16) -> dict[str, Any]:
+    """Deterministic real tensors: float32, bf16, int64, bool, several shapes, an empty and a 0-d one."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(37, 16, generator=gen),
+        "layer.0.attn.qkv": torch.randn(3, 16, 16, generator=gen).to(torch.bfloat16),
+        "layer.0.norm.bias": torch.randn(16, generator=gen).to(torch.bfloat16),
+        "positions": torch.randint(-(2**40), 2**40, (5, 7), generator=gen, dtype=torch.int64),
+        "mask": torch.rand(9, generator=gen) > 0.5,
+        "empty": torch.empty(0, 16),
+        "scale": torch.tensor(0.125),
+        "strided": torch.randn(8, 6, generator=gen).t(),
+        "big": torch.randn(big_elements, generator=gen),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# holder
+
+
+def _die_mid_transfer(transport: str) -> None:
+    """Patch the holder so it exits (like a SIGKILL: no cleanup) in the middle of a transfer."""
+    if transport == "tcp":
+        from rlctl.weights import framing
+
+        real_send_all = framing.send_all
+
+        async def send_half_then_die(sock: Any, view: memoryview, deadline: float) -> None:
+            if len(view) > 1 << 20:
+                await real_send_all(sock, view[: len(view) // 2], deadline)
+                os._exit(1)
+            await real_send_all(sock, view, deadline)
+
+        framing.send_all = send_half_then_die
+        return
+    from rlctl.weights import transport_ucx
+
+    real_bounded = transport_ucx._bounded
+
+    async def die_before_body(awaitable: Any, deadline: float, what: str) -> Any:
+        if "sending the weights" in what:
+            os._exit(1)
+        return await real_bounded(awaitable, deadline, what)
+
+    transport_ucx._bounded = die_before_body
+
+
+def holder_main(transport: str, seed: int, version: int, big_elements: int, mode: str,
+                out: mp.Queue, stop: Any) -> None:
+    """Serve `make_state(seed)` as `version` until `stop` (a pipe end) is readable; put the descriptor on `out`.
+
+    mode: "normal"; "corrupt" flips one byte of the served buffer after publishing (its
+    checksum stays the published one); "die" exits mid-transfer.
+    """
+    set_env(transport)
+    from rlctl.weights import WeightServerThread
+
+    if mode == "die":
+        _die_mid_transfer(transport)
+    with WeightServerThread(transport=transport) as server:
+        descriptor = server.publish(version, make_state(seed, big_elements))
+        if mode == "corrupt":
+            bundle = server.server.current_bundle()
+            assert bundle is not None
+            bundle.buffer[bundle.manifest.nbytes // 2] ^= 0x01
+        out.put(descriptor)
+        stop.poll(60)
+
+
+# ---------------------------------------------------------------------------------------------
+# joiner
+
+
+def _describe(exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+
+
+async def _fetch_and_compare(source: dict[str, Any], seed: int, big_elements: int, timeout: float) -> dict[str, Any]:
+    import torch
+
+    from rlctl.weights import fetch
+
+    started = time.monotonic()
+    try:
+        version, state = await fetch(source, timeout=timeout)
+    except Exception as exc:  # reported to the test, which asserts on the class
+        return {**_describe(exc), "elapsed": time.monotonic() - started}
+    expected = make_state(seed, big_elements)
+    mismatched = [name for name, tensor in expected.items()
+                  if name not in state or state[name].dtype != tensor.dtype or not torch.equal(state[name], tensor)]
+    return {"ok": not mismatched and set(state) == set(expected), "version": version,
+            "mismatched": mismatched, "elapsed": time.monotonic() - started}
+
+
+def joiner_main(transport: str, sources: list[dict[str, Any]], seed: int, big_elements: int, timeout: float,
+                out: mp.Queue) -> None:
+    """Fetch every source concurrently (one asyncio task each) and put the list of results on `out`."""
+    set_env(transport)
+
+    async def run_all() -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(_fetch_and_compare(s, seed, big_elements, timeout) for s in sources)))
+
+    out.put(asyncio.run(run_all()))

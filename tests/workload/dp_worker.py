@@ -1,0 +1,37 @@
+"""Run two GRPO train steps as one rank of a (gloo) process group, or alone; save the weights.
+
+Usage: python dp_worker.py OUT_FILE  (WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT from the env).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from batches import synthetic_batch  # noqa: E402
+
+from rlctl.workload.grpo import GRPOConfig  # noqa: E402
+from rlctl.workload.model import ModelConfig, build_model  # noqa: E402
+from rlctl.workload.trainer import Trainer, TrainerConfig  # noqa: E402
+
+SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=2, max_seq_len=128)
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    model = build_model(SMALL, seed=11 + rank)  # rank 1 starts different: the broadcast must fix it
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05)))
+    metrics = [trainer.train_step(synthetic_batch(seed)) for seed in (1, 2)]
+    torch.save({"state": trainer.state_dict_for_publish(), "metrics": metrics, "world": trainer.dist.world_size}, out)
+    if trainer.dist.enabled:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

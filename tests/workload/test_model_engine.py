@@ -1,0 +1,134 @@
+"""Model (KV cache, padding, save/load) and TorchEngine (seeds, truncation, cancel, batching)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlctl.workload.engine import GenerationEngine, GenRequest, SamplingConfig, TorchEngine
+from rlctl.workload.model import GPT, ModelConfig, build_model, load_model, save_model
+from rlctl.workload.task import make_dataset
+
+SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=2, max_seq_len=128)
+
+
+def _requests(n: int, seed_base: int = 0) -> list[GenRequest]:
+    return [GenRequest(p.prompt_id, p.tokens, seed_base + i) for i, p in enumerate(make_dataset(n, 5))]
+
+
+def _engine(sampling: SamplingConfig | None = None, seed: int = 0) -> TorchEngine:
+    return TorchEngine(build_model(SMALL, seed=seed), sampling)
+
+
+def test_kv_cache_matches_full_forward() -> None:
+    model = build_model(SMALL, seed=1).eval()
+    ids = torch.randint(3, SMALL.vocab_size, (3, 20))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(3, 20)
+        parts = [model(ids[:, :12], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(12, 20)]
+    assert torch.allclose(full, torch.cat(parts, dim=1), atol=1e-5)
+
+
+def test_left_padding_with_mask_matches_unpadded() -> None:
+    model = build_model(SMALL, seed=2).eval()
+    ids = torch.randint(3, SMALL.vocab_size, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask)
+        alone = model(ids[1:, 4:])
+    assert torch.allclose(padded[1, 4:], alone[0], atol=1e-5)
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    model = build_model(SMALL, seed=3)
+    save_model(model, tmp_path / "m.pt")
+    tmp_path.joinpath("dir").mkdir()
+    save_model(model, tmp_path / "dir")
+    for source in (tmp_path / "m.pt", tmp_path / "dir"):
+        loaded = load_model(source)
+        assert isinstance(loaded, GPT) and loaded.config == SMALL
+        for key, value in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[key], value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
+def test_hf_folder_without_transformers_says_so(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ImportError, match="transformers"):
+        load_model(tmp_path)
+
+
+def test_engine_satisfies_protocol() -> None:
+    assert isinstance(_engine(), GenerationEngine)
+
+
+def test_two_engines_same_weights_same_tokens() -> None:
+    requests = _requests(12)
+    first, second = _engine(seed=4), _engine(seed=99)
+    second.load_state_dict(first.model.state_dict(), version=3)  # type: ignore[attr-defined]
+    assert second.version == 3
+    out_a, out_b = first.generate(requests, 40), second.generate(requests, 40)
+    assert out_a == out_b
+    assert first.generate(requests, 40) == out_a  # and again on the same instance
+
+
+def test_seed_changes_the_sample() -> None:
+    engine = _engine(seed=5)
+    a = engine.generate(_requests(8, seed_base=0), 30)
+    b = engine.generate(_requests(8, seed_base=1000), 30)
+    assert [r.response_tokens for r in a] != [r.response_tokens for r in b]
+
+
+def test_truncation_flag_and_length() -> None:
+    engine = _engine(SamplingConfig(eos_id=-1))  # never stops on its own
+    results = engine.generate(_requests(4), 7)
+    assert all(r.truncated and len(r.response_tokens) == 7 for r in results)
+    assert engine.last_stats.decode_steps == 7
+
+
+def test_rows_finish_independently_and_batch_equals_single() -> None:
+    # A random model is near uniform, so with EOS = token 20 rows stop at scattered steps.
+    engine = TorchEngine(build_model(SMALL, seed=6), SamplingConfig(eos_id=20))
+    requests = _requests(8)
+    batched = engine.generate(requests, 60)
+    lengths = [len(r.response_tokens) for r in batched]
+    assert len(set(lengths)) > 3, lengths
+    assert all(r.truncated == (r.response_tokens[-1] != 20) for r in batched)
+    assert engine.last_stats.decode_steps == max(lengths)  # the batch runs as long as its longest row
+    singles = [engine.generate([r], 60)[0] for r in requests]
+    assert singles == batched  # same seeds, different batch composition: same tokens here
+
+
+def test_cancel_drops_items_between_chunks() -> None:
+    engine = _engine(SamplingConfig(eos_id=-1))
+    requests = _requests(5)
+    polls: list[list[str]] = []
+
+    def should_cancel(active: list[str]) -> set[str]:
+        polls.append(list(active))
+        return {requests[1].item_id, requests[3].item_id} if len(polls) == 2 else set()
+
+    results = engine.generate(requests, 20, should_cancel=should_cancel, chunk_tokens=4)
+    assert [r.item_id for r in results] == [requests[i].item_id for i in (0, 2, 4)]
+    assert polls[0] == [r.item_id for r in requests] and len(polls[2]) == 3
+    assert len(polls) == 4  # after tokens 4, 8, 12, 16 (step 20 finishes every row)
+    assert engine.last_stats.cancelled == 2
+
+
+def test_duplicate_item_ids_are_rejected() -> None:
+    request = _requests(1)[0]
+    with pytest.raises(ValueError):
+        _engine().generate([request, request], 4)
+
+
+def test_top_k_one_is_greedy() -> None:
+    model = build_model(SMALL, seed=7)
+    requests = _requests(4)
+    greedy = TorchEngine(model, SamplingConfig(temperature=0.0)).generate(requests, 10)
+    top1 = TorchEngine(model, SamplingConfig(temperature=1.0, top_k=1)).generate(requests, 10)
+    assert greedy == top1
