@@ -39,10 +39,10 @@ def make_backend(spec: JobSpec, jobdir: "JobDirLike") -> Backend:
     if spec.backend == "ssh":
         from rlctl.backends.ssh import SshBackend
 
-        return SshBackend.from_spec(spec, jobdir.path)  # type: ignore[attr-defined,no-any-return]
+        return SshBackend.from_config(cluster, jobdir.path)
     from rlctl.backends.slurm import SlurmBackend
 
-    return SlurmBackend.from_spec(spec, jobdir.path)  # type: ignore[attr-defined,no-any-return]
+    return SlurmBackend.from_config(cluster, jobdir.path)
 
 
 class JobDirLike:

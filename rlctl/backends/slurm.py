@@ -172,7 +172,7 @@ class SlurmBackend:
             account=str(cfg.get("account", "")),
             time_limit=str(cfg.get("time_limit", "")),
             python=str(cfg.get("python", "python3")),
-            node_workdir=str(cfg.get("node_workdir", "/tmp/rlctl/{job_id}/{node}")),
+            node_workdir=str(cfg.get("node_workdir") or "/tmp/rlctl/{job_id}/{node}"),
             exclude=frozenset(cfg.get("exclude", [])),
             allow_drain=bool(cfg.get("allow_drain", False)),
             extra_sbatch=tuple(cfg.get("extra_sbatch", [])),

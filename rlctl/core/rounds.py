@@ -144,6 +144,7 @@ class RoundScheduler:
         self.cancelled: set[str] = set()
         self.trajectories_stored = 0
         self.trajectories_discarded = 0
+        self.trajectories_lost = 0
 
     # ----------------------------------------------------------------- decisions (return events)
 
@@ -381,12 +382,14 @@ class RoundScheduler:
         undone: list[str] = []
         for step in sorted(s for s in self.batches if s >= to_step):
             batch = self.batches.pop(step)
+            self.trajectories_lost += len(batch.samples)
             if batch.epoch == self.epoch:
                 undone.extend(batch.prompt_ids)
                 self.epoch_trained.difference_update(batch.prompt_ids)
         rnd = self.round
         if rnd is not None and not rnd.closed:
             live = [p for p in rnd.prompt_ids if p not in rnd.deferred]
+            self.trajectories_lost += sum(1 for s in rnd.samples.values() if s.status in (DONE, SCORING, SCORED))
             self.cancelled.update(s.item_id for s in rnd.samples.values() if s.status in (INFLIGHT, SCORING))
             if rnd.kind == "long":
                 self.long_queue = live + self.long_queue
