@@ -25,10 +25,12 @@ class DataOps:
     def __init__(self, controller: "Controller") -> None:
         self.c = controller
         self._replies: dict[tuple[str, str], dict[str, Any]] = {}
+        self.last_request_at: dict[str, float] = {}
 
     def handle(self, slot: SlotRecord, request_id: str, op: str, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Run ``op`` for the worker in ``slot``; a repeated request id gets the first answer again."""
         key = (slot.wid or "", request_id)
+        self.last_request_at[slot.wid or ""] = now
         if key in self._replies:
             return self._replies[key]
         handler = getattr(self, "op_" + op.replace(".", "_").replace("-", "_"), None)
@@ -204,7 +206,12 @@ class DataOps:
         return {}
 
     def op_weights_source(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """A holder of ``version``; a holder the caller could not fetch from is struck off first."""
         version = int(args.get("version", self.c.model.published_version))
+        failed = args.get("failed_source")
+        if isinstance(failed, dict):
+            self.c.commit([event("WeightsSourceFailed", now, version=version, source=failed, reporter=slot.slot,
+                                 error=str(args.get("error", ""))[:200])])
         return {"weights_source": self.c.weights_source(version, exclude_slot=slot.slot)}
 
     def op_job_info(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:

@@ -64,8 +64,10 @@ class Recovery:
         for slot in model.slots.values():
             if slot.node is None or slot.wid is None or slot.life is None or slot.life.state != WorkerState.RUNNING:
                 continue
+            asked = self.c.ops.last_request_at.get(slot.wid)
+            since = max(asked or 0.0, slot.phase_since, self.c.resumed_at)
             obs_w = det.WorkerObs(slot.slot, slot.wid, slot.role, slot.node, slot.phase, slot.progress,
-                                  max(0.0, now - slot.progress_at))
+                                  max(0.0, now - slot.progress_at), request_age_s=max(0.0, now - since))
             workers.append(obs_w)
             verdict = self.c.detector.worker_verdict(obs_w, now)
             if verdict is not None:
@@ -163,12 +165,17 @@ class Recovery:
             target = NodeState.ACTIVE
             c.record("NodeStateChanged", node=node.name, state=target.value, reason=f"takes over {args['slot']}",
                      role=model.slots[args["slot"]].role)
+        elif step.kind == "stop-worker":
+            slot = model.slots[args["slot"]]
+            if slot.life is not None and slot.life.state not in (WorkerState.EXITED,):
+                await c.stop_worker(slot, grace_s=0.5)
+        elif step.kind == "make-standby":
+            await self._make_standby(args["node"])
         elif step.kind == "activate-standby":
-            standby = model.slots.get(args["standby_slot"])
-            node = standby.node if standby else None
-            if node is not None:
-                c.record("NodeStateChanged", node=node, state=NodeState.ACTIVE.value, reason=f"warm standby takes over {args['slot']}",
-                         role="trainer")
+            node = model.slots[args["slot"]].node  # the ActionTaken above moved the role onto the standby's node
+            if node is not None and model.nodes[node].life.can_move(NodeState.ACTIVE):
+                c.record("NodeStateChanged", node=node, state=NodeState.ACTIVE.value,
+                         reason=f"warm standby takes over {args['slot']}", role="trainer")
         elif step.kind == "retire-standby":
             standby = model.slots.get(args["standby_slot"])
             if standby is not None:
@@ -176,7 +183,7 @@ class Recovery:
                 c.record("ActionTaken", action="vacate-slot", node=standby.node or "", slot=standby.slot,
                          reason="spare node re-used", fault_ids=[])
         elif step.kind == "request-node":
-            await self._request_node(args["slot"], args["exclude_node"])
+            await self._request_node(args["slot"], args["exclude_node"], fault_id)
         elif step.kind == "restart-agent":
             info = c.node_infos.get(args["node"])
             if info is not None:
@@ -229,7 +236,22 @@ class Recovery:
             if c.model.nodes[name].life.can_move(target):
                 c.record("NodeStateChanged", node=name, state=target.value, reason="failed node given back")
 
-    async def _request_node(self, slot_name: str, exclude_node: str) -> None:
+    async def _make_standby(self, name: str) -> None:
+        """Turn a healthy node whose role moved away into a spare running a warm trainer standby."""
+        c = self.c
+        node = c.model.nodes.get(name)
+        if node is None or not c.spec.warm_spares:
+            return
+        for target in (NodeState.READY, NodeState.STANDBY):
+            if c.model.nodes[name].life.can_move(target):
+                c.record("NodeStateChanged", node=name, state=target.value, reason="role moved away: kept as a spare",
+                         role="spare")
+        slot_name = f"standby-{name}"
+        wid = c.model.next_wid(slot_name)
+        c.record("WorkerStarting", slot=slot_name, wid=wid, node=name, role="trainer", generation=1, standby=True)
+        await c.start_worker_as(c.model.slots[slot_name], wid)
+
+    async def _request_node(self, slot_name: str, exclude_node: str, fault_id: str) -> None:
         c = self.c
         exclude = frozenset(n.name for n in c.model.nodes.values() if n.excluded) | {exclude_node}
         bad = c.node_infos.get(exclude_node) or NodeInfo(exclude_node, "", "")
@@ -241,7 +263,8 @@ class Recovery:
         slot = c.model.slots[slot_name]
         if fresh is None:
             c.record("ActionTaken", action="vacate-slot", node=exclude_node, slot=slot_name,
-                     reason="no replacement node available: the job continues degraded", fault_ids=[])
+                     reason="no replacement node available: the job continues degraded", fault_ids=[fault_id],
+                     degraded=True)
             if slot.role == "trainer":
                 c.request_stop("failed: trainer lost and no node to restore it on")
             return

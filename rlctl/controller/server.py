@@ -82,6 +82,7 @@ class Controller:
         self.probes: dict[str, tuple[bool, str, float]] = {}
         self.probing: set[str] = set()
         self.lag_s = 0.0
+        self.resumed_at = time.time()
         self.agent_port = 0
         self.launch: AgentLaunch | None = None
         self._beats_since_summary = 0
@@ -423,9 +424,14 @@ class Controller:
         if slot.node is None:
             return
         generation = slot.generation + 1
-        wid = f"{slot.slot}.{generation}"
+        wid = self.model.next_wid(slot.slot)
         self.record("WorkerStarting", slot=slot.slot, wid=wid, node=slot.node, role=slot.role, generation=generation,
                     standby=slot.standby)
+        await self.start_worker_as(slot, wid)
+
+    async def start_worker_as(self, slot: SlotRecord, wid: str) -> None:
+        """Send the start command for ``wid`` (already journaled as WorkerStarting) to its node's agent."""
+        assert slot.node is not None
         argv, env = self.worker_argv_env(slot)
         cwd = str(self.jobdir.node_dir(slot.node)) if self.spec.backend == "local" else ""
         ack = await self.hub.command(slot.node, "start_worker", wait=10.0, wid=wid, slot=slot.slot, role=slot.role,

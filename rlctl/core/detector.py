@@ -41,6 +41,8 @@ IDLE_PHASES = frozenset(
     {"waiting-for-work", "waiting-for-batch", "weight-sync", "checkpointing", "compiling", "loading", "starting", "idle", "standby"}
 )
 THROUGHPUT_PHASES = frozenset({"generating"})
+# Phases in which a worker waits by asking the controller every fraction of a second.
+POLLING_PHASES = frozenset({"waiting-for-work", "waiting-for-batch", "standby"})
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class DetectorConfig:
     slow_ratio: float
     slow_window_s: float
     lag_limit_s: float = 0.5
+    poll_silence_s: float = 8.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class WorkerObs:
     progress: float
     progress_age_s: float
     alive: bool = True
+    request_age_s: float | None = None  # since the worker's last call to the controller
 
 
 @dataclass(frozen=True)
@@ -179,8 +183,18 @@ class Detector:
         return Verdict(node.name, None, "failed", "node-loss", "replace-node", reason + detail, last)
 
     def worker_verdict(self, worker: WorkerObs, now: float) -> Verdict | None:
-        """A hang: progress frozen beyond the bound of a non-idle phase."""
-        if not worker.alive or worker.phase in IDLE_PHASES:
+        """A hang: progress frozen beyond the bound of a non-idle phase, or, in a phase where the
+        worker waits by polling the controller, its polls stopped (a waiting worker still asks)."""
+        if not worker.alive:
+            return None
+        if worker.phase in POLLING_PHASES and worker.request_age_s is not None:
+            if worker.request_age_s >= self.config.poll_silence_s:
+                reason = (f"{worker.role} {worker.slot} stopped polling for {worker.request_age_s:.1f}s in phase "
+                          f"{worker.phase} (bound {self.config.poll_silence_s:.0f}s)")
+                return Verdict(worker.node, worker.slot, "failed", "worker-hang", "restart-worker", reason,
+                               now - worker.request_age_s)
+            return None
+        if worker.phase in IDLE_PHASES:
             return None
         bound = self.config.phase_timeout_s.get(worker.phase)
         if bound is None or worker.progress_age_s < bound:

@@ -42,6 +42,7 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "EpochStarted": ("epoch", "order"),
     "WeightsPublished": ("version", "slot", "source"),
     "WeightsHeld": ("version", "slot", "source"),
+    "WeightsSourceFailed": ("version", "source", "reporter", "error"),
     "StepTrained": ("step", "metrics"),
     "Checkpointed": ("step", "path"),
     "TrainerRestored": ("slot", "checkpoint_step", "replayed_steps"),

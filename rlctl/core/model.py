@@ -99,6 +99,7 @@ class JobModel:
     productive_since: float | None = None
     recent: deque[Event] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
     heartbeats_total: int = 0
+    workers_started: int = 0
     last_seq: int = 0
     scheduler: RoundScheduler | None = None
 
@@ -238,8 +239,13 @@ class JobModel:
             if name in self.nodes:
                 self.nodes[name].last_heartbeat_at = float(at)
 
+    def next_wid(self, slot: str) -> str:
+        """A worker id never used before in this job (``slot.N``, N counting every start)."""
+        return f"{slot}.{self.workers_started + 1}"
+
     def _on_WorkerStarting(self, ev: Event) -> None:
         d = ev.data
+        self.workers_started += 1
         slot = self.slots.get(d["slot"])
         if slot is None:
             slot = SlotRecord(slot=d["slot"], role=d["role"], node=d["node"], standby=bool(d.get("standby", False)))
@@ -250,6 +256,8 @@ class JobModel:
             slot.restarts_on_node += 1
         slot.node = d["node"]
         slot.wid = d["wid"]
+        for holders in self.weights_holders.values():
+            holders.pop(slot.slot, None)  # the previous worker of this slot no longer serves
         slot.generation = int(d.get("generation", slot.generation + 1))
         slot.life = Lifecycle.begin(WorkerState.STARTING, ev.at, "start requested")
         slot.phase, slot.phase_since, slot.progress_at, slot.pid = "starting", ev.at, ev.at, None
@@ -352,6 +360,14 @@ class JobModel:
             slot = self.slots.get(d["slot"])
             if slot is not None:
                 slot.node, slot.wid = None, None
+            if d.get("degraded"):
+                # No node to put the role back on: the job goes on with fewer workers; the fault is
+                # over (its capacity loss is visible in the roles view), not recovering forever.
+                for fault_id in d.get("fault_ids", []):
+                    fault = self.faults.get(fault_id)
+                    if fault is not None and fault.open:
+                        fault.action = "degraded"
+                        self._recover_fault(fault, ev.at)
         if d["action"] == "activate-standby":
             self._activate_standby(d)
 
@@ -382,6 +398,12 @@ class JobModel:
         self.productive_at_version.setdefault(version, self.ledger.seconds["productive"])
         for old in [v for v in self.weights_holders if v < version - 1]:
             del self.weights_holders[old]
+
+    def _on_WeightsSourceFailed(self, ev: Event) -> None:
+        holders = self.weights_holders.get(int(ev.data["version"]), {})
+        for slot_name, source in list(holders.items()):
+            if source.get("port") == ev.data["source"].get("port") and source.get("host") == ev.data["source"].get("host"):
+                del holders[slot_name]
 
     def _on_WeightsHeld(self, ev: Event) -> None:
         version = int(ev.data["version"])

@@ -32,16 +32,30 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
     if verdict.action == "restart-agent":
         return [Step("restart-agent", {"node": verdict.node})]
     if verdict.action == "restart-role":
+        # Only trainers form a collective group; a rollout or reward worker restarts alone.
         slot = model.slots.get(verdict.slot or "") or model.slot_on_node(verdict.node)
-        role = slot.role if slot else "trainer"
-        return [Step("restart-worker", {"slot": s.slot}) for s in model.slots_of(role) if s.node is not None]
+        if slot is not None and slot.role != "trainer":
+            return [Step("restart-worker", {"slot": slot.slot})]
+        return [Step("restart-worker", {"slot": s.slot}) for s in model.slots_of("trainer") if s.node is not None]
     slot = model.slots.get(verdict.slot) if verdict.slot else model.slot_on_node(verdict.node)
     node_bad = verdict.action in ("replace-node", "drain-replace")
     if slot is None:
         return _retire_node(verdict, drain=verdict.action == "drain-replace") if node_bad else []
+    if slot.role == "trainer" and _standbys(model, verdict.node):
+        # A warm standby takes the trainer role at once; a healthy old node becomes the new spare.
+        steps = [Step("stop-worker", {"slot": slot.slot}), Step("activate-standby", {
+            "slot": slot.slot, "standby_slot": _standbys(model, verdict.node)[0].slot})]
+        if node_bad:
+            return _retire_node(verdict, drain=verdict.action == "drain-replace") + steps
+        return steps + [Step("make-standby", {"node": verdict.node})]
     if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
         return [Step("restart-worker", {"slot": slot.slot})]
     return _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, slot, verdict.node)
+
+
+def _standbys(model: JobModel, bad_node: str) -> list[SlotRecord]:
+    return [s for s in model.standby_slots() if s.node != bad_node and _usable(model, s.node)
+            and s.life is not None and s.life.state.value == "running"]
 
 
 def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
@@ -51,8 +65,6 @@ def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
 def _move(model: JobModel, slot: SlotRecord, bad_node: str) -> list[Step]:
     """Put ``slot`` on a healthy node: a warm standby for the trainer, a spare, or a new node."""
     standbys = [s for s in model.standby_slots() if s.node != bad_node and _usable(model, s.node)]
-    if slot.role == "trainer" and standbys:
-        return [Step("activate-standby", {"slot": slot.slot, "standby_slot": standbys[0].slot})]
     if standbys:
         spare = standbys[0]
         return [

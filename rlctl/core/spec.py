@@ -89,7 +89,7 @@ JOB_SCHEMA: dict[str, Field] = {
                 "table",
                 "The embedded local backend: virtual nodes that are processes on this machine.",
                 fields={
-                    "nodes": Field("int", "Virtual nodes available (roles plus spares must fit).", 0, minimum=0),
+                    "nodes": Field("int", "Virtual nodes the machine may run (roles plus spares must fit; replacements come from the rest). 0: no limit.", 0, minimum=0),
                     "gpus_per_node": Field("int", "Simulated GPUs per virtual node.", 1, minimum=0, maximum=16),
                 },
             ),

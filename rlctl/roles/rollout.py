@@ -15,6 +15,7 @@ from rlctl import worker
 from rlctl.roles.common import RoleSettings, model_config, setup_torch, wait_or_stop
 
 CHUNK_TOKENS = 8
+FETCH_ATTEMPTS = 5
 
 
 class Rollout:
@@ -36,15 +37,26 @@ class Rollout:
         self.step = 0
 
     def sync_weights(self, version: int, source: dict[str, Any] | None) -> None:
-        from rlctl.weights import fetch_sync
+        """Pull ``version`` from any live holder; a holder that fails is reported and another tried."""
+        from rlctl.weights import WeightError, fetch_sync
 
         self.w.phase("weight-sync", self.step)
-        while source is None:
-            reply = self.w.request("weights.source", version=version)
-            source = reply.get("weights_source") if reply else None
-            if source is None:
-                time.sleep(0.2)
-        got, state = fetch_sync(source, timeout=120.0)
+        failed: dict[str, Any] | None = None
+        error = ""
+        for _ in range(FETCH_ATTEMPTS):
+            while source is None:
+                reply = self.w.request("weights.source", version=version, failed_source=failed, error=error)
+                source = reply.get("weights_source") if reply else None
+                failed = None
+                if source is None:
+                    time.sleep(0.2)
+            try:
+                got, state = fetch_sync(source, timeout=120.0)
+                break
+            except WeightError as exc:
+                failed, error, source = source, str(exc), None
+        else:
+            raise RuntimeError(f"could not fetch weights v{version} after {FETCH_ATTEMPTS} attempts: {error}")
         if got != version:
             raise RuntimeError(f"asked for weights v{version}, holder sent v{got}")
         self.engine.load_state_dict(state, got)

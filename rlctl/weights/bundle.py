@@ -236,6 +236,8 @@ def unflatten(manifest: Manifest, buffer: Buffer) -> dict[str, Any]:
 
 def _torch_view(flat: Any, entry: TensorEntry, torch: Any) -> Any:
     dtype = _torch_dtype(entry.dtype, torch)
+    if entry.nbytes == 0:  # a zero-length slice can have stride 0, which view(dtype) rejects
+        return torch.empty(entry.shape, dtype=dtype)
     return flat[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
 
 

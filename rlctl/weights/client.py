@@ -60,31 +60,37 @@ async def receive_raw(source: dict[str, Any], timeout: float = 60.0, max_nbytes:
     return await _receiver(source["transport"])(source, deadline, max_nbytes, out)
 
 
-async def fetch_bundle(source: dict[str, Any], timeout: float = 60.0,
-                       max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
-    """Transfer and verify (version, checksum against the descriptor, then of the bytes)."""
-    manifest, buffer = await receive_raw(source, timeout, max_nbytes)
+async def fetch_bundle(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                       out: Buffer | None = None) -> Bundle:
+    """Transfer and verify (version, checksum against the descriptor, then of the bytes).
+
+    `out`: a uint8 buffer to receive into when its size matches (else a fresh one is allocated).
+    Reusing a host staging buffer avoids first-touch page faults, which cost more than the
+    transfer itself on some machines; tensors from an earlier fetch into `out` are overwritten.
+    """
+    manifest, buffer = await receive_raw(source, timeout, max_nbytes, out)
     await asyncio.to_thread(verify, manifest, buffer, source["version"], source["checksum"])
     return Bundle(manifest=manifest, buffer=buffer)
 
 
-async def fetch(source: dict[str, Any], timeout: float = 60.0,
-                max_nbytes: int = DEFAULT_MAX_NBYTES) -> tuple[int, dict[str, Any]]:
+async def fetch(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                out: Buffer | None = None) -> tuple[int, dict[str, Any]]:
     """Fetch weights from the holder in `source`: `(version, {name: tensor})`, tensors on CPU.
 
-    `timeout` bounds the transfer (connect to last byte). Tensors are views into one buffer.
+    `timeout` bounds the transfer (connect to last byte). Tensors are views into one buffer
+    (`out` when given and of the right size, see `fetch_bundle`).
     """
-    bundle = await fetch_bundle(source, timeout, max_nbytes)
+    bundle = await fetch_bundle(source, timeout, max_nbytes, out)
     return bundle.manifest.version, unflatten(bundle.manifest, bundle.buffer)
 
 
-def fetch_sync(source: dict[str, Any], timeout: float = 60.0,
-               max_nbytes: int = DEFAULT_MAX_NBYTES) -> tuple[int, dict[str, Any]]:
+def fetch_sync(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
+               out: Buffer | None = None) -> tuple[int, dict[str, Any]]:
     """Blocking `fetch` for synchronous code; must not be called from a thread running an event loop."""
-    return asyncio.run(fetch(source, timeout, max_nbytes))
+    return asyncio.run(fetch(source, timeout, max_nbytes, out))
 
 
-def fetch_bundle_sync(source: dict[str, Any], timeout: float = 60.0,
-                      max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
+def fetch_bundle_sync(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                      out: Buffer | None = None) -> Bundle:
     """Blocking `fetch_bundle` (same constraint as `fetch_sync`)."""
-    return asyncio.run(fetch_bundle(source, timeout, max_nbytes))
+    return asyncio.run(fetch_bundle(source, timeout, max_nbytes, out))

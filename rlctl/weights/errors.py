@@ -21,5 +21,9 @@ class WeightTransferError(WeightError):
     """A transfer could not complete: holder unreachable or gone, timeout, refused request."""
 
 
+class WeightTimeoutError(WeightTransferError):
+    """A transfer did not complete before its deadline (the holder may be hung or overloaded)."""
+
+
 class TransportUnavailableError(WeightError):
     """The requested transport cannot be used in this process (e.g. ucxx is not installed)."""

@@ -18,7 +18,7 @@ import socket
 import struct
 from typing import Any
 
-from rlctl.weights.errors import WeightTransferError
+from rlctl.weights.errors import WeightTimeoutError, WeightTransferError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -30,7 +30,7 @@ def remaining(deadline: float) -> float:
     """Seconds left before `deadline` (event-loop clock); raises once it has passed."""
     left = deadline - asyncio.get_running_loop().time()
     if left <= 0:
-        raise WeightTransferError("weight transfer timed out")
+        raise WeightTimeoutError("weight transfer timed out")
     return left
 
 
@@ -38,7 +38,7 @@ async def _with_deadline(awaitable: Any, deadline: float, what: str) -> Any:
     try:
         return await asyncio.wait_for(awaitable, remaining(deadline))
     except asyncio.TimeoutError as exc:
-        raise WeightTransferError(f"timed out while {what}") from exc
+        raise WeightTimeoutError(f"timed out while {what}") from exc
     except (ConnectionError, OSError) as exc:
         raise WeightTransferError(f"connection failed while {what}: {exc}") from exc
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from rlctl.weights import framing
 from rlctl.weights.bundle import Buffer, Bundle, Manifest
-from rlctl.weights.errors import TransportUnavailableError, WeightTransferError
+from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, WeightTransferError
 from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
     DEFAULT_MAX_NBYTES,
@@ -58,6 +58,7 @@ T = TypeVar("T")
 MAX_WORKER_ADDRESS_BYTES = 64 * 1024
 ACK = 0xAC4ED
 CLOSE_PERIOD_NS = 2_000_000_000
+MAX_CACHED_SM_ENDPOINTS = 64
 
 
 def ucxx_importable() -> bool:
@@ -142,7 +143,7 @@ async def _bounded(awaitable: Any, deadline: float, what: str) -> Any:
     try:
         return await asyncio.wait_for(awaitable, framing.remaining(deadline))
     except asyncio.TimeoutError as exc:
-        raise WeightTransferError(f"timed out while {what}") from exc
+        raise WeightTimeoutError(f"timed out while {what}") from exc
     except _ucx_errors() as exc:
         raise WeightTransferError(f"UCX error while {what}: {exc!r}") from exc
 
@@ -155,23 +156,30 @@ async def _close_endpoint(endpoint: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# ucx: listener + create_endpoint
+# ucx: listener + create_endpoint, endpoints kept open and reused across fetches
+
+REQUEST = 0x5EED
 
 
 class UcxHolder:
     """Serves the current bundle through a ucxx listener (UCX connection manager over TCP).
 
-    The listener accepts on every interface (ucxx takes no bind address); `port=0` lets UCX pick.
+    Each accepted endpoint serves requests in a loop (the joiner pools endpoints, because UCX
+    connection setup costs ~0.1 s); an endpoint idle for `idle_timeout` seconds is closed. The
+    listener accepts on every interface (ucxx takes no bind address); `port=0` lets UCX pick.
     """
 
     transport = "ucx"
 
-    def __init__(self, current: BundleGetter, port: int = 0, io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S) -> None:
+    def __init__(self, current: BundleGetter, port: int = 0, io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S,
+                 idle_timeout: float = 300.0) -> None:
         self._current = current
         self._port = port
         self._io_timeout = io_timeout
+        self._idle_timeout = idle_timeout
         self._runtime = UcxRuntime.get()
         self._listener: Any = None
+        self._handlers: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> dict[str, Any]:
         port = await self._runtime.run(self._create_listener())
@@ -182,23 +190,43 @@ class UcxHolder:
         return int(self._listener.port)
 
     async def close(self) -> None:
-        await self._runtime.run(self._close_listener())
+        await self._runtime.run(self._close_on_loop())
 
-    async def _close_listener(self) -> None:
+    async def _close_on_loop(self) -> None:
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
             self._listener = None
 
     async def _serve(self, endpoint: Any) -> None:
-        deadline = asyncio.get_running_loop().time() + self._io_timeout
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
         try:
-            await self._send_bundle(endpoint, self._current(), deadline)
+            while await self._next_request(endpoint):
+                deadline = asyncio.get_running_loop().time() + self._io_timeout
+                await self._send_bundle(endpoint, self._current(), deadline)
         except WeightTransferError as exc:
-            log.info("UCX weight transfer to a joiner aborted: %s", exc)
+            log.info("UCX weight transfer to a joiner ended: %s", exc)
         except Exception:
             log.exception("UCX weight serving handler failed")
         finally:
+            self._handlers.discard(task)
             await _close_endpoint(endpoint)
+
+    async def _next_request(self, endpoint: Any) -> bool:
+        """Wait for the joiner's next request; False when it closed the endpoint or stayed idle."""
+        request = np.zeros(1, dtype=np.uint64)
+        deadline = asyncio.get_running_loop().time() + self._idle_timeout
+        try:
+            await _bounded(endpoint.recv(request), deadline, "waiting for a request")
+        except WeightTransferError:
+            return False
+        if int(request[0]) != REQUEST:
+            raise WeightTransferError(f"unexpected request word {int(request[0]):#x}")
+        return True
 
     async def _send_bundle(self, endpoint: Any, bundle: Bundle | None, deadline: float) -> None:
         if bundle is None:
@@ -216,37 +244,115 @@ class UcxHolder:
         await _bounded(endpoint.recv(ack), deadline, "waiting for the joiner's ack")
 
 
+class EndpointPool:
+    """Idle ucxx endpoints per holder address, reused by later fetches (UCX loop only).
+
+    A fetch takes an idle endpoint or makes a new one, and gives it back only after a fully
+    successful exchange; any failure closes it. So concurrent fetches never share an endpoint.
+    """
+
+    def __init__(self, runtime: UcxRuntime, max_idle_per_peer: int = 4) -> None:
+        self._runtime = runtime
+        self._max_idle = max_idle_per_peer
+        self._idle: dict[tuple[str, int], list[Any]] = {}
+
+    def take_idle(self, peer: tuple[str, int]) -> Any | None:
+        idle = self._idle.get(peer, [])
+        while idle:
+            endpoint = idle.pop()
+            if not endpoint.closed:
+                return endpoint
+        return None
+
+    async def connect(self, peer: tuple[str, int], deadline: float) -> Any:
+        host, port = peer
+        return await _bounded(
+            self._runtime.ucxx.create_endpoint(host, port, connect_timeout=framing.remaining(deadline)),
+            deadline, f"connecting to {host}:{port}")
+
+    async def give_back(self, peer: tuple[str, int], endpoint: Any) -> None:
+        idle = self._idle.setdefault(peer, [])
+        if len(idle) < self._max_idle:
+            idle.append(endpoint)
+        else:
+            await _close_endpoint(endpoint)
+
+
+_pool: EndpointPool | None = None
+
+
+def _endpoint_pool(runtime: UcxRuntime) -> EndpointPool:
+    global _pool
+    if _pool is None:
+        _pool = EndpointPool(runtime)
+    return _pool
+
+
 async def ucx_receive(source: dict[str, Any], deadline: float, max_nbytes: int = DEFAULT_MAX_NBYTES,
                       out: Buffer | None = None) -> tuple[Manifest, Buffer]:
-    """Fetch the holder's manifest and flat buffer through its ucxx listener (no verification)."""
+    """Fetch the holder's manifest and flat buffer through its ucxx listener (no verification).
+
+    Reuses a pooled endpoint to the same holder when one is idle; if that endpoint turns out to be
+    dead before any byte of the answer arrived (holder restarted), retries once on a fresh one.
+    """
     runtime = UcxRuntime.get()
     return await runtime.run(_ucx_receive_on_loop(runtime, source, deadline, max_nbytes, out))
 
 
 async def _ucx_receive_on_loop(runtime: UcxRuntime, source: dict[str, Any], deadline: float, max_nbytes: int,
                                out: Buffer | None) -> tuple[Manifest, Buffer]:
-    host, port = source["host"], int(source["port"])
-    endpoint = await _bounded(
-        runtime.ucxx.create_endpoint(host, port, connect_timeout=framing.remaining(deadline)),
-        deadline, f"connecting to {host}:{port}")
+    pool = _endpoint_pool(runtime)
+    peer = (source["host"], int(source["port"]))
+    endpoint = pool.take_idle(peer)
+    if endpoint is not None:
+        try:
+            return await _exchange_and_return(pool, peer, endpoint, deadline, max_nbytes, out)
+        except _StaleEndpoint:
+            log.debug("pooled UCX endpoint to %s:%d was stale; reconnecting", *peer)
+    endpoint = await pool.connect(peer, deadline)
     try:
-        sizes = np.zeros(2, dtype=np.uint64)
-        await _bounded(endpoint.recv(sizes), deadline, "receiving sizes")
-        header_len, nbytes = int(sizes[0]), int(sizes[1])
-        if header_len > framing.MAX_FRAME_BYTES or nbytes > max_nbytes:
-            raise WeightTransferError(f"holder announced a {header_len} B header / {nbytes} B body, above bounds")
-        header = np.empty(header_len, dtype=np.uint8)
-        await _bounded(endpoint.recv(header), deadline, "receiving the header")
-        manifest = manifest_from_reply(framing.decode_frame(header.tobytes()), max_nbytes)
-        if manifest.nbytes != nbytes:
-            raise WeightTransferError(f"holder announced {nbytes} B but its manifest says {manifest.nbytes} B")
-        buffer = receive_buffer(nbytes, out)
-        if nbytes:
-            await _bounded(endpoint.recv(buffer), deadline, "receiving the weights")
-        await _bounded(endpoint.send(np.array([ACK], dtype=np.uint64)), deadline, "sending the ack")
-        return manifest, buffer
-    finally:
+        return await _exchange_and_return(pool, peer, endpoint, deadline, max_nbytes, out)
+    except _StaleEndpoint as exc:
+        raise WeightTransferError(f"holder {peer[0]}:{peer[1]} closed the connection: {exc}") from exc
+
+
+class _StaleEndpoint(WeightTransferError):
+    """The endpoint failed before any answer arrived: safe to retry on a new one."""
+
+
+async def _exchange_and_return(pool: EndpointPool, peer: tuple[str, int], endpoint: Any, deadline: float,
+                               max_nbytes: int, out: Buffer | None) -> tuple[Manifest, Buffer]:
+    try:
+        result = await _exchange(endpoint, deadline, max_nbytes, out)
+    except BaseException:
         await _close_endpoint(endpoint)
+        raise
+    await pool.give_back(peer, endpoint)
+    return result
+
+
+async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer | None) -> tuple[Manifest, Buffer]:
+    sizes = np.zeros(2, dtype=np.uint64)
+    try:
+        await _bounded(endpoint.send(np.array([REQUEST], dtype=np.uint64)), deadline, "sending the request")
+        await _bounded(endpoint.recv(sizes), deadline, "receiving sizes")
+    except WeightTimeoutError:
+        raise
+    except WeightTransferError as exc:
+        raise _StaleEndpoint(str(exc)) from exc
+    header_len, nbytes = int(sizes[0]), int(sizes[1])
+    if header_len > framing.MAX_FRAME_BYTES or nbytes > max_nbytes:
+        raise WeightTransferError(f"holder announced a {header_len} B header / {nbytes} B body, above bounds")
+    header = np.empty(header_len, dtype=np.uint8)
+    await _bounded(endpoint.recv(header), deadline, "receiving the header")
+    manifest = manifest_from_reply(framing.decode_frame(header.tobytes()), max_nbytes)
+    if manifest.nbytes != nbytes:
+        raise WeightTransferError(f"holder announced {nbytes} B but its manifest says {manifest.nbytes} B")
+    buffer = receive_buffer(nbytes, out)
+    if nbytes:
+        await _bounded(endpoint.recv(buffer), deadline, "receiving the weights")
+    await _bounded(endpoint.send(np.array([ACK], dtype=np.uint64)), deadline, "sending the ack")
+    return manifest, buffer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +374,7 @@ class UcxSmHolder:
         self._io_timeout = io_timeout
         self._runtime = UcxRuntime.get()
         self._control = SocketServer(self._serve, host, port, max_concurrent)
+        self._endpoints: dict[bytes, Any] = {}  # joiner worker address -> endpoint (UCX loop only)
 
     @property
     def worker_address_hex(self) -> str:
@@ -276,9 +383,6 @@ class UcxSmHolder:
     async def start(self) -> dict[str, Any]:
         await self._control.start()
         return {"port": self._control.port, "worker_address_hex": self.worker_address_hex}
-
-    async def close(self) -> None:
-        await self._control.close()
 
     async def _serve(self, conn: socket.socket) -> None:
         deadline = asyncio.get_running_loop().time() + self._io_timeout
@@ -292,19 +396,40 @@ class UcxSmHolder:
         if bundle.manifest.nbytes == 0:
             await framing.recv_frame(conn, deadline)
             return
-        endpoint = await self._runtime.run(self._connect(peer_address))
+        endpoint = await self._runtime.run(self._endpoint_to(peer_address))
         try:
             await _first_failure_or_all(
                 self._runtime.run(_bounded(endpoint.send(bundle.buffer, tag=tag, force_tag=True), deadline,
                                            "tag-sending the weights")),
                 _expect_ack(conn, deadline))
-        finally:
-            await self._runtime.run(_close_endpoint(endpoint))
+        except BaseException:
+            await self._runtime.run(self._forget(peer_address))
+            raise
 
-    async def _connect(self, peer_address: bytes) -> Any:
-        ucxx = self._runtime.ucxx
-        address = ucxx.get_ucx_address_from_buffer(peer_address)
-        return await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
+    async def close(self) -> None:
+        await self._control.close()
+        await self._runtime.run(self._forget_all())
+
+    async def _endpoint_to(self, peer_address: bytes) -> Any:
+        """A cached endpoint to this joiner's worker (a joiner that fetches again reuses it)."""
+        endpoint = self._endpoints.pop(peer_address, None)
+        if endpoint is None or endpoint.closed:
+            ucxx = self._runtime.ucxx
+            address = ucxx.get_ucx_address_from_buffer(peer_address)
+            endpoint = await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
+        self._endpoints[peer_address] = endpoint  # most recently used last
+        while len(self._endpoints) > MAX_CACHED_SM_ENDPOINTS:
+            await _close_endpoint(self._endpoints.pop(next(iter(self._endpoints))))
+        return endpoint
+
+    async def _forget(self, peer_address: bytes) -> None:
+        endpoint = self._endpoints.pop(peer_address, None)
+        if endpoint is not None:
+            await _close_endpoint(endpoint)
+
+    async def _forget_all(self) -> None:
+        for address in list(self._endpoints):
+            await self._forget(address)
 
 
 def _parse_sm_request(request: dict[str, Any]) -> tuple[bytes, int]:

@@ -175,10 +175,10 @@ class TorchEngine:
         batch, logits = self._prefill(requests, max_new_tokens)
         for step in range(1, max_new_tokens + 1):
             tokens = sample_rows(logits, batch.generators, self.sampling)
+            self.last_stats.decode_steps = step
             keep = self._record(batch, tokens.tolist(), step == max_new_tokens, finished)
             if keep and should_cancel is not None and step % chunk_tokens == 0:
                 keep = self._apply_cancel(batch, keep, should_cancel)
-            self.last_stats.decode_steps = step
             if not keep:
                 break
             if len(keep) < len(batch.requests):

@@ -5,6 +5,9 @@ pure compute. Each step takes ``prompts_per_step`` prompts, samples ``group_size
 prompt with the engine at the current weights version (on-policy), scores them with
 ``task.score``, takes one ``Trainer.train_step`` and loads the new weights into the engine.
 
+Learning shows fastest on a fixed prompt set (``dataset_size`` = a few batches of prompts, revisited
+with fresh seeds each time): ``tests/workload/test_learning.py`` measures the reward rise there.
+
 Batching is a hook: ``Batcher(engine, requests, max_new_tokens) -> results`` decides how the
 step's requests are cut into ``generate`` calls (``one_batch``, ``micro_batches(n)``,
 ``length_sorted_batches(n)``). Since a generate call lasts as long as its longest row, the hook
@@ -61,6 +64,7 @@ class LoopConfig:
     seed: int = 0
     dataset_size: int = 4096
     max_expected_len: int | None = None
+    mix: dict[str, float] | None = None  # family weights; None: task.DEFAULT_MIX
     temperature: float = 1.0
     top_k: int = 0
 
@@ -156,7 +160,7 @@ def run_grpo(initial_model: str | Path | GPT, config: LoopConfig | None = None,
     engine = TorchEngine(load_model(initial_model) if isinstance(initial_model, (str, Path)) else _copy(model),
                          SamplingConfig(temperature=config.temperature, top_k=config.top_k))
     engine.load_state_dict(trainer.state_dict_for_publish(), trainer.step)
-    dataset = make_dataset(config.dataset_size, config.seed, max_expected_len=config.max_expected_len)
+    dataset = make_dataset(config.dataset_size, config.seed, mix=config.mix, max_expected_len=config.max_expected_len)
     result = LoopResult()
     if eval_prompts:
         result.eval_before = evaluate(engine, eval_prompts, eval_samples_per_prompt, config.max_new_tokens,

@@ -111,8 +111,17 @@ def init_distributed_from_env(device: torch.device) -> DistContext:
         return DistContext()
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(device)
         dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=world_size)
     return DistContext(dist.get_rank(), dist.get_world_size())
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """``cuda`` without an index becomes ``cuda:$LOCAL_RANK`` (one GPU per rank); others unchanged."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
 
 
 def collate(samples: Sequence[TrainSample], pad_id: int = PAD_ID) -> tuple[Tensor, Tensor]:
@@ -180,7 +189,7 @@ class Trainer:
     def __init__(self, model: GPT, config: TrainerConfig | None = None, device: str | torch.device = "cpu",
                  distributed: bool | None = None) -> None:
         self.config = config or TrainerConfig()
-        self.device = torch.device(device)
+        self.device = rank_device(torch.device(device))
         self.model = model.to(self.device)
         use_dist = distributed if distributed is not None else int(os.environ.get("WORLD_SIZE", "1")) > 1
         self.dist = init_distributed_from_env(self.device) if use_dist else DistContext()
@@ -200,13 +209,15 @@ class Trainer:
 
         A trainer checkpoint restores everything (``load_checkpoint``); a model file only the weights.
         """
-        model = load_model(path)
-        if not isinstance(model, GPT):
-            raise TypeError("the trainer trains rlctl GPT models only")
-        trainer = cls(model, config, device, distributed)
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True) if Path(path).is_file() else {}
-        if payload.get("format") == CHECKPOINT_FORMAT:
-            trainer.load_checkpoint(path)
+        source = Path(path)
+        payload = torch.load(source, map_location="cpu", weights_only=True) if source.is_file() else {}
+        if payload.get("format") != CHECKPOINT_FORMAT:
+            model = load_model(source)
+            if not isinstance(model, GPT):
+                raise TypeError("the trainer trains rlctl GPT models only")
+            return cls(model, config, device, distributed)
+        trainer = cls(GPT(ModelConfig.from_dict(payload["model_config"])), config, device, distributed)
+        trainer._restore(payload)
         return trainer
 
     def _make_reference(self) -> GPT:
@@ -307,11 +318,15 @@ class Trainer:
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
         if payload.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not an rlctl trainer checkpoint")
+        return self._restore(payload)
+
+    def _restore(self, payload: Mapping[str, Any]) -> int:
         if ModelConfig.from_dict(payload["model_config"]) != self.model.config:
             raise ValueError("checkpoint model shape differs from this trainer's model")
         self.model.load_state_dict(payload["model"])
-        if self.ref_model is not None and payload["ref_model"] is not None:
-            self.ref_model.load_state_dict(payload["ref_model"])
+        if self.ref_model is not None:
+            # A checkpoint taken without a KL term has no reference: the restored weights become it.
+            self.ref_model.load_state_dict(payload["ref_model"] if payload["ref_model"] is not None else payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.scheduler.load_state_dict(payload["scheduler"])
         restore_rng_state(payload["rng"])

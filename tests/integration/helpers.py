@@ -23,7 +23,7 @@ checkpoint_every = {checkpoint_every}
 [cluster]
 backend = "local"
 [cluster.local]
-nodes = {nodes}
+nodes = 0
 
 [roles.trainer]
 nodes = 1
@@ -40,10 +40,14 @@ warm = true
 policy = "{policy}"
 heartbeat_interval_s = 0.5
 min_silence_s = 1.5
+max_restarts_per_slot = {max_restarts}
 
 [fault_tolerance.phase_timeout_s]
 generating = 6.0
-training = 20.0
+training = 8.0
+weight-sync = 8.0
+scoring = 6.0
+loading = 60.0
 
 [rollout]
 batch_prompts = 4
@@ -67,11 +71,12 @@ warmstart_steps = 60
 
 
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
-              policy: str = "role", checkpoint_every: int = 3) -> Path:
+              policy: str = "role", checkpoint_every: int = 3, max_restarts: int = 2) -> Path:
     nodes = 1 + rollouts + 1 + spares
     path = tmp_path / f"{name}.toml"
     path.write_text(SMALL_JOB.format(name=name, steps=steps, rollouts=rollouts, spares=spares, nodes=nodes,
-                                     policy=policy, checkpoint_every=checkpoint_every))
+                                     policy=policy, checkpoint_every=checkpoint_every,
+                                     max_restarts=max_restarts))
     return path
 
 

@@ -1,9 +1,13 @@
-"""Weight transfer over the real transports, holder and joiners in separate spawned processes.
+"""Weight transfer over the real transports, holders and joiners in separate spawned processes.
 
 Covers: round trip of real tensors over TCP, UCX (tcp) and UCX shared memory; corruption on
 the wire and in the holder's memory; version and checksum mismatch against the descriptor;
 concurrent joiners; a holder that dies mid-transfer or hangs gives a clean error within the
 timeout. UCX cases are skipped when ucxx cannot be imported.
+
+To keep the module fast on a small machine, each transport runs one *campaign* (three holder
+processes and two joiner processes, all scenarios concurrently) and the tests assert on its
+results; TCP-only cases fetch from the test process itself.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -29,85 +34,132 @@ needs_ucxx = pytest.mark.skipif(not HAS_UCXX, reason="ucxx (the 'ucx' extra) is 
 ALL_TRANSPORTS = ["tcp", pytest.param("ucx", marks=needs_ucxx), pytest.param("ucx-sm", marks=needs_ucxx)]
 SMALL = 1 << 12
 LARGE = 16 << 20  # 64 MiB of float32: long enough to die in the middle of
-PROCESS_WAIT_S = 40.0
+PROCESS_WAIT_S = 60.0
+DIE_TIMEOUT_S = 15.0
+
+
+class HolderProcess:
+    """A holder in its own process; `source` is its descriptor once `wait_ready` returned."""
+
+    def __init__(self, transport: str, seed: int = 1, version: int = 7, big: int = SMALL, mode: str = "normal") -> None:
+        self._queue = CTX.Queue()
+        stop_reader, self._stop = CTX.Pipe(duplex=False)  # not an Event: the holder may die while waiting
+        self.process = CTX.Process(target=weights_procs.holder_main,
+                                   args=(transport, seed, version, big, mode, self._queue, stop_reader))
+        self.process.start()
+        self.source: dict[str, Any] = {}
+
+    def wait_ready(self) -> dict[str, Any]:
+        self.source = self._queue.get(timeout=PROCESS_WAIT_S)
+        return self.source
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stop.send(True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGCONT)
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
 
 @contextlib.contextmanager
-def holder(transport: str, seed: int = 1, version: int = 7, big: int = SMALL, mode: str = "normal") -> Iterator[
-        tuple[dict[str, Any], Any]]:
-    """A holder process; yields its source descriptor and the process handle."""
-    queue = CTX.Queue()
-    stop_reader, stop = CTX.Pipe(duplex=False)  # a pipe, not an Event: the holder may die while waiting
-    process = CTX.Process(target=weights_procs.holder_main, args=(transport, seed, version, big, mode, queue,
-                                                                        stop_reader))
-    process.start()
+def holders(*specs: tuple[str, dict[str, Any]]) -> Iterator[list[HolderProcess]]:
+    """Start several holder processes at once (spawns overlap), stop them all at the end."""
+    started = [HolderProcess(transport, **kwargs) for transport, kwargs in specs]
     try:
-        yield queue.get(timeout=PROCESS_WAIT_S), process
+        for holder in started:
+            holder.wait_ready()
+        yield started
     finally:
-        with contextlib.suppress(OSError):
-            stop.send(True)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGCONT)
-        process.join(10)
-        if process.is_alive():
-            process.kill()
-            process.join()
+        for holder in started:
+            holder.stop()
 
 
-def start_joiner(transport: str, sources: list[dict[str, Any]], seed: int = 1, big: int = SMALL,
-                 timeout: float = 20.0) -> tuple[Any, Any]:
+def start_joiner(transport: str, scenarios: list[weights_procs.Scenario]) -> tuple[Any, Any]:
     queue = CTX.Queue()
-    process = CTX.Process(target=weights_procs.joiner_main, args=(transport, sources, seed, big, timeout, queue))
+    process = CTX.Process(target=weights_procs.joiner_main, args=(transport, scenarios, queue))
     process.start()
     return process, queue
 
 
-def joiner_results(process: Any, queue: Any) -> list[dict[str, Any]]:
+def joiner_results(process: Any, queue: Any) -> dict[str, dict[str, Any]]:
     results = queue.get(timeout=PROCESS_WAIT_S)
     process.join(10)
     return results
 
 
-def run_joiner(transport: str, sources: list[dict[str, Any]], **kwargs: Any) -> list[dict[str, Any]]:
-    return joiner_results(*start_joiner(transport, sources, **kwargs))
+@dataclass
+class Campaign:
+    """Everything one transport was put through, by scenario name."""
+
+    transport: str
+    source: dict[str, Any]
+    results: dict[str, dict[str, Any]]
+    die_exitcode: int | None
 
 
-@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
-def test_round_trip_of_real_tensors(transport: str) -> None:
-    with holder(transport, seed=3, version=11, big=1 << 20) as (source, _):
-        assert source["transport"] == transport and source["version"] == 11
-        assert (transport != "tcp") == ("worker_address_hex" in source)
-        [result] = run_joiner(transport, [source], seed=3, big=1 << 20)
+def run_campaign(transport: str) -> Campaign:
+    """Three holders (healthy, corrupted memory, dying mid-transfer) and two joiner processes.
+
+    Joiner A runs two healthy fetches, a stale-version and a wrong-checksum descriptor, the
+    corrupted holder and the dying holder, all concurrently; joiner B two more healthy fetches
+    at the same time, so the healthy holder serves four joiners from two processes at once.
+    """
+    specs = [(transport, {"seed": 3, "version": 11, "big": 1 << 20}),
+             (transport, {"mode": "corrupt"}),
+             (transport, {"big": LARGE, "mode": "die"})]
+    with holders(*specs) as (healthy, corrupt, dying):
+        good = healthy.source
+        joiner_a = start_joiner(transport, [
+            ("good-a1", good, 3, 1 << 20, 20.0), ("good-a2", good, 3, 1 << 20, 20.0),
+            ("stale-version", {**good, "version": good["version"] + 1}, 3, 1 << 20, 20.0),
+            ("wrong-checksum", {**good, "checksum": "sha256:" + "0" * 64}, 3, 1 << 20, 20.0),
+            ("corrupt", corrupt.source, 1, SMALL, 20.0),
+            ("die", dying.source, 1, LARGE, DIE_TIMEOUT_S)])
+        joiner_b = start_joiner(transport, [("good-b1", good, 3, 1 << 20, 20.0), ("good-b2", good, 3, 1 << 20, 20.0)])
+        results = {**joiner_results(*joiner_a), **joiner_results(*joiner_b)}
+        dying.process.join(10)
+        return Campaign(transport, good, results, dying.process.exitcode)
+
+
+@pytest.fixture(scope="module", params=ALL_TRANSPORTS)
+def campaign(request: pytest.FixtureRequest) -> Campaign:
+    return run_campaign(request.param)
+
+
+def test_round_trip_of_real_tensors(campaign: Campaign) -> None:
+    assert campaign.source["transport"] == campaign.transport and campaign.source["version"] == 11
+    assert (campaign.transport != "tcp") == ("worker_address_hex" in campaign.source)
+    result = campaign.results["good-a1"]
     assert result["ok"], result
     assert result["version"] == 11
 
 
-@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
-def test_concurrent_joiners_all_get_identical_weights(transport: str) -> None:
-    with holder(transport, seed=5, big=1 << 20) as (source, _):
-        joiners = [start_joiner(transport, [source, source], seed=5, big=1 << 20) for _ in range(2)]
-        results = [r for joiner in joiners for r in joiner_results(*joiner)]
-    assert len(results) == 4
-    assert all(r["ok"] for r in results), results
+def test_concurrent_joiners_all_get_identical_weights(campaign: Campaign) -> None:
+    good = {name: r for name, r in campaign.results.items() if name.startswith("good-")}
+    assert len(good) == 4
+    assert all(r["ok"] for r in good.values()), good
 
 
-@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
-def test_descriptor_mismatch_is_an_integrity_error(transport: str) -> None:
-    with holder(transport) as (source, _):
-        stale_version = {**source, "version": source["version"] + 1}
-        wrong_checksum = {**source, "checksum": "sha256:" + "0" * 64}
-        results = run_joiner(transport, [stale_version, wrong_checksum])
-    assert [r.get("error") for r in results] == ["WeightIntegrityError"] * 2, results
-    assert "version mismatch" in results[0]["message"]
-    assert "checksum mismatch" in results[1]["message"]
+def test_descriptor_mismatch_is_an_integrity_error(campaign: Campaign) -> None:
+    stale, wrong = campaign.results["stale-version"], campaign.results["wrong-checksum"]
+    assert stale.get("error") == "WeightIntegrityError" and "version mismatch" in stale["message"], stale
+    assert wrong.get("error") == "WeightIntegrityError" and "checksum mismatch" in wrong["message"], wrong
 
 
-@pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx-sm", marks=needs_ucxx)])
-def test_corrupted_holder_memory_is_detected(transport: str) -> None:
-    with holder(transport, mode="corrupt") as (source, _):
-        [result] = run_joiner(transport, [source])
-    assert result["error"] == "WeightIntegrityError", result
+def test_corrupted_holder_memory_is_detected(campaign: Campaign) -> None:
+    result = campaign.results["corrupt"]
+    assert result.get("error") == "WeightIntegrityError", result
     assert "received bytes hash to" in result["message"]
+
+
+def test_holder_dying_mid_transfer_gives_a_clean_error(campaign: Campaign) -> None:
+    result = campaign.results["die"]
+    assert campaign.die_exitcode == 1, "the holder should have died during the transfer"
+    assert result.get("error") == "WeightTransferError", result
+    assert result["elapsed"] < DIE_TIMEOUT_S, result
 
 
 class ByteFlippingProxy:
@@ -148,34 +200,25 @@ class ByteFlippingProxy:
 
 
 def test_byte_corrupted_on_the_wire_is_detected() -> None:
-    with holder("tcp", big=1 << 18) as (source, _):
+    from rlctl.weights import WeightIntegrityError, fetch_sync
+
+    with holders(("tcp", {"big": 1 << 18})) as [holder]:
+        source = holder.source
         with ByteFlippingProxy((source["host"], source["port"]), flip_at=source["nbytes"] // 2) as proxy:
-            [result] = run_joiner("tcp", [{**source, "port": proxy.port}], big=1 << 18)
-    assert result["error"] == "WeightIntegrityError", result
-    assert "received bytes hash to" in result["message"]
-
-
-@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
-def test_holder_dying_mid_transfer_gives_a_clean_error(transport: str) -> None:
-    timeout = 15.0
-    with holder(transport, big=LARGE, mode="die") as (source, process):
-        [result] = run_joiner(transport, [source], big=LARGE, timeout=timeout)
-        process.join(10)
-        assert process.exitcode == 1, "the holder should have died during the transfer"
-    assert result["error"] == "WeightTransferError", result
-    assert result["elapsed"] < timeout, result
+            with pytest.raises(WeightIntegrityError, match="received bytes hash to"):
+                fetch_sync({**source, "port": proxy.port}, timeout=20.0)
 
 
 def test_hung_holder_times_out() -> None:
+    from rlctl.weights import WeightTransferError, fetch_sync
+
     timeout = 2.0
-    with holder("tcp", big=LARGE) as (source, process):
-        os.kill(process.pid, signal.SIGSTOP)
+    with holders(("tcp", {})) as [holder]:
+        os.kill(holder.process.pid, signal.SIGSTOP)
         started = time.monotonic()
-        [result] = run_joiner("tcp", [source], big=LARGE, timeout=timeout)
-        wall = time.monotonic() - started
-    assert result["error"] == "WeightTransferError" and "timed out" in result["message"], result
-    assert timeout <= result["elapsed"] < timeout + 1.5, result
-    assert wall < PROCESS_WAIT_S
+        with pytest.raises(WeightTransferError, match="timed out"):
+            fetch_sync(holder.source, timeout=timeout)
+        assert timeout <= time.monotonic() - started < timeout + 1.5
 
 
 def test_unreachable_holder_is_a_transfer_error() -> None:

@@ -118,12 +118,16 @@ async def _fetch_and_compare(source: dict[str, Any], seed: int, big_elements: in
             "mismatched": mismatched, "elapsed": time.monotonic() - started}
 
 
-def joiner_main(transport: str, sources: list[dict[str, Any]], seed: int, big_elements: int, timeout: float,
-                out: mp.Queue) -> None:
-    """Fetch every source concurrently (one asyncio task each) and put the list of results on `out`."""
+Scenario = tuple[str, dict[str, Any], int, int, float]  # name, source, seed, big_elements, timeout
+
+
+def joiner_main(transport: str, scenarios: list[Scenario], out: mp.Queue) -> None:
+    """Run every scenario's fetch concurrently (one asyncio task each); put `{name: result}` on `out`."""
     set_env(transport)
 
-    async def run_all() -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(_fetch_and_compare(s, seed, big_elements, timeout) for s in sources)))
+    async def run_all() -> dict[str, dict[str, Any]]:
+        results = await asyncio.gather(*(_fetch_and_compare(source, seed, big, timeout)
+                                         for _, source, seed, big, timeout in scenarios))
+        return {name: result for (name, *_), result in zip(scenarios, results, strict=True)}
 
     out.put(asyncio.run(run_all()))

@@ -1,0 +1,25 @@
+"""GPU check: prove on real hardware what the CPU test tiers can only emulate.
+
+Role: ``python -m rlctl.gpucheck`` (or ``bash tests/gpu/run.sh``) runs on a node with an NVIDIA
+GPU, PyTorch and no internet, and prints ONE JSON object: per part, ``status`` ("ok",
+"skipped" with a ``reason``, or "failed" with an ``error``) plus measured figures. Parts:
+
+- ``nvml``: the agent's ``NvmlProvider`` against the real driver: facts, sane sample values, an
+  event wait that times out cleanly;
+- ``nvml_sample_cost``: milliseconds per ``NvmlProvider.sample()`` (what a heartbeat costs);
+- ``torch_rollout``: ``TorchEngine`` on the GPU, tokens/s;
+- ``torch_train_step``: one GRPO ``Trainer.train_step`` on the GPU, seconds per step;
+- ``ucx_cuda``: a CUDA state dict published and fetched through the rlctl UCX transport
+  (device->host staging, transfer, host->device), GB/s;
+- ``nccl_watchdog``: an NCCL process group with the settings of ``rlctl.workload.nccl_env`` and a
+  deliberately stalled collective; the torch watchdog's report is classified by the agent's
+  ``nccl.py`` parser;
+- ``vllm_engine``: ``VllmEngine`` tokens/s and in-place weight update, where vllm is installed.
+
+Without a GPU every part is skipped with its reason and the exit status is 0; the exit status
+is 1 only when a part failed.
+"""
+
+from rlctl.gpucheck.report import PART_NAMES, run_all
+
+__all__ = ["PART_NAMES", "run_all"]

@@ -1,0 +1,85 @@
+"""Run the GPU-check parts and assemble the one JSON report.
+
+Each part is a function ``() -> dict`` of figures that raises ``Skip(reason)`` when its
+requirement is missing; any other exception marks the part failed (with the error text), so one
+broken part never hides the others.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+Figures = dict[str, Any]
+REPORT_FORMAT = 1
+
+
+class Skip(Exception):
+    """A part's requirement is missing on this machine; the message is the reason."""
+
+
+class CheckFailed(Exception):
+    """A part ran and a value was out of range; the message says which."""
+
+
+def run_part(name: str, part: Callable[[], Figures]) -> dict[str, Any]:
+    """``{status, seconds, ...figures}``, ``{status: skipped, reason}`` or ``{status: failed, error}``."""
+    started = time.perf_counter()
+    try:
+        figures = part()
+        result: dict[str, Any] = {"status": "ok", **figures}
+    except Skip as skip:
+        result = {"status": "skipped", "reason": str(skip)}
+    except Exception as exc:  # noqa: BLE001 - a failed part must not stop the others
+        result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                  "trace": traceback.format_exc(limit=4)[-2000:]}
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    return result
+
+
+def _parts() -> dict[str, Callable[[], Figures]]:
+    from rlctl.gpucheck import nccl_part, nvml_part, torch_parts, ucx_part, vllm_part
+
+    return {
+        "nvml": nvml_part.check_provider,
+        "nvml_sample_cost": nvml_part.sample_cost,
+        "torch_rollout": torch_parts.rollout,
+        "torch_train_step": torch_parts.train_step,
+        "ucx_cuda": ucx_part.cuda_transfer,
+        "nccl_watchdog": nccl_part.stalled_collective,
+        "vllm_engine": vllm_part.engine,
+    }
+
+
+PART_NAMES = ("nvml", "nvml_sample_cost", "torch_rollout", "torch_train_step", "ucx_cuda", "nccl_watchdog",
+              "vllm_engine")
+
+
+def environment() -> dict[str, Any]:
+    """What this machine has: python, torch and CUDA versions, GPU names (never raises)."""
+    info: dict[str, Any] = {"host": platform.node(), "python": platform.python_version()}
+    try:
+        import torch
+    except ImportError as exc:
+        return {**info, "torch": None, "cuda_available": False, "reason": f"torch not importable ({exc})"}
+    info.update(torch=torch.__version__, cuda=torch.version.cuda, cuda_available=torch.cuda.is_available())
+    if info["cuda_available"]:
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def run_all(only: list[str] | None = None) -> dict[str, Any]:
+    """Run the selected parts (all by default) in order; return the report."""
+    parts = _parts()
+    selected = only or list(PART_NAMES)
+    unknown = sorted(set(selected) - set(parts))
+    if unknown:
+        raise ValueError(f"unknown parts {unknown}; known: {list(PART_NAMES)}")
+    results = {name: run_part(name, parts[name]) for name in selected}
+    counts = {status: sum(1 for r in results.values() if r["status"] == status)
+              for status in ("ok", "skipped", "failed")}
+    return {"gpucheck": REPORT_FORMAT, "environment": environment(), "parts": results,
+            "summary": counts, "ok": counts["failed"] == 0}

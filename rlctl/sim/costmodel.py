@@ -1,0 +1,255 @@
+"""The simulator's cost model: how long everything takes, loaded from a documented TOML file.
+
+Every default is drawn from a public figure in shared/notes (field.md, reliability.md); the source
+of each is listed in docs/cost-model.md and in ``SOURCES`` below. A cost-model file may set any
+subset of keys; the rest keep their defaults. Unknown keys are errors (a typo must not silently
+fall back to a default). Pure apart from ``load_cost_model`` reading its file.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ClusterCost:
+    gpus_per_node: int = 8
+    trainer_share: float = 0.25
+    reward_nodes_per_256_gpus: float = 1.0
+    spare_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class WorkloadCost:
+    batch_prompts: int = 512
+    group_size: int = 8
+    sim_batch_prompts: int = 0  # prompts the scheduler tracks per round (0: the job file's batch)
+    sim_group_size: int = 0  # samples per tracked prompt (0: the job file's group size)
+
+
+@dataclass(frozen=True)
+class GenerationCost:
+    response_median_tokens: float = 600.0
+    response_sigma: float = 0.6
+    max_new_tokens: int = 8192  # 0: take the job file's cap
+    short_max_tokens: int = 2048  # 0: take the job file's short-round cap
+    per_token_s: float = 0.03
+    overhead_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class StepCost:
+    reward_s: float = 5.0
+    train_s: float = 120.0
+    jitter: float = 0.05  # relative standard deviation of reward and train times
+    checkpoint_s: float = 20.0
+    checkpoint_load_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class WeightsCost:
+    bytes: float = 16e9
+    bandwidth_bytes_per_s: float = 25e9
+    overhead_s: float = 1.0
+
+    @property
+    def sync_s(self) -> float:
+        return self.overhead_s + self.bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class InitCost:
+    trainer_s: float = 240.0
+    rollout_s: float = 120.0
+    reward_s: float = 20.0
+    agent_start_s: float = 10.0
+    allocate_s: float = 60.0
+
+    def for_role(self, role: str) -> float:
+        return {"trainer": self.trainer_s, "rollout": self.rollout_s, "reward": self.reward_s}[role]
+
+
+@dataclass(frozen=True)
+class DetectionCost:
+    exit_report_s: float = 0.5
+    nvml_poll_s: float = 5.0
+    probe_s: float = 5.0
+    tick_s: float = 0.1
+    nccl_timeout_s: float = 600.0
+    network_error_s: float = 30.0
+    agent_restart_s: float = 5.0
+    heartbeat_jitter_s: float = 0.02
+
+
+@dataclass(frozen=True)
+class RecoveryCost:
+    slurm_realloc_s: float = 120.0
+    stop_s: float = 15.0
+    requeue_s: float = 60.0
+    worker_stop_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    cluster: ClusterCost = field(default_factory=ClusterCost)
+    workload: WorkloadCost = field(default_factory=WorkloadCost)
+    generation: GenerationCost = field(default_factory=GenerationCost)
+    step: StepCost = field(default_factory=StepCost)
+    weights: WeightsCost = field(default_factory=WeightsCost)
+    init: InitCost = field(default_factory=InitCost)
+    detection: DetectionCost = field(default_factory=DetectionCost)
+    recovery: RecoveryCost = field(default_factory=RecoveryCost)
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return asdict(self)
+
+
+# Where each default comes from (rendered into docs/cost-model.md). [P] primary, [S] secondary,
+# [D] derived arithmetic or an assumption stated as such.
+SOURCES: dict[str, str] = {
+    "cluster.gpus_per_node": "[P] HGX H100/H800 nodes carry 8 GPUs (Llama 3, RobustRL testbeds)",
+    "cluster.trainer_share": "[D] disaggregated RL: rollout is ~70-80% of the step (verl DAPO-32B, hotdry blog), so ~25% of GPUs train",
+    "cluster.reward_nodes_per_256_gpus": "[D] math verifiers are CPU-light; one node per 256 GPUs",
+    "cluster.spare_fraction": "[P] NCSA Delta (arXiv 2503.11901): about 5% over-provisioning needed",
+    "workload.batch_prompts": "[P] DAPO/verl recipes: 512 prompts per step",
+    "workload.group_size": "[D] GRPO group of 8 samples per prompt (verl examples use 5-16)",
+    "generation.response_median_tokens": "[D] lognormal response lengths with a long tail; median 600 tokens for math RL",
+    "generation.response_sigma": "[D] sigma 0.6 gives a sync-round max near 4.8k tokens for 4,096 samples",
+    "generation.max_new_tokens": "[D] 8k-token cap, typical for Qwen-8B math RL",
+    "generation.short_max_tokens": "[P] RollPacker short rounds cap responses well below the hard cap",
+    "generation.per_token_s": "[P/D] verl Qwen2.5-Math-7B DAPO on H20: generation 150-357 s per step; 30 ms/token decode",
+    "generation.overhead_s": "[D] prefill and scheduling per round",
+    "step.reward_s": "[D] rule-based math verifier, seconds per batch",
+    "step.train_s": "[P/D] verl 7B DAPO step 356-790 s of which 150-357 s generation; the rest on H100 ~120 s",
+    "step.jitter": "[D] 5% step-to-step variation",
+    "step.checkpoint_s": "[D] ~96 GB (8B weights + Adam) to a parallel FS at ~5 GB/s",
+    "step.checkpoint_load_s": "[D] reading the same checkpoint back plus optimizer re-shard",
+    "weights.bytes": "[D] 8B parameters in BF16 = 16 GB (reliability.md 4)",
+    "weights.bandwidth_bytes_per_s": "[D] 25 GB/s point to point (reliability.md 4: 0.64 s for 16 GB)",
+    "weights.overhead_s": "[P] NeMo-RL nccl_reshard Qwen3-4B 0.21-0.34 s; 1 s including bookkeeping",
+    "init.trainer_s": "[P/S] NVSentinel reschedule 5-7 min; FlashRecovery restores in 150 s; 4 min cold trainer init",
+    "init.rollout_s": "[D] vLLM engine load + CUDA graph capture for an 8B model, ~2 min",
+    "init.reward_s": "[D] verifier process start",
+    "init.agent_start_s": "[D] agent zipapp ship + start over SSH/srun",
+    "init.allocate_s": "[D] initial Slurm allocation with idle nodes",
+    "detection.exit_report_s": "[D] agent waitpid + one message",
+    "detection.nvml_poll_s": "[P] k8s-device-plugin waits 5000 ms on nvmlEventSetWait; reliability.md 4 'NVML events: poll <=5 s'",
+    "detection.probe_s": "[P] rlctl ssh probe_timeout_s default 5 s (a dead node answers only by timing out)",
+    "detection.tick_s": "[P] controller tick 0.1 s (rlctl/controller/server.py TICK_S)",
+    "detection.nccl_timeout_s": "[P] PyTorch ProcessGroupNCCL default timeout 10 min (reliability.md 2)",
+    "detection.network_error_s": "[S] ByteRobust ~30 s for network faults (as cited by RobustRL)",
+    "detection.agent_restart_s": "[D] restart the agent process over the second path",
+    "detection.heartbeat_jitter_s": "[D] 20 ms heartbeat jitter on a healthy network",
+    "recovery.slurm_realloc_s": "[P/D] NVSentinel reschedule 5-7 min; 2 min for a single node from an idle pool",
+    "recovery.stop_s": "[P] NVRx --workers-stop-timeout 15 s",
+    "recovery.requeue_s": "[P/D] AReaL full relaunch: 10 s sleep + resubmit + reload; 60 s to requeue",
+    "recovery.worker_stop_s": "[P] rlctl stop_worker grace 1 s (controller/recovery.py)",
+}
+
+
+class CostModelError(ValueError):
+    """A cost-model file with an unknown key or a value of the wrong type."""
+
+
+def default_cost_model() -> CostModel:
+    return CostModel()
+
+
+def cost_model_from_dict(data: dict[str, Any], source: str = "<dict>", base: CostModel | None = None) -> CostModel:
+    """Overlay ``data`` (a parsed TOML table) on ``base`` (defaults); raise on unknown keys or bad types."""
+    model = base or CostModel()
+    sections: dict[str, Any] = {}
+    known = {f.name: f for f in fields(CostModel)}
+    for name, table in data.items():
+        if name not in known:
+            raise CostModelError(f"{source}: unknown section [{name}]; expected one of {', '.join(known)}")
+        if not isinstance(table, dict):
+            raise CostModelError(f"{source}: [{name}] must be a table")
+        sections[name] = _overlay(getattr(model, name), table, f"{source}: {name}")
+    return replace(model, **sections)
+
+
+def _overlay(section: Any, table: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in fields(section)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in known:
+            raise CostModelError(f"{where}.{key}: unknown key; expected one of {', '.join(known)}")
+        current = getattr(section, key)
+        if isinstance(current, bool) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CostModelError(f"{where}.{key}: expected a number, got {value!r}")
+        if isinstance(current, int) and not isinstance(value, int):
+            raise CostModelError(f"{where}.{key}: expected an integer, got {value!r}")
+        if value < 0:
+            raise CostModelError(f"{where}.{key}: expected a value >= 0, got {value!r}")
+        values[key] = value
+    return replace(section, **values)
+
+
+def load_cost_model(path: Path | None) -> CostModel:
+    """The defaults, overlaid with the TOML (or JSON) file at ``path`` when given."""
+    if path is None:
+        return CostModel()
+    text = path.read_text()
+    if path.suffix == ".json":
+        import json
+
+        return cost_model_from_dict(json.loads(text), str(path))
+    try:
+        return cost_model_from_dict(tomllib.loads(text), str(path))
+    except tomllib.TOMLDecodeError as exc:
+        raise CostModelError(f"{path}: not valid TOML: {exc}") from None
+
+
+def cost_model_to_toml(model: CostModel, comments: bool = True) -> str:
+    """Render ``model`` as a TOML file, each key commented with the source of its default."""
+    lines: list[str] = []
+    for section, values in model.as_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            note = SOURCES.get(f"{section}.{key}", "")
+            rendered = repr(value) if isinstance(value, int) else f"{float(value)!r}"
+            lines.append(f"{key} = {rendered}" + (f"  # {note}" if comments and note else ""))
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- response lengths
+
+
+def normal_quantile(p: float) -> float:
+    """Φ^-1(p) for a standard normal (Acklam's rational approximation, |error| < 1.2e-9)."""
+    p = min(max(p, 1e-15), 1.0 - 1e-15)
+    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02,
+         -3.066479806614716e01, 2.506628277459239e00)
+    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02, 6.680131188771972e01,
+         -1.328068155288572e01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00, -2.549732539343734e00,
+         4.374664141464968e00, 2.938163982698783e00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
+    if p < 0.02425:
+        q = math.sqrt(-2 * math.log(p))
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / (
+            (((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    if p > 1 - 0.02425:
+        return -normal_quantile(1 - p)
+    q = p - 0.5
+    r = q * q
+    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / (
+        ((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+
+
+def response_quantile(gen: GenerationCost, p: float) -> float:
+    """Response length (tokens) at quantile ``p`` of the lognormal length distribution."""
+    return gen.response_median_tokens * math.exp(gen.response_sigma * normal_quantile(p))
+
+
+def response_cdf(gen: GenerationCost, tokens: float) -> float:
+    if tokens <= 0:
+        return 0.0
+    z = math.log(tokens / gen.response_median_tokens) / gen.response_sigma
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))

@@ -1,0 +1,221 @@
+"""Fault ground truth and what the controller observes of it, turned into core verdicts.
+
+``apply_fault`` changes the truth (a node goes down, a worker dies, hangs or crawls) and schedules
+the observations the live controller would get, each after the delay the cost model gives: an
+exit report, an NVML signal, a silent heartbeat grid plus a probe, frozen progress, a throughput
+gap. Each observation is judged by the real core through ``rlctl.sim.observe`` and handed to
+``SimRecovery.handle``, exactly as ``Controller``/``Recovery`` hand theirs to ``Recovery.handle``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from rlctl.core import detector as det
+from rlctl.core.model import SlotRecord
+from rlctl.core.states import NodeState
+from rlctl.sim import observe
+from rlctl.sim.faults import SimFault
+from rlctl.sim.truth import WorkerTruth
+
+if TYPE_CHECKING:
+    from rlctl.sim.engine import Simulation
+
+WATCHED_NODE_STATES = (NodeState.READY, NodeState.STANDBY, NodeState.ACTIVE, NodeState.SUSPECT)
+
+
+def apply_fault(sim: "Simulation", fault: SimFault, fault_id: str, node: str, slot: SlotRecord | None,
+                worker: WorkerTruth | None) -> None:
+    """The fault's ground truth, and the observation(s) it will produce."""
+    kind, det_cost = fault.kind, sim.cost.detection
+    if kind == "crash":
+        if worker is not None:
+            sim._kill(worker)
+            sim.q.after(det_cost.exit_report_s, _exit_reported, sim, worker.wid, 1)
+    elif kind == "node-down":
+        truth = sim.nodes[node]
+        truth.up, truth.silent_since = False, sim.now
+        for other in sim.workers.values():
+            if other.node == node and other.alive:
+                other.alive = other.ready = False
+        sim._update_capacity()
+        _watch_silence(sim, node)
+    elif kind == "partition":
+        truth = sim.nodes[node]
+        truth.partitioned, truth.silent_since = True, sim.now
+        sim._update_capacity()
+        _watch_silence(sim, node)
+    elif kind in ("xid", "ecc"):
+        code = int(fault.params["code"]) if kind == "xid" else None
+        signal_kind = "xid" if kind == "xid" else "ecc-dbe"
+        _, action = det.classify_signal(signal_kind, code)
+        if worker is not None and action != "observe":
+            worker.hung_at = sim.now  # the process is stuck on a CUDA error until it is restarted
+            sim._update_capacity()
+        delay = sim.rng.random() * det_cost.nvml_poll_s
+        sim.q.after(delay, _fault_signal, sim, node, signal_kind, code, f"{fault.cause or kind}", None)
+    elif kind in ("nccl-timeout", "network", "hang"):
+        if worker is not None:
+            _hang(sim, worker)
+            if kind != "hang":
+                delay = det_cost.nccl_timeout_s if kind == "nccl-timeout" else det_cost.network_error_s
+                message = "Watchdog caught collective operation timeout" if kind == "nccl-timeout" else "NCCL error: remote process exited or there was a network error"
+                sim.q.after(delay, _fault_signal, sim, node, "nccl-timeout", None, message, worker.wid)
+    elif kind == "slow":
+        if worker is not None:
+            _slow(sim, worker, float(fault.params.get("factor", 4.0)), float(fault.params.get("duration", math.inf)), fault_id)
+    else:
+        raise ValueError(f"unknown simulated fault kind {kind!r}")
+
+
+# ------------------------------------------------------------------------------ exits, signals
+
+
+def _exit_reported(sim: "Simulation", wid: str, exit_code: int) -> None:
+    worker = sim.workers.get(wid)
+    slot = sim.model.slots.get(worker.slot) if worker else None
+    if worker is None or slot is None or slot.wid != wid or not sim.agent_connected(worker.node):
+        return
+    sim.emit("WorkerExited", slot=slot.slot, wid=wid, exit_code=exit_code, signal=None)
+    sim.recovery.on_worker_gone(slot, exit_code, None)
+
+
+def _fault_signal(sim: "Simulation", node: str, kind: str, code: int | None, detail: str, wid: str | None) -> None:
+    """Controller._on_fault_signal: journal the signal, classify it, hand a verdict to recovery."""
+    if wid is not None:
+        worker = sim.workers.get(wid)
+        slot = sim.model.slots.get(worker.slot) if worker else None
+        if worker is None or not worker.alive or slot is None or slot.wid != wid:
+            return  # the hung process was already restarted: its watchdog never fires
+    if not sim.agent_connected(node):
+        return
+    sim.emit("FaultSignal", node=node, kind=kind, detail=detail[:300], code=code, gpu=0, worker=wid)
+    verdict = observe.signal_verdict(sim.model, node, kind, code, detail, sim.now)
+    if verdict is not None:
+        sim.recovery.handle(verdict)
+
+
+# -------------------------------------------------------------------------------- heartbeats
+
+
+def _watch_silence(sim: "Simulation", node: str) -> None:
+    """Prime the detector with the node's recent beats and judge when its φ bound runs out."""
+    truth = sim.nodes[node]
+    last = truth.last_beat(sim.now, sim.interval)
+    jitter = [sim.rng.gauss(0.0, sim.cost.detection.heartbeat_jitter_s) for _ in range(observe.HEARTBEAT_HISTORY)]
+    observe.prime_heartbeats(sim.detector, node, last, sim.interval, jitter)
+    bound = sim.detector.silence_bound(node)
+    sim.q.schedule(_next_tick(sim, last + bound), _judge_silence, sim, node, None, "")
+
+
+def _next_tick(sim: "Simulation", at: float) -> float:
+    tick = sim.cost.detection.tick_s
+    return math.ceil(at / tick) * tick if tick > 0 else at
+
+
+def _judge_silence(sim: "Simulation", node: str, probe: bool | None, detail: str) -> None:
+    truth, record = sim.nodes.get(node), sim.model.nodes.get(node)
+    if truth is None or record is None or truth.silent_since is None or record.life.state not in WATCHED_NODE_STATES:
+        return
+    if sim.stopping or sim.model.life.state.terminal:
+        return
+    last = truth.last_beat(sim.now, sim.interval)
+    verdict = observe.node_verdict(sim.detector, sim.model, node, last, probe, detail, sim.now)
+    if verdict is None:
+        sim.q.schedule(_next_tick(sim, sim.now + sim.cost.detection.tick_s), _judge_silence, sim, node, None, "")
+        return
+    if verdict.verdict == "suspect":
+        sim.recovery.suspect(node, verdict.reason)
+        reachable = truth.reachable_by_probe
+        result = "process alive, agent unreachable" if reachable else "probe timed out"
+        delay = 0.5 if reachable else sim.cost.detection.probe_s
+        sim.q.after(delay, _judge_silence, sim, node, reachable, result)
+        return
+    sim.recovery.handle(verdict)
+
+
+# ------------------------------------------------------------------------------------ hangs
+
+
+def _hang(sim: "Simulation", worker: WorkerTruth) -> None:
+    worker.hung_at = sim.now
+    sim._update_capacity()
+    phase = reported_phase(sim, worker)
+    bound = sim.spec.fault_tolerance.phase_timeout_s.get(phase)
+    if phase in det.IDLE_PHASES or bound is None:
+        return  # Detector.worker_verdict never convicts an idle phase (see docs/sim.md, core gaps)
+    sim.q.schedule(_next_tick(sim, sim.now + bound), _judge_hang, sim, worker.wid, phase)
+
+
+def reported_phase(sim: "Simulation", worker: WorkerTruth) -> str:
+    """The phase the worker last reported, from what the job was doing."""
+    stage = sim.task.stage if sim.task is not None else "idle"
+    if not worker.ready:
+        return "loading"
+    if worker.role == "rollout":
+        return "generating" if stage == "gen" else "waiting-for-work"
+    if worker.role == "reward":
+        return "scoring" if stage == "score" else "waiting-for-work"
+    slot = sim.model.slots.get(worker.slot)
+    if slot is not None and slot.standby:
+        return "standby"
+    return {"train": "training", "ckpt": "checkpointing"}.get(stage, "waiting-for-batch")
+
+
+def _judge_hang(sim: "Simulation", wid: str, phase: str) -> None:
+    worker = sim.workers.get(wid)
+    slot = sim.model.slots.get(worker.slot) if worker else None
+    if worker is None or worker.hung_at is None or slot is None or slot.wid != wid or not worker.alive:
+        return
+    obs = observe.worker_obs(slot, phase, slot.progress, sim.now - worker.hung_at)
+    verdict = sim.detector.worker_verdict(obs, sim.now)
+    if verdict is not None:
+        sim.recovery.handle(verdict)
+
+
+# ------------------------------------------------------------------------------ fail-slow
+
+
+def _slow(sim: "Simulation", worker: WorkerTruth, factor: float, duration: float, fault_id: str) -> None:
+    worker.slow = max(1.0, factor)
+    sim._update_capacity()
+    if math.isfinite(duration):
+        sim.q.after(duration, _heal_slow, sim, worker.wid, fault_id)
+    if worker.role == "rollout":
+        sim.q.after(SLOW_TICK, _slow_tick, sim, worker.wid)
+
+
+SLOW_TICK = 1.0
+
+
+def _slow_tick(sim: "Simulation", wid: str) -> None:
+    """Controller.tick's throughput check: progress samples for the slow rollout and a peer sample."""
+    worker = sim.workers.get(wid)
+    if worker is None or not worker.alive or worker.slow <= 1.0 or sim.model.life.state.terminal:
+        return
+    slot = sim.model.slots.get(worker.slot)
+    if slot is None or slot.wid != wid:
+        return
+    if sim.task is not None and sim.task.stage == "gen" and worker.working:
+        peers = [s for s in sim._working_slots("rollout") if s.wid != wid][:15]
+        observed = []
+        for peer_slot in [slot] + peers:
+            peer = sim.workers[peer_slot.wid or ""]
+            sim.detector.progress(peer.wid, sim.now * 100.0 / peer.slow, sim.now)
+            observed.append(observe.worker_obs(peer_slot, "generating", sim.now * 100.0 / peer.slow, 0.0))
+        for verdict in sim.detector.slow_verdicts(observed, sim.now):
+            sim.recovery.handle(verdict)
+    sim.q.after(SLOW_TICK, _slow_tick, sim, wid)
+
+
+def _heal_slow(sim: "Simulation", wid: str, fault_id: str) -> None:
+    worker = sim.workers.get(wid)
+    if worker is not None:
+        worker.slow = 1.0
+        sim._update_capacity()
+    fault = sim.model.faults.get(fault_id)
+    if fault is not None and fault.open and fault.detected_at is None:
+        # A transient slow-down that healed before anyone noticed: the simulator knows it ended.
+        sim.emit("FaultRecovered", fault_ids=[fault_id], slot=fault.slot, node=fault.node)
+        sim.recovery.update_job_state()

@@ -1,0 +1,84 @@
+"""The controller's judgement glue, shared by the simulator and checked against the live controller.
+
+Each function turns what the controller would observe (a heartbeat silence, a probe result, an
+agent fault signal, a worker exit, frozen progress) into a core ``Verdict`` exactly the way
+``rlctl/controller/server.py`` and ``recovery.py`` do, by calling the same core functions. Nothing
+here decides anything itself. Pure.
+"""
+
+from __future__ import annotations
+
+from rlctl.core import detector as det
+from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.spec import JobSpec
+
+HEARTBEAT_HISTORY = 30  # inter-arrival samples replayed into the detector before a judgement
+
+
+def detector_for(spec: JobSpec) -> det.Detector:
+    """The detector the live controller builds for ``spec`` (same config, field by field)."""
+    ft = spec.fault_tolerance
+    return det.Detector(
+        det.DetectorConfig(
+            heartbeat_interval_s=ft.heartbeat_interval_s,
+            phi_threshold=ft.phi_threshold,
+            min_silence_s=ft.min_silence_s,
+            confirm_with_probe=ft.confirm_with_probe,
+            phase_timeout_s=ft.phase_timeout_s,
+            slow_ratio=ft.slow_ratio,
+            slow_window_s=ft.slow_window_s,
+        )
+    )
+
+
+def prime_heartbeats(detector: det.Detector, node: str, last_beat: float, interval: float, jitter: list[float]) -> None:
+    """Aggregate a node's heartbeats analytically: replay only its recent inter-arrivals.
+
+    The detector's φ bound depends on the recent inter-arrival times and the last beat, so replaying
+    ``len(jitter)`` beats ending at ``last_beat`` gives it the same state as a beat every second.
+    """
+    detector.forget(node)
+    count = len(jitter)
+    for index, noise in enumerate(jitter):
+        at = last_beat - (count - 1 - index) * interval + (noise if index < count - 1 else 0.0)
+        detector.heartbeat(node, at)
+
+
+def node_verdict(
+    detector: det.Detector, model: JobModel, node: str, last_beat: float, probe: bool | None, probe_detail: str,
+    now: float, lag_s: float = 0.0,
+) -> det.Verdict | None:
+    """recovery.Recovery.detect's node branch: NodeObs from the model plus the probe, then the detector."""
+    record = model.nodes[node]
+    obs = det.NodeObs(
+        name=node,
+        role=record.role,
+        last_heartbeat_at=last_beat,
+        connected=probe is None,
+        probe_reachable=probe,
+        probe_detail=probe_detail,
+        gpu_lost=any(g.get("lost") for g in record.gpus),
+    )
+    return detector.heartbeat_verdict(obs, now, lag_s)
+
+
+def worker_obs(slot: SlotRecord, phase: str, progress: float, progress_age_s: float) -> det.WorkerObs:
+    """recovery.Recovery.detect's worker branch."""
+    return det.WorkerObs(slot.slot, slot.wid or "", slot.role, slot.node or "", phase, progress, max(0.0, progress_age_s))
+
+
+def signal_verdict(model: JobModel, node: str, kind: str, code: int | None, detail: str, now: float) -> det.Verdict | None:
+    """server.Controller._on_fault_signal: classify the agent's signal; ``observe`` actions give None."""
+    fault, action = det.classify_signal(kind, code)
+    if action == "observe":
+        return None
+    slot = model.slot_on_node(node)
+    reason = f"{kind}{' ' + str(code) if code is not None else ''} on {node}: {detail or fault}"
+    return det.Verdict(node, slot.slot if slot else None, "failed", fault, action, reason, now)
+
+
+def exit_verdict(slot: SlotRecord, exit_code: int | None, signal: str | None, now: float) -> det.Verdict | None:
+    """recovery.Recovery.on_worker_gone's verdict."""
+    if slot.node is None:
+        return None
+    return det.exit_verdict(slot.node, slot.slot, slot.role, exit_code, signal, now)

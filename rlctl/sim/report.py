@@ -1,0 +1,156 @@
+"""Running simulations and reporting them: one run's summary, policies side by side, sweeps, plots.
+
+A summary is a plain dict (what ``rlctl sim --json`` prints): ETTR, the ledger in seconds and as
+fractions of wall time, end-to-end time to N steps, faults, verdicts and actions, and the
+simulator's own speed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from rlctl.core.ettr import CATEGORIES
+from rlctl.core.spec import JobSpec
+from rlctl.sim.costmodel import CostModel
+from rlctl.sim.faults import FailureModel
+
+if TYPE_CHECKING:
+    from rlctl.sim.engine import SimConfig, Simulation
+
+POLICIES = ("role", "full-restart")
+
+
+def summarize(sim: "Simulation", wall_clock_s: float) -> dict[str, Any]:
+    """One run, as a JSON-able dict."""
+    model = sim.model
+    ledger = model.ledger
+    wall = ledger.wall
+    faults = list(model.faults.values())
+    detected = [f.detected_at - f.occurred_at for f in faults if f.detected_at is not None]
+    recovered = [f.recovered_at - f.detected_at for f in faults if f.recovered_at is not None and f.detected_at is not None]
+    return {
+        "policy": model.policy,
+        "seed": sim.config.seed,
+        "failure_model": sim.failures.name,
+        "gpus": sim.layout.total_gpus,
+        "nodes": dict(sim.layout.nodes, spare=sim.layout.spares),
+        "state": model.life.state.value,
+        "steps_done": model.published_version,
+        "steps_target": model.total_steps,
+        "end_to_end_s": sim.end_to_end_s,
+        "wall_s": round(wall, 3),
+        "ettr": round(ledger.ettr(), 4),
+        "ledger_s": {c: round(ledger.seconds[c], 3) for c in CATEGORIES},
+        "ledger_fraction": {c: round(ledger.seconds[c] / wall, 4) if wall > 0 else 0.0 for c in CATEGORIES},
+        "faults_injected": sim.stats.faults_injected,
+        "faults_by_cause": dict(sorted(sim.stats.faults_by_kind.items())),
+        "faults_open_at_end": sum(1 for f in faults if f.open),
+        "verdicts": dict(sorted(sim.stats.verdicts.items())),
+        "actions": dict(sorted(sim.stats.actions.items())),
+        "mean_detection_s": round(statistics.fmean(detected), 3) if detected else None,
+        "mean_recovery_s": round(statistics.fmean(recovered), 3) if recovered else None,
+        "rounds": dict(sorted(sim.stats.rounds.items())),
+        "mean_step_s": round(wall / model.published_version, 3) if model.published_version else None,
+        "events": sim.stats.events,
+        "sim_callbacks": sim.q.processed,
+        "sim_wall_clock_s": round(wall_clock_s, 3),
+    }
+
+
+def simulate(spec: JobSpec, cost: CostModel, failures: FailureModel, config: "SimConfig") -> dict[str, Any]:
+    from rlctl.sim.engine import Simulation
+
+    return Simulation(spec, cost, failures, config).run()
+
+
+def compare_policies(spec: JobSpec, cost: CostModel, make_failures: Callable[[int], FailureModel],
+                     config: "SimConfig", policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
+    """The same job, cost model and failure seed under each policy; the relative speed-up of ``role``."""
+    runs = {p: simulate(spec, cost, make_failures(config.seed), replace(config, policy=p)) for p in policies}
+    out: dict[str, Any] = {"runs": runs}
+    if "role" in runs and "full-restart" in runs:
+        out["comparison"] = compare(runs["role"], runs["full-restart"])
+    return out
+
+
+def compare(role: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+    """ETTR gap and end-to-end speed-up (how much less time ``role`` needs for the same steps)."""
+    result: dict[str, Any] = {"ettr_role": role["ettr"], "ettr_full_restart": full["ettr"],
+                              "ettr_gap_points": round(100 * (role["ettr"] - full["ettr"]), 2)}
+    if role["end_to_end_s"] and full["end_to_end_s"]:
+        result["end_to_end_faster_pct"] = round(100 * (1 - role["end_to_end_s"] / full["end_to_end_s"]), 2)
+    else:
+        rate_role = role["steps_done"] / role["wall_s"] if role["wall_s"] else 0.0
+        rate_full = full["steps_done"] / full["wall_s"] if full["wall_s"] else 0.0
+        if rate_role > 0 and rate_full > 0:
+            result["end_to_end_faster_pct"] = round(100 * (1 - rate_full / rate_role), 2)
+    return result
+
+
+def median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the headline figures over seeds."""
+    def med(key: str) -> float | None:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return round(statistics.median(values), 4) if values else None
+
+    return {"ettr": med("ettr"), "end_to_end_s": med("end_to_end_s"), "steps_done": med("steps_done"),
+            "wall_s": med("wall_s"), "faults_injected": med("faults_injected"),
+            "mean_step_s": med("mean_step_s"), "seeds": len(runs),
+            "ledger_fraction": {c: round(statistics.median(r["ledger_fraction"][c] for r in runs), 4) for c in CATEGORIES}}
+
+
+def plot_sweeps(rate_rows: list[dict[str, Any]], size_rows: list[dict[str, Any]], path: Path) -> None:
+    """Two panels: ETTR vs per-step failure rate, ETTR vs cluster size, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, rows, key, label in ((axes[0], rate_rows, "rate", "failure injection per RL step"),
+                                   (axes[1], size_rows, "gpus", "GPUs")):
+        for policy, style in (("role", "o-"), ("full-restart", "s--")):
+            xs = [r[key] for r in rows if r["policy"] == policy]
+            ys = [r["ettr"] for r in rows if r["policy"] == policy]
+            axis.plot(xs, ys, style, label=policy)
+        axis.set_xlabel(label)
+        axis.set_ylabel("ETTR")
+        axis.set_ylim(0, 1.02)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    axes[1].set_xscale("log", base=2)
+    axes[0].axhline(0.8, color="grey", lw=0.8, ls=":")
+    axes[0].axhline(0.6, color="grey", lw=0.8, ls=":")
+    fig.suptitle("rlctl sim: ETTR by recovery policy")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ledger(result: dict[str, Any], path: Path) -> None:
+    """A stacked bar per policy: where the wall-clock time went."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"] if "runs" in result else {result["policy"]: result}
+    fig, axis = plt.subplots(figsize=(6, 3.6))
+    names = list(runs)
+    bottoms = [0.0] * len(names)
+    for category in CATEGORIES:
+        values = [runs[n]["ledger_fraction"][category] for n in names]
+        axis.bar(names, values, bottom=bottoms, label=category)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    axis.set_ylabel("fraction of wall-clock time")
+    axis.set_ylim(0, 1.0)
+    axis.legend(fontsize=8, loc="lower right")
+    axis.set_title("ETTR ledger by policy")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

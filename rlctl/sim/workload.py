@@ -1,0 +1,95 @@
+"""The synthetic workload: prompts, per-sample response lengths and per-round generation time.
+
+The round scheduler tracks a small representative batch (the job file's, or the cost model's
+``sim_batch_*``); each sample's length is drawn from the cost model's lognormal distribution with
+the sample's own seed, so deferral to the long queue is decided by the real scheduler. The time a
+round takes is computed for the *real* batch (``workload.batch_prompts`` × ``group_size``) from
+order statistics of the same distribution: a synchronous or long round lasts until its longest
+(capped) response; a short round until enough groups have finished (RollPacker).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+
+from rlctl.core.rounds import PromptRef, SchedulerConfig, config_from_spec
+from rlctl.core.spec import JobSpec
+from rlctl.sim.costmodel import CostModel, GenerationCost, response_quantile
+
+SYNTHETIC_PROMPT_TOKENS = (1,)
+
+
+def scheduler_config(spec: JobSpec, cost: CostModel) -> SchedulerConfig:
+    """The live scheduler config, with caps and the tracked batch overridden by the cost model when set."""
+    base = config_from_spec(spec)
+    gen, work = cost.generation, cost.workload
+    batch = work.sim_batch_prompts or base.batch_prompts
+    long_batch = base.long_batch if not work.sim_batch_prompts else max(1, round(base.long_batch * batch / base.batch_prompts))
+    return replace(
+        base,
+        batch_prompts=batch,
+        group_size=work.sim_group_size or base.group_size,
+        max_new_tokens=gen.max_new_tokens or base.max_new_tokens,
+        short_max_tokens=gen.short_max_tokens or base.short_max_tokens,
+        long_batch=long_batch,
+    )
+
+
+def synthetic_prompts(count: int, seed: int) -> list[PromptRef]:
+    """``count`` prompts; their lengths live in the samples (drawn per sample seed), not the prompt."""
+    return [PromptRef(f"sp{index:06d}", SYNTHETIC_PROMPT_TOKENS, {"synthetic": True, "seed": seed}) for index in range(count)]
+
+
+def sample_length(gen: GenerationCost, sample_seed: int) -> int:
+    """A sample's uncapped response length (tokens), a pure function of its seed."""
+    u = random.Random(sample_seed).random()
+    return max(1, int(response_quantile(gen, min(max(u, 1e-12), 1 - 1e-12))))
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """Generation time of one round for the real batch."""
+
+    tokens: float  # the critical-path response length
+    seconds: float
+
+
+def _max_of(gen: GenerationCost, samples: int, rng: random.Random) -> float:
+    """A draw of the maximum of ``samples`` iid lengths: F^-1(U^(1/n))."""
+    u = rng.random() ** (1.0 / max(samples, 1))
+    return response_quantile(gen, min(max(u, 1e-12), 1 - 1e-12))
+
+
+def round_timing(cost: CostModel, kind: str, cap: int, overprovision: float, rng: random.Random) -> RoundTiming:
+    """How long the round takes: per-token decode latency × its critical-path length, plus overhead."""
+    gen, work = cost.generation, cost.workload
+    real_samples = work.batch_prompts * work.group_size
+    if kind == "short":
+        # The round ends when `batch` of `batch * (1 + overprovision)` groups are complete: the
+        # group-max quantile batch/dispatched; groups that would exceed the cap are deferred.
+        fraction = 1.0 / (1.0 + overprovision)
+        jitter = 1.0 + 0.02 * (rng.random() - 0.5)
+        quantile = min(1 - 1e-9, (fraction * jitter) ** (1.0 / work.group_size))
+        tokens = min(float(cap), response_quantile(gen, quantile))
+    else:
+        tokens = min(float(cap), _max_of(gen, real_samples, rng))
+    return RoundTiming(tokens, gen.overhead_s + gen.per_token_s * tokens)
+
+
+def expected_step_s(cost: CostModel, tail: bool, overprovision: float) -> float:
+    """A rough step time (used only to place step-model faults within a step before one was measured)."""
+    rng = random.Random(0)
+    kind = "short" if tail else "sync"
+    cap = cost.generation.short_max_tokens if tail else cost.generation.max_new_tokens
+    timing = round_timing(cost, kind, cap, overprovision, rng)
+    return timing.seconds + cost.weights.sync_s + cost.step.reward_s + cost.step.train_s
+
+
+def jittered(base: float, relative_sd: float, rng: random.Random) -> float:
+    """``base`` times a lognormal factor with the given relative spread (mean-preserving)."""
+    if relative_sd <= 0 or base <= 0:
+        return base
+    sigma = math.sqrt(math.log(1 + relative_sd**2))
+    return base * math.exp(rng.gauss(-sigma * sigma / 2, sigma))

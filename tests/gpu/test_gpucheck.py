@@ -1,0 +1,122 @@
+"""The GPU check: its JSON report's shape (anywhere) and, on a GPU node, its values.
+
+``test_run_sh_report`` is marked ``gpu`` and runs ``tests/gpu/run.sh`` for real: without a GPU
+every part must be skipped with a reason and the exit status must be 0; with one, the parts
+that prove rlctl's GPU paths must pass. The other tests check the parts' pure logic here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlctl.gpucheck.nvml_part import facts_problems, sample_problems
+from rlctl.gpucheck.report import PART_NAMES, CheckFailed, Skip, run_part
+
+ROOT = Path(__file__).resolve().parents[2]
+STATUSES = {"ok", "skipped", "failed"}
+
+
+def run_gpucheck(*args: str) -> tuple[int, dict[str, Any], str]:
+    proc = subprocess.run(["bash", str(ROOT / "tests/gpu/run.sh"), *args], capture_output=True, text=True,
+                          timeout=1200, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"stdout must be one JSON line, got {proc.stdout[-2000:]!r}; stderr {proc.stderr[-2000:]}"
+    return proc.returncode, json.loads(lines[0]), proc.stderr
+
+
+def check_shape(report: dict[str, Any]) -> None:
+    assert report["gpucheck"] == 1
+    assert set(report["parts"]) == set(PART_NAMES)
+    for name, part in report["parts"].items():
+        assert part["status"] in STATUSES, name
+        assert isinstance(part["seconds"], float)
+        if part["status"] == "skipped":
+            assert part["reason"], name
+        if part["status"] == "failed":
+            assert part["error"], name
+    assert sum(report["summary"].values()) == len(PART_NAMES)
+    assert report["ok"] == (report["summary"]["failed"] == 0)
+
+
+def check_gpu_values(report: dict[str, Any]) -> None:
+    parts = report["parts"]
+    failed = {k: v.get("error") for k, v in parts.items() if v["status"] == "failed"}
+    assert not failed, failed
+    for name in ("nvml", "nvml_sample_cost", "torch_rollout", "torch_train_step", "nccl_watchdog"):
+        assert parts[name]["status"] == "ok", (name, parts[name])
+    assert parts["nvml"]["gpus"] and parts["nvml_sample_cost"]["ms_per_sample_median"] > 0
+    assert parts["torch_rollout"]["cuda_large"]["tokens_per_s"] > 0
+    assert parts["torch_train_step"]["large"]["step_s_median"] > 0
+    assert parts["nccl_watchdog"]["watchdog_classified"] or parts["nccl_watchdog"]["signals"]
+    if parts["ucx_cuda"]["status"] == "ok":
+        assert parts["ucx_cuda"]["bit_exact"] and parts["ucx_cuda"]["ucx_fetch_gbps"] > 0
+
+
+@pytest.mark.gpu
+def test_run_sh_report() -> None:
+    code, report, stderr = run_gpucheck()
+    check_shape(report)
+    if report["environment"].get("cuda_available"):
+        check_gpu_values(report)
+        assert code == 0, stderr[-3000:]
+    else:
+        assert code == 0
+        assert all(p["status"] == "skipped" for p in report["parts"].values()), report["parts"]
+
+
+def test_run_part_statuses() -> None:
+    def ok() -> dict[str, Any]:
+        return {"x": 1}
+
+    def skip() -> dict[str, Any]:
+        raise Skip("no widget")
+
+    def broken() -> dict[str, Any]:
+        raise CheckFailed("value out of range")
+
+    assert run_part("a", ok)["status"] == "ok" and run_part("a", ok)["x"] == 1
+    assert run_part("b", skip) == {"status": "skipped", "reason": "no widget", "seconds": pytest.approx(0, abs=1)}
+    failed = run_part("c", broken)
+    assert failed["status"] == "failed" and "value out of range" in failed["error"]
+
+
+def test_nvml_sanity_rules() -> None:
+    good = {"index": 0, "util": 37, "mem_used": 10, "mem_total": 80, "temp_c": 41, "power_w": 312.5,
+            "ecc_sbe": 0, "ecc_dbe": 0, "lost": False}
+    assert sample_problems(good) == []
+    assert sample_problems({**good, "power_w": None}) == []  # unsupported query
+    assert sample_problems({**good, "util": 140})
+    assert sample_problems({**good, "mem_used": 90})
+    assert sample_problems({**good, "lost": True})
+    assert facts_problems({"gpus": [{"index": 0, "name": "NVIDIA H100", "uuid": "GPU-1", "memory_total": 8}]}) == []
+    assert facts_problems({"gpus": []}) == ["no GPUs enumerated"]
+
+
+def test_nccl_part_classifies_a_real_watchdog_log(tmp_path: Path) -> None:
+    from rlctl.gpucheck.nccl_part import _classify
+
+    log = tmp_path / "rank0.log"
+    log.write_text(
+        "gpucheck-nccl warmup ok rank=0 sum=1\n"
+        "[rank0]:[E1121 18:37:01.833 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation "
+        "timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1024, NumelOut=1024, Timeout(ms)=5000) ran for "
+        "5012 milliseconds before timing out.\n"
+        "[rank0]:[E1121 18:37:01.900 ProcessGroupNCCL.cpp:1600] [PG 0 (default_pg) Rank 0] ProcessGroupNCCL "
+        "preparing to dump debug info. Include stack trace: 1, only active collectives: 0\n")
+    signals = _classify([log])
+    timeout = next(s for s in signals if s["kind"] == "nccl-timeout")
+    assert timeout["trigger"] == "watchdog-timeout" and timeout["op_type"] == "ALLREDUCE"
+    assert timeout["timeout_ms"] == 5000 and timeout["seq"] == 2
+    assert any(s["kind"] == "nccl-flight-recorder" for s in signals)
+
+
+def test_nccl_stall_program_parses_its_arguments() -> None:
+    from rlctl.gpucheck.nccl_stall import parse_args
+
+    args = parse_args(["--rank", "1", "--world", "2", "--port", "29500", "--timeout-s", "5", "--mode", "peer-absent"])
+    assert (args.rank, args.world, args.mode, args.hold_s) == (1, 2, "peer-absent", 120.0)

@@ -1,0 +1,71 @@
+"""Unit tests for rlctl.workload.nccl_env: the trainer group's NCCL settings are a pure function."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from rlctl.workload.nccl_env import (
+    DUMP_FILE_PREFIX,
+    NcclBounds,
+    dump_files,
+    merged_env,
+    pg_timeout_s,
+    trainer_nccl_settings,
+)
+
+
+def test_settings_enable_watchdog_flight_recorder_and_dump_path(tmp_path: Path) -> None:
+    settings = trainer_nccl_settings(NcclBounds(max_step_s=30, checkpoint_s=20, dump_dir=tmp_path))
+    env = settings.env
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert env["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+    assert env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "120"
+    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0  # the dump needs a non-empty ring buffer
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "15000"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / DUMP_FILE_PREFIX)
+    assert settings.pg_timeout == timedelta(seconds=150)  # 3 x (30 + 20)
+    assert all(isinstance(v, str) for v in env.values())
+
+
+def test_settings_are_pure() -> None:
+    bounds = NcclBounds(max_step_s=12.5)
+    assert trainer_nccl_settings(bounds) == trainer_nccl_settings(bounds)
+
+
+@pytest.mark.parametrize("step, ckpt, expected", [(1, 0, 60.0), (100, 100, 600.0), (10_000, 0, 1800.0)])
+def test_pg_timeout_is_clamped(step: float, ckpt: float, expected: float) -> None:
+    assert pg_timeout_s(NcclBounds(max_step_s=step, checkpoint_s=ckpt)) == expected
+
+
+def test_pg_timeout_beats_default_for_short_steps() -> None:
+    assert pg_timeout_s(NcclBounds(max_step_s=20, checkpoint_s=30)) < 600  # PyTorch's NCCL default
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_step_s=0), dict(max_step_s=1, safety=0.5),
+                                    dict(max_step_s=1, trace_buffer=0), dict(max_step_s=1, min_timeout_s=10,
+                                                                              max_timeout_s=5)])
+def test_bad_bounds_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        NcclBounds(**kwargs)  # type: ignore[arg-type]
+
+
+def test_operator_values_win_unless_override() -> None:
+    settings = trainer_nccl_settings(NcclBounds(max_step_s=10))
+    base = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900", "PATH": "/bin"}
+    assert merged_env(base, settings)["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "900"
+    assert merged_env(base, settings, override=True)["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "120"
+    assert merged_env(base, settings)["PATH"] == "/bin"
+    assert base == {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900", "PATH": "/bin"}
+
+
+def test_dump_files_lists_only_this_prefix(tmp_path: Path) -> None:
+    settings = trainer_nccl_settings(NcclBounds(max_step_s=10, dump_dir=tmp_path))
+    assert dump_files(settings) == []
+    (tmp_path / f"{DUMP_FILE_PREFIX}1").write_bytes(b"x")
+    (tmp_path / f"{DUMP_FILE_PREFIX}0").write_bytes(b"x")
+    (tmp_path / "other").write_bytes(b"x")
+    assert [p.name for p in dump_files(settings)] == [f"{DUMP_FILE_PREFIX}0", f"{DUMP_FILE_PREFIX}1"]
