@@ -91,10 +91,6 @@ class Recovery:
             return
         if exit_code == 0 and signal_name is None:
             return
-        if slot.life is not None and slot.life.state == WorkerState.EXITED and slot.slot not in self._busy_slots:
-            # Stopped on purpose (recovery or job end): not a fault.
-            if any(h[1] == slot.slot for h in self._handled):
-                return
         verdict = det.exit_verdict(slot.node, slot.slot, slot.role, exit_code, signal_name, time.time())
         if verdict is not None:
             self.handle(verdict)

@@ -78,6 +78,7 @@ class Controller:
         self.stopping = False
         self.stop_reason = ""
         self.routed_away: set[str] = set()
+        self.stopping_wids: set[str] = set()
         self.node_infos: dict[str, NodeInfo] = {}
         self.probes: dict[str, tuple[bool, str, float]] = {}
         self.probing: set[str] = set()
@@ -345,6 +346,8 @@ class Controller:
         code = message.get("exit_code")
         sig = message.get("signal")
         self.record("WorkerExited", slot=slot.slot, wid=slot.wid, exit_code=code, signal=sig)
+        if slot.wid in self.stopping_wids:
+            return  # we asked it to stop
         self.recovery.on_worker_gone(slot, code, sig)
 
     def _on_fault_signal(self, node: str, message: dict[str, Any], now: float) -> None:
@@ -442,6 +445,7 @@ class Controller:
     async def stop_worker(self, slot: SlotRecord, grace_s: float = 3.0) -> None:
         if slot.node is None or slot.wid is None:
             return
+        self.stopping_wids.add(slot.wid)
         if slot.life is not None and slot.life.can_move(WorkerState.STOPPING):
             self.record("WorkerPhase", slot=slot.slot, wid=slot.wid, phase="stopping", step=slot.phase_step)
             slot.life.move(WorkerState.STOPPING, time.time(), "stop requested")

@@ -99,6 +99,7 @@ class JobModel:
     productive_since: float | None = None
     recent: deque[Event] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
     heartbeats_total: int = 0
+    trainer_restored_at: float = 0.0
     workers_started: int = 0
     last_seq: int = 0
     scheduler: RoundScheduler | None = None
@@ -413,6 +414,8 @@ class JobModel:
             slot.weights_version = max(slot.weights_version, version)
             if slot.role == "rollout" and version >= self.published_version:
                 self._recover_slot(slot, ev.at)
+                if self.policy == "full-restart":
+                    self._recover_after_full_restart(ev.at)
 
     def _on_StepTrained(self, ev: Event) -> None:
         step = int(ev.data["step"])
@@ -432,9 +435,7 @@ class JobModel:
         slot = self.slots.get(ev.data["slot"])
         if slot is not None:
             self._recover_slot(slot, ev.at)
-        for fault in self.open_faults():
-            if fault.kind == "full-restart" or (self.policy == "full-restart" and fault.detected_at is not None):
-                self._recover_fault(fault, ev.at)
+        self.trainer_restored_at = ev.at
 
     def _on_SchedulerRolledBack(self, ev: Event) -> None:
         to_step = int(ev.data["to_step"])
@@ -461,6 +462,12 @@ class JobModel:
     def _recover_slot(self, slot: SlotRecord, at: float) -> None:
         for fault in self.open_faults():
             if fault.slot == slot.slot and fault.detected_at is not None and self.policy == "role":
+                self._recover_fault(fault, at)
+
+    def _recover_after_full_restart(self, at: float) -> None:
+        """Everything is back once the restarted trainer restored and a rollout holds its weights."""
+        for fault in self.open_faults():
+            if fault.detected_at is not None and self.trainer_restored_at >= fault.detected_at:
                 self._recover_fault(fault, at)
 
     def _recover_matching(self, kind: str, node: str, slot: str | None, at: float) -> None:

@@ -61,8 +61,7 @@ class TrainerRole:
             self.version = step + 1
             replayed.append(step)
         self.publish(metrics=None)
-        if replayed or init.get("checkpoint"):
-            self.w.request("trainer.restored", checkpoint_step=init.get("checkpoint_step"), replayed_steps=replayed)
+        self.w.request("trainer.restored", checkpoint_step=init.get("checkpoint_step"), replayed_steps=replayed)
 
     def fetch_batch(self, step: int) -> list[Any] | None:
         from rlctl.workload.trainer import TrainSample

@@ -104,7 +104,7 @@ def default_checksum_algorithm() -> str:
 def compute_checksum(buffer: Buffer, algorithm: str | None = None) -> str:
     """Checksum of the whole buffer as `"<algorithm>:<hex>"` (releases the GIL while hashing)."""
     algorithm = algorithm or default_checksum_algorithm()
-    data = memoryview(buffer).cast("B")
+    data = buffer.data.cast("B")
     if algorithm == "sha256":
         return "sha256:" + hashlib.sha256(data).hexdigest()
     if algorithm == "xxh3_128":
@@ -147,7 +147,7 @@ def flatten(state: Mapping[str, Any], version: int, checksum_algorithm: str | No
     return Bundle(manifest=manifest, buffer=buffer)
 
 
-def _torch_module() -> Any | None:
+def _torch_module() -> Any:
     """The torch module if something in this process already imported it (never imports it)."""
     return sys.modules.get("torch")
 
@@ -292,7 +292,8 @@ def verify(manifest: Manifest, buffer: Buffer, expected_version: int | None = No
 
 def _parse_manifest(data: Any) -> Manifest:
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-        raise WeightIntegrityError(f"unsupported manifest format {data.get('format') if isinstance(data, dict) else data!r}")
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise WeightIntegrityError(f"unsupported manifest format {found!r}")
     kind = data["kind"]
     if kind not in (KIND_TORCH, KIND_NUMPY):
         raise WeightIntegrityError(f"unknown manifest kind {kind!r}")
@@ -319,7 +320,7 @@ def _parse_entry(raw: Any, kind: str, total: int) -> TensorEntry:
     if math.prod(shape) * itemsize != nbytes:
         raise WeightIntegrityError(f"tensor {name!r}: shape {shape} x {itemsize} B != nbytes {nbytes}")
     if offset % itemsize or offset + nbytes > total:
-        raise WeightIntegrityError(f"tensor {name!r}: offset {offset} misaligned or out of bounds")
+        raise WeightIntegrityError(f"tensor {name!r}: offset {offset} is misaligned or out of bounds")
     return TensorEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes)
 
 

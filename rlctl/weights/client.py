@@ -42,14 +42,14 @@ def _receiver(transport: str) -> Receiver:
 def check_descriptor(source: dict[str, Any]) -> None:
     """Raise `ValueError` unless `source` has the fields and types of a source descriptor."""
     if not isinstance(source, dict):
-        raise ValueError(f"source descriptor must be a dict, got {type(source).__name__}")
+        raise ValueError(f"source descriptor must be a dict, got {type(source).__name__}")  # noqa: TRY004
     missing = [key for key in DESCRIPTOR_KEYS if key not in source]
     if missing:
         raise ValueError(f"source descriptor lacks {missing}")
     if not isinstance(source["host"], str) or not isinstance(source["port"], int):
-        raise ValueError("source descriptor host must be str and port int")
+        raise ValueError("source descriptor host must be str and port int")  # noqa: TRY004
     if not isinstance(source["version"], int) or not isinstance(source["nbytes"], int):
-        raise ValueError("source descriptor version and nbytes must be int")
+        raise ValueError("source descriptor version and nbytes must be int")  # noqa: TRY004
 
 
 async def receive_raw(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,

@@ -37,7 +37,7 @@ def remaining(deadline: float) -> float:
 async def _with_deadline(awaitable: Any, deadline: float, what: str) -> Any:
     try:
         return await asyncio.wait_for(awaitable, remaining(deadline))
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise WeightTimeoutError(f"timed out while {what}") from exc
     except (ConnectionError, OSError) as exc:
         raise WeightTransferError(f"connection failed while {what}: {exc}") from exc

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from rlctl.weights.bundle import Bundle, flatten
 from rlctl.weights.errors import TransportUnavailableError
@@ -117,13 +117,19 @@ class WeightServer:
         assert descriptor is not None
         return descriptor
 
+    @property
+    def endpoint(self) -> dict[str, Any]:
+        """Where joiners reach this server: `{transport, host, port, worker_address_hex?}` (after start)."""
+        if self._holder is None:
+            raise RuntimeError("WeightServer is not started")
+        return {"transport": self.transport, "host": self._advertise_host, **self._endpoint_fields}
+
     def descriptor(self) -> dict[str, Any] | None:
         """The source descriptor of the version served now, or None before the first publish."""
         if self._bundle is None:
             return None
         manifest = self._bundle.manifest
-        return {"transport": self.transport, "host": self._advertise_host, **self._endpoint_fields,
-                "version": manifest.version, "nbytes": manifest.nbytes, "checksum": manifest.checksum}
+        return {**self.endpoint, "version": manifest.version, "nbytes": manifest.nbytes, "checksum": manifest.checksum}
 
     async def close(self) -> None:
         """Stop accepting and abort transfers in flight. Idempotent."""
@@ -181,7 +187,7 @@ class WeightServerThread:
         self._thread.join()
         self._loop.close()
 
-    def __enter__(self) -> WeightServerThread:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

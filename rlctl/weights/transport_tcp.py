@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_NBYTES = 1 << 40
 DEFAULT_HOLDER_IO_TIMEOUT_S = 600.0
 
+NOTHING_PUBLISHED = "this holder has not published weights yet"
+
 BundleGetter = Callable[[], Bundle | None]
 ConnectionHandler = Callable[[socket.socket], Awaitable[None]]
 
@@ -119,10 +121,10 @@ class TcpHolder:
         await framing.recv_frame(conn, deadline)
         bundle = self._current()
         if bundle is None:
-            await framing.send_frame(conn, {"ok": False, "error": "this holder has not published weights yet"}, deadline)
+            await framing.send_frame(conn, {"ok": False, "error": NOTHING_PUBLISHED}, deadline)
             return
         await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json()}, deadline)
-        await framing.send_all(conn, memoryview(bundle.buffer), deadline)
+        await framing.send_all(conn, bundle.buffer.data, deadline)
 
 
 def manifest_from_reply(reply: dict[str, Any], max_nbytes: int) -> Manifest:
@@ -150,7 +152,7 @@ async def tcp_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
         await framing.send_frame(sock, {"op": "fetch", "version": source.get("version")}, deadline)
         manifest = manifest_from_reply(await framing.recv_frame(sock, deadline), max_nbytes)
         buffer = receive_buffer(manifest.nbytes, out)
-        await framing.recv_exactly_into(sock, memoryview(buffer), deadline)
+        await framing.recv_exactly_into(sock, buffer.data, deadline)
         return manifest, buffer
     finally:
         sock.close()

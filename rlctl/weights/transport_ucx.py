@@ -46,6 +46,7 @@ from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, 
 from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
     DEFAULT_MAX_NBYTES,
+    NOTHING_PUBLISHED,
     BundleGetter,
     SocketServer,
     manifest_from_reply,
@@ -131,9 +132,8 @@ class UcxRuntime:
 
 
 def _ucx_errors() -> tuple[type[BaseException], ...]:
-    from ucxx.exceptions import UCXError
-
     from ucxx._lib.libucxx import UCXCanceled
+    from ucxx.exceptions import UCXError
 
     return (UCXError, UCXCanceled)
 
@@ -142,7 +142,7 @@ async def _bounded(awaitable: Any, deadline: float, what: str) -> Any:
     """Await with the remaining time to `deadline`, mapping timeouts and UCX errors to ours."""
     try:
         return await asyncio.wait_for(awaitable, framing.remaining(deadline))
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise WeightTimeoutError(f"timed out while {what}") from exc
     except _ucx_errors() as exc:
         raise WeightTransferError(f"UCX error while {what}: {exc!r}") from exc
@@ -151,7 +151,7 @@ async def _bounded(awaitable: Any, deadline: float, what: str) -> Any:
 async def _close_endpoint(endpoint: Any) -> None:
     try:
         await endpoint.close(period=CLOSE_PERIOD_NS)
-    except Exception as exc:  # closing a broken endpoint must not mask the real outcome
+    except Exception as exc:  # noqa: BLE001 - closing a broken endpoint must not mask the real outcome
         log.debug("closing UCX endpoint failed: %r", exc)
 
 
@@ -230,7 +230,7 @@ class UcxHolder:
 
     async def _send_bundle(self, endpoint: Any, bundle: Bundle | None, deadline: float) -> None:
         if bundle is None:
-            reply: dict[str, Any] = {"ok": False, "error": "this holder has not published weights yet"}
+            reply: dict[str, Any] = {"ok": False, "error": NOTHING_PUBLISHED}
             nbytes = 0
         else:
             reply = {"ok": True, "manifest": bundle.manifest.to_json()}
@@ -389,7 +389,7 @@ class UcxSmHolder:
         peer_address, tag = _parse_sm_request(await framing.recv_frame(conn, deadline))
         bundle = self._current()
         if bundle is None:
-            await framing.send_frame(conn, {"ok": False, "error": "this holder has not published weights yet"}, deadline)
+            await framing.send_frame(conn, {"ok": False, "error": NOTHING_PUBLISHED}, deadline)
             return
         await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json(),
                                         "worker_address_hex": self.worker_address_hex}, deadline)
@@ -454,7 +454,7 @@ async def _first_failure_or_all(*awaitables: Any) -> None:
     """Await all; on the first exception cancel the rest and re-raise it."""
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
             task.result()
     finally:

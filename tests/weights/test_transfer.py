@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import pytest
 import weights_procs
@@ -111,7 +111,7 @@ def run_campaign(transport: str) -> Campaign:
              (transport, {"mode": "corrupt"}),
              (transport, {"big": LARGE, "mode": "die"})]
     with holders(*specs) as (healthy, corrupt, dying):
-        good = healthy.source
+        good = {key: value for key, value in healthy.source.items() if key != "self_fetch_ok"}
         joiner_a = start_joiner(transport, [
             ("good-a1", good, 3, 1 << 20, 20.0), ("good-a2", good, 3, 1 << 20, 20.0),
             ("stale-version", {**good, "version": good["version"] + 1}, 3, 1 << 20, 20.0),
@@ -121,7 +121,7 @@ def run_campaign(transport: str) -> Campaign:
         joiner_b = start_joiner(transport, [("good-b1", good, 3, 1 << 20, 20.0), ("good-b2", good, 3, 1 << 20, 20.0)])
         results = {**joiner_results(*joiner_a), **joiner_results(*joiner_b)}
         dying.process.join(10)
-        return Campaign(transport, good, results, dying.process.exitcode)
+        return Campaign(transport, healthy.source, results, dying.process.exitcode)
 
 
 @pytest.fixture(scope="module", params=ALL_TRANSPORTS)
@@ -135,6 +135,10 @@ def test_round_trip_of_real_tensors(campaign: Campaign) -> None:
     result = campaign.results["good-a1"]
     assert result["ok"], result
     assert result["version"] == 11
+
+
+def test_a_holder_can_fetch_from_itself(campaign: Campaign) -> None:
+    assert campaign.source["self_fetch_ok"] is True
 
 
 def test_concurrent_joiners_all_get_identical_weights(campaign: Campaign) -> None:
@@ -171,9 +175,10 @@ class ByteFlippingProxy:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.port = 0
 
-    def __enter__(self) -> ByteFlippingProxy:
+    def __enter__(self) -> Self:
         self.thread.start()
-        server = asyncio.run_coroutine_threadsafe(asyncio.start_server(self._handle, "127.0.0.1", 0), self.loop).result()
+        starting = asyncio.start_server(self._handle, "127.0.0.1", 0)
+        server = asyncio.run_coroutine_threadsafe(starting, self.loop).result()
         self.port = server.sockets[0].getsockname()[1]
         return self
 
@@ -204,9 +209,9 @@ def test_byte_corrupted_on_the_wire_is_detected() -> None:
 
     with holders(("tcp", {"big": 1 << 18})) as [holder]:
         source = holder.source
-        with ByteFlippingProxy((source["host"], source["port"]), flip_at=source["nbytes"] // 2) as proxy:
-            with pytest.raises(WeightIntegrityError, match="received bytes hash to"):
-                fetch_sync({**source, "port": proxy.port}, timeout=20.0)
+        proxy = ByteFlippingProxy((source["host"], source["port"]), flip_at=source["nbytes"] // 2)
+        with proxy, pytest.raises(WeightIntegrityError, match="received bytes hash to"):
+            fetch_sync({**source, "port": proxy.port}, timeout=20.0)
 
 
 def test_hung_holder_times_out() -> None:
@@ -219,6 +224,22 @@ def test_hung_holder_times_out() -> None:
         with pytest.raises(WeightTransferError, match="timed out"):
             fetch_sync(holder.source, timeout=timeout)
         assert timeout <= time.monotonic() - started < timeout + 1.5
+
+
+def test_holder_without_weights_refuses_and_a_fetched_bundle_can_be_re_served() -> None:
+    import torch
+
+    from rlctl.weights import WeightServerThread, WeightTransferError, fetch_bundle_sync, fetch_sync
+
+    state = weights_procs.make_state(seed=9)
+    with WeightServerThread("tcp") as trainer, WeightServerThread("tcp") as rollout:
+        empty = {**rollout.server.endpoint, "version": 1, "nbytes": 0, "checksum": "sha256:" + "0" * 64}
+        with pytest.raises(WeightTransferError, match="not published"):
+            fetch_sync(empty, timeout=5.0)
+        bundle = fetch_bundle_sync(trainer.publish(4, state), timeout=5.0)
+        version, fetched = fetch_sync(rollout.publish_bundle(bundle), timeout=5.0)
+    assert version == 4
+    assert all(torch.equal(fetched[name], tensor) for name, tensor in state.items())
 
 
 def test_unreachable_holder_is_a_transfer_error() -> None:

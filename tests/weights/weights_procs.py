@@ -79,7 +79,7 @@ def holder_main(transport: str, seed: int, version: int, big_elements: int, mode
     checksum stays the published one); "die" exits mid-transfer.
     """
     set_env(transport)
-    from rlctl.weights import WeightServerThread
+    from rlctl.weights import WeightServerThread, fetch_sync
 
     if mode == "die":
         _die_mid_transfer(transport)
@@ -89,6 +89,11 @@ def holder_main(transport: str, seed: int, version: int, big_elements: int, mode
             bundle = server.server.current_bundle()
             assert bundle is not None
             bundle.buffer[bundle.manifest.nbytes // 2] ^= 0x01
+        if mode == "normal":  # one process serving and fetching at once (one ucxx worker)
+            version, state = fetch_sync(descriptor, timeout=20.0)
+            expected = make_state(seed, big_elements)
+            descriptor["self_fetch_ok"] = version == descriptor["version"] and all(
+                state[name].dtype == tensor.dtype and bool((state[name] == tensor).all()) for name, tensor in expected.items())
         out.put(descriptor)
         stop.poll(60)
 
@@ -109,7 +114,7 @@ async def _fetch_and_compare(source: dict[str, Any], seed: int, big_elements: in
     started = time.monotonic()
     try:
         version, state = await fetch(source, timeout=timeout)
-    except Exception as exc:  # reported to the test, which asserts on the class
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on the class
         return {**_describe(exc), "elapsed": time.monotonic() - started}
     expected = make_state(seed, big_elements)
     mismatched = [name for name, tensor in expected.items()

@@ -1,0 +1,147 @@
+"""Chaos ETTR benchmark: the reference job under per-step fault injection, `role` vs `full-restart`.
+
+Same job, same seed, same fault draws for both policies, in one run. Also a fault-free run that
+must raise zero verdicts. "10% failure injection" = at each RL step, probability 0.1 that a
+fault of a random kind hits one random node of the job (DESIGN.md).
+
+    python bench/chaos_ettr.py [--steps 120] [--rate 0.1] [--seed 0] [--sweep 0.05,0.1,0.2]
+
+Prints progress to stderr and one JSON object on the last stdout line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlctl.controller.jobdir import JobDir  # noqa: E402
+from rlctl.controller.reporting import build_report  # noqa: E402
+from rlctl.controller.store import Journal  # noqa: E402
+from rlctl.jobtemplates import write_job  # noqa: E402
+
+KINDS = "crash,hang,node-down,agent-kill,xid,nccl-timeout"
+
+
+def log(message: str) -> None:
+    print(f"[chaos_ettr {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def rlctl(env: dict[str, str], *args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "rlctl.cli", *args], env=env, capture_output=True, text=True,
+                            timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"rlctl {' '.join(args)} failed: {result.stderr[-2000:]}")
+    return result.stdout
+
+
+def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int) -> dict[str, Any]:
+    """Launch the job, soak it with `rlctl chaos` until it finishes, return its report."""
+    env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"), UCX_NET_DEVICES="lo", UCXPY_PROGRESS_MODE="blocking",
+               UCX_WARN_UNUSED_ENV_VARS="n")
+    env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
+    spec = write_job(workdir, name=f"bench-{policy}", steps=steps, spares=1, policy=policy, checkpoint_every=5,
+                     max_restarts=2)
+    launched = json.loads(rlctl(env, "launch", str(spec), "--json").strip().splitlines()[-1])
+    job = launched["job_id"]
+    log(f"{policy}: launched {job} ({steps} steps, rate {rate})")
+    chaos = None
+    if rate > 0:
+        chaos = subprocess.Popen([sys.executable, "-m", "rlctl.cli", "chaos", job, "--rate", str(rate), "--seed",
+                                  str(seed), "--kinds", KINDS, "--json"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 1800
+    state = ""
+    while time.monotonic() < deadline:
+        snap = json.loads(rlctl(env, "status", job, "--json"))
+        state = snap["job"]["state"]
+        if state in ("succeeded", "stopped", "failed"):
+            break
+        time.sleep(2.0)
+    if chaos is not None:
+        chaos.wait(timeout=60)
+    if state not in ("succeeded", "stopped", "failed"):
+        rlctl(env, "stop", job)
+    report, _ = build_report(JobDir(Path(launched["job_dir"])))
+    verdicts = list(Journal(Path(launched["job_dir"]) / "journal.db", readonly=True).read(types=("Verdict",)))
+    report["verdicts"] = len(verdicts)
+    log(f"{policy}: {report['state']} in {report['wall_s']:.0f}s, ETTR {report['ettr']:.3f}, "
+        f"{len(report['faults'])} faults")
+    return report
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "n": 0}
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
+    return {"p50": round(statistics.median(ordered), 3), "p95": round(p95, 3), "n": len(ordered)}
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    detection: dict[str, list[float]] = defaultdict(list)
+    recovery: dict[str, list[float]] = defaultdict(list)
+    for fault in report["faults"]:
+        if not fault["injected"]:
+            continue
+        if fault["detection_s"] is not None:
+            detection[fault["kind"]].append(fault["detection_s"])
+        if fault["recovery_s"] is not None:
+            recovery[fault["kind"]].append(fault["recovery_s"])
+    return {
+        "state": report["state"],
+        "ettr": report["ettr"],
+        "wall_s": report["wall_s"],
+        "steps": report["steps"],
+        "seconds": report["seconds"],
+        "faults_injected": sum(1 for f in report["faults"] if f["injected"]),
+        "faults_unrecovered": sum(1 for f in report["faults"] if f["recovered_s"] is None),
+        "trajectories_lost": report["trajectories_lost"],
+        "detection_s": {k: percentiles(v) for k, v in sorted(detection.items())},
+        "recovery_s": {k: percentiles(v) for k, v in sorted(recovery.items())},
+        "time_per_step_s": round(report["wall_s"] / max(report["steps"], 1), 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--rate", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", default="", help="extra rates for role vs full-restart, e.g. 0.05,0.2")
+    parser.add_argument("--clean-steps", type=int, default=40, help="steps of the fault-free run")
+    args = parser.parse_args()
+    results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed,
+                               "definition": "per RL step, probability `rate` that one random node gets a random fault",
+                               "kinds": KINDS.split(",")}
+    with tempfile.TemporaryDirectory(prefix="rlctl-chaos-") as tmp:
+        base = Path(tmp)
+        clean = run_job(base / "clean", "role", args.clean_steps, 0.0, args.seed)
+        results["fault_free"] = {"verdicts": clean["verdicts"], "ettr": clean["ettr"], "steps": clean["steps"]}
+        rates = [args.rate] + [float(r) for r in args.sweep.split(",") if r.strip()]
+        runs: dict[str, Any] = {}
+        for rate in rates:
+            for policy in ("role", "full-restart"):
+                report = run_job(base / f"{policy}-{rate}", policy, args.steps, rate, args.seed)
+                runs[f"{policy}@{rate}"] = summarize(report)
+        results["runs"] = runs
+    main_role, main_full = runs[f"role@{args.rate}"], runs[f"full-restart@{args.rate}"]
+    results["ettr_role"] = main_role["ettr"]
+    results["ettr_full_restart"] = main_full["ettr"]
+    results["end_to_end_speedup"] = round(main_full["wall_s"] / max(main_role["wall_s"], 1e-9), 3)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
