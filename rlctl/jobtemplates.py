@@ -68,6 +68,7 @@ warmstart_steps = 60
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
               policy: str = "role", checkpoint_every: int = 3, max_restarts: int = 2) -> Path:
     nodes = 1 + rollouts + 1 + spares
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{name}.toml"
     path.write_text(SMALL_JOB.format(name=name, steps=steps, rollouts=rollouts, spares=spares, nodes=nodes,
                                      policy=policy, checkpoint_every=checkpoint_every,

@@ -37,11 +37,15 @@ class Recovery:
 
     def detect(self, now: float) -> None:
         model = self.c.model
+        quiet_floor = self.c.spec.fault_tolerance.min_silence_s
         for node in list(model.nodes.values()):
             if node.life.state in (NodeState.FAILED, NodeState.DRAINING, NodeState.RELEASED, NodeState.ALLOCATING):
                 continue
             if node.life.state == NodeState.STARTING:
                 continue
+            recent = node.last_heartbeat_at is not None and now - node.last_heartbeat_at < quiet_floor
+            if recent and not node.gpus_lost:
+                continue  # cheap pre-filter: no node is suspected before the acceptable pause
             probe = self.c.probes.get(node.name)
             obs = det.NodeObs(
                 name=node.name,
@@ -50,7 +54,7 @@ class Recovery:
                 connected=self.c.hub.connected(node.name),
                 probe_reachable=probe[0] if probe and now - probe[2] < 2.0 else None,
                 probe_detail=probe[1] if probe else "",
-                gpu_lost=any(g.get("lost") for g in node.gpus),
+                gpu_lost=node.gpus_lost,
             )
             verdict = self.c.detector.heartbeat_verdict(obs, now, self.c.lag_s)
             if verdict is None:

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,9 @@ class Controller:
         self.stop_reason = ""
         self.routed_away: set[str] = set()
         self.stopping_wids: set[str] = set()
+        # Benchmarks on one host measure heartbeat arrival-to-state latency (monotonic clocks agree).
+        self.heartbeat_latency: deque[float] | None = (
+            deque(maxlen=100_000) if os.environ.get("RLCTL_MEASURE_HEARTBEAT_LATENCY") == "1" else None)
         self.node_infos: dict[str, NodeInfo] = {}
         self.probes: dict[str, tuple[bool, str, float]] = {}
         self.probing: set[str] = set()
@@ -325,6 +329,8 @@ class Controller:
         record.last_heartbeat_at = now
         record.gpus = list(message.get("gpus", []))
         self._beats_since_summary += 1
+        if self.heartbeat_latency is not None and "sent_mono" in message:
+            self.heartbeat_latency.append(time.monotonic() - float(message["sent_mono"]))
         for worker in message.get("workers", []):
             slot = self.model.slot_of_wid(str(worker.get("wid")))
             if slot is None:
@@ -584,8 +590,13 @@ class Controller:
     # -------------------------------------------------------------------------------- views
 
     def snapshot(self) -> dict[str, Any]:
-        return snapshot(self.model, time.time(), controller={"pid": os.getpid(), "lag_s": round(self.lag_s, 4),
-                                                             "live": True, "agent_port": self.agent_port})
+        info: dict[str, Any] = {"pid": os.getpid(), "lag_s": round(self.lag_s, 4), "live": True,
+                                "agent_port": self.agent_port, "journal_bytes": self.journal.size_bytes()}
+        if self.heartbeat_latency:
+            ordered = sorted(self.heartbeat_latency)
+            info["heartbeat_latency_s"] = {"p50": ordered[len(ordered) // 2], "p99": ordered[int(len(ordered) * 0.99)],
+                                           "n": len(ordered)}
+        return snapshot(self.model, time.time(), controller=info)
 
 
 def _restored_state(model: JobModel, node: str) -> NodeState:

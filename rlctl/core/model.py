@@ -35,6 +35,10 @@ class NodeRecord:
     excluded: bool = False
     backend_ref: str = ""
 
+    @property
+    def gpus_lost(self) -> bool:
+        return any(g.get("lost") for g in self.gpus)
+
 
 @dataclass
 class SlotRecord:
@@ -98,6 +102,7 @@ class JobModel:
     productive_at_version: dict[int, float] = field(default_factory=dict)
     productive_since: float | None = None
     recent: deque[Event] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
+    wid_slots: dict[str, str] = field(default_factory=dict)
     heartbeats_total: int = 0
     trainer_restored_at: float = 0.0
     workers_started: int = 0
@@ -115,10 +120,8 @@ class JobModel:
         return [s for s in self.slots.values() if s.role == role and not s.standby]
 
     def slot_of_wid(self, wid: str) -> SlotRecord | None:
-        for slot in self.slots.values():
-            if slot.wid == wid:
-                return slot
-        return None
+        slot = self.slots.get(self.wid_slots.get(wid, ""))
+        return slot if slot is not None and slot.wid == wid else None
 
     def slot_on_node(self, node: str) -> SlotRecord | None:
         for slot in self.slots.values():
@@ -257,6 +260,7 @@ class JobModel:
             slot.restarts_on_node += 1
         slot.node = d["node"]
         slot.wid = d["wid"]
+        self.wid_slots[d["wid"]] = slot.slot
         for holders in self.weights_holders.values():
             holders.pop(slot.slot, None)  # the previous worker of this slot no longer serves
         slot.generation = int(d.get("generation", slot.generation + 1))
@@ -378,6 +382,8 @@ class JobModel:
         if standby is None or target is None:
             return
         target.node, target.wid, target.life = standby.node, standby.wid, standby.life
+        if standby.wid:
+            self.wid_slots[standby.wid] = target.slot
         target.phase, target.pid, target.restarts_on_node = standby.phase, standby.pid, 0
 
     def _on_FaultRecovered(self, ev: Event) -> None:

@@ -67,7 +67,7 @@ def _roles(model: JobModel) -> list[dict[str, Any]]:
         out.append(
             {
                 "role": "spare",
-                "slots": sum(1 for n in model.nodes.values() if n.role == "spare" and model.slot_on_node(n.name) is None),
+                "slots": len(standbys),
                 "states": {"standby": len(standbys)},
                 "phases": sorted({s.phase for s in standbys}),
                 "weights_version": None,
@@ -78,10 +78,13 @@ def _roles(model: JobModel) -> list[dict[str, Any]]:
 
 def _nodes(model: JobModel, now: float) -> list[dict[str, Any]]:
     out = []
+    by_node: dict[str, Any] = {}
+    for candidate in model.slots.values():
+        if candidate.node is not None and (candidate.node not in by_node or by_node[candidate.node].standby):
+            by_node[candidate.node] = candidate
     for node in model.nodes.values():
-        slot = model.slot_on_node(node.name)
-        standby = next((s for s in model.standby_slots() if s.node == node.name), None)
-        worker = slot or standby
+        worker = by_node.get(node.name)
+        slot = worker if worker is not None and not worker.standby else None
         gpus = node.gpus or []
         out.append(
             {

@@ -1,0 +1,268 @@
+"""Controller scale: N agents heartbeating at 1 Hz to one real controller process.
+
+The controller is the real one (asyncio server, HMAC handshake, journal, detector tick); the
+agents are a swarm of protocol clients in this process (one TCP connection each, real
+challenge-response authentication, heartbeats carrying a worker entry and a GPU sample). The
+controller runs as its own process with a backend that allocates the swarm's nodes, so its CPU
+is measured alone (utime+stime from /proc). Baseline in the same run: the journal growth that
+journaling every heartbeat would cause (measured by writing heartbeat events to a scratch
+journal) against the aggregated summaries rlctl journals.
+
+    python bench/controller_scale.py [--nodes 256,1024,4096] [--seconds 20]
+
+Prints progress to stderr and one JSON object on the last stdout line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlctl.backends.base import AgentLaunch, AllocationRequest, NodeInfo, ProbeResult  # noqa: E402
+from rlctl.controller.jobdir import JobDir  # noqa: E402
+from rlctl.controller.store import Journal  # noqa: E402
+from rlctl.core.events import event  # noqa: E402
+from rlctl_agent import protocol  # noqa: E402
+
+JOB = """
+[job]
+name = "scale"
+steps = 1000000
+[cluster]
+backend = "local"
+[roles.trainer]
+nodes = 1
+[roles.rollout]
+nodes = {rollouts}
+[roles.reward]
+nodes = 1
+[spares]
+nodes = 0
+[fault_tolerance]
+heartbeat_interval_s = 1.0
+[rollout]
+dataset_size = 64
+"""
+
+
+class SwarmBackend:
+    """Hands the controller N node names; the swarm in the parent process plays their agents."""
+
+    name = "swarm"
+
+    def plan_text(self, request: AllocationRequest) -> str:
+        return "swarm"
+
+    async def allocate(self, request: AllocationRequest) -> list[NodeInfo]:
+        total = sum(request.nodes_by_role.values()) + request.spares
+        return [NodeInfo(name=f"node{i:05d}", host="127.0.0.1") for i in range(1, total + 1)]
+
+    async def adopt(self, nodes: list[NodeInfo]) -> None:
+        return None
+
+    async def start_agent(self, node: NodeInfo, launch: AgentLaunch) -> None:
+        return None
+
+    async def probe(self, node: NodeInfo) -> ProbeResult:
+        return ProbeResult(True, "swarm")
+
+    async def replace(self, bad: NodeInfo, exclude: frozenset[str]) -> NodeInfo | None:
+        return None
+
+    async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
+        return False
+
+    async def release(self, nodes: list[NodeInfo]) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def serve(job_dir: Path) -> None:
+    """Child process: the real controller with the swarm backend."""
+    from rlctl.controller.server import Controller, setup_logging
+    from rlctl.jobfile import load_job_file
+
+    _raise_fd_limit()
+    jobdir = JobDir(job_dir)
+    setup_logging(jobdir.log_file)
+    spec = load_job_file(jobdir.spec_file)
+    asyncio.run(Controller(jobdir, spec, SwarmBackend()).run())
+
+
+async def agent(node: str, secret: bytes, port: int, stop: asyncio.Event, ready: asyncio.Event,
+                counter: list[int]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=protocol.MAX_MESSAGE_BYTES)
+    challenge = protocol.decode(await reader.readline(), protocol.CONTROLLER_TO_AGENT)
+    writer.write(protocol.encode("hello", job_id="scale", node=node, incarnation=1,
+                                 auth=protocol.auth_digest(secret, challenge["nonce"], node),
+                                 facts={"gpu_provider": "sim", "gpus": [], "workers": []}))
+    await writer.drain()
+    welcome = protocol.decode(await reader.readline(), protocol.CONTROLLER_TO_AGENT)
+    assert welcome["type"] == "welcome", welcome
+    ready.set()
+
+    worker: dict[str, str] = {}
+
+    async def drain_commands() -> None:
+        """Ack every command; a started worker reports itself running and generating, as a real one would."""
+        while not stop.is_set():
+            line = await reader.readline()
+            if not line:
+                return
+            message = protocol.decode(line, protocol.CONTROLLER_TO_AGENT)
+            if "cmd_id" in message:
+                writer.write(protocol.encode("ack", cmd_id=message["cmd_id"], ok=True, error=None))
+            if message["type"] == "start_worker":
+                worker.update(wid=message["wid"], slot=message["slot"], role=message["role"])
+                writer.write(protocol.encode("worker_started", cmd_id=message["cmd_id"], wid=message["wid"], pid=1))
+                writer.write(protocol.encode("worker_phase", wid=message["wid"], phase="generating", step=0))
+
+    drainer = asyncio.create_task(drain_commands())
+    seq = 0
+    await asyncio.sleep(hash(node) % 1000 / 1000.0)  # spread the beats over the second
+    while not stop.is_set():
+        seq += 1
+        writer.write(protocol.encode(
+            "heartbeat", seq=seq, mono=time.monotonic(), sent_mono=time.monotonic(),
+            workers=[{"wid": worker.get("wid", ""), "slot": worker.get("slot", ""), "role": worker.get("role", ""),
+                      "pid": 1, "phase": "generating", "step": 0, "progress": seq, "progress_age_s": 0.0,
+                      "alive": True}] if worker else [],
+            gpus=[{"index": 0, "util": 90.0, "mem_used": 1.0e9, "mem_total": 8.0e10, "temp_c": 60.0, "power_w": 500.0,
+                   "ecc_sbe": 0, "ecc_dbe": 0, "throttle_reasons": 0, "remap_pending": False, "remap_failure": False}]))
+        await writer.drain()
+        counter[0] += 1
+        await asyncio.sleep(1.0)
+    drainer.cancel()
+    writer.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def status(job_dir: Path) -> dict[str, Any]:
+    from rlctl.controller.api import ApiClient
+
+    return ApiClient(job_dir / "api.sock", timeout_s=30.0).call("status")["status"]
+
+
+async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict[str, Any]:
+    jobdir = JobDir(job_dir)
+    deadline = time.monotonic() + 60
+    while not (jobdir.controller_file.exists() and jobdir.api_socket.exists()):
+        if time.monotonic() > deadline:
+            raise RuntimeError("controller did not start")
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)
+    port = int(jobdir.read_controller()["agent_port"])
+    secret = jobdir.secret()
+    stop = asyncio.Event()
+    counter = [0]
+    readies = [asyncio.Event() for _ in range(nodes)]
+    tasks = []
+    for index, ready in enumerate(readies):
+        tasks.append(asyncio.create_task(agent(f"node{index + 1:05d}", secret, port, stop, ready, counter)))
+        if index % 64 == 63:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 120)
+    await asyncio.sleep(3.0)  # registration and worker-start traffic settles
+    journal = Journal(jobdir.journal, readonly=True)
+    cpu0, bytes0, beats0, t0 = cpu_seconds(pid), journal.size_bytes(), counter[0], time.monotonic()
+    await asyncio.sleep(seconds)
+    cpu1, bytes1, beats1, t1 = cpu_seconds(pid), journal.size_bytes(), counter[0], time.monotonic()
+    snap = await asyncio.to_thread(status, job_dir)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    elapsed = t1 - t0
+    latency = snap["controller"].get("heartbeat_latency_s", {})
+    return {
+        "nodes": nodes,
+        "beats_per_s": round((beats1 - beats0) / elapsed, 1),
+        "controller_cores": round((cpu1 - cpu0) / elapsed, 3),
+        "heartbeat_to_state_p50_ms": round(latency.get("p50", float("nan")) * 1000, 3),
+        "heartbeat_to_state_p99_ms": round(latency.get("p99", float("nan")) * 1000, 3),
+        "controller_tick_lag_s": snap["controller"]["lag_s"],
+        "journal_bytes_per_hour": int((bytes1 - bytes0) / elapsed * 3600),
+        "nodes_connected": sum(1 for n in snap["nodes"] if n["connected"]),
+    }
+
+
+def naive_bytes_per_heartbeat(tmp: Path) -> float:
+    """Baseline: the journal cost of one event per heartbeat, measured on a scratch journal."""
+    journal = Journal(tmp / "naive.db")
+    before = journal.size_bytes()
+    count = 2000
+    for i in range(count // 100):
+        journal.append([event("FaultSignal", time.time(), node=f"node{j:05d}", kind="heartbeat",
+                              detail=json.dumps({"seq": i, "workers": [{"wid": "w", "progress": i}],
+                                                 "gpus": [{"util": 90.0, "temp_c": 60.0}]}))
+                        for j in range(100)])
+    return (journal.size_bytes() - before) / count
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def measure(nodes: int, seconds: float, tmp: Path) -> dict[str, Any]:
+    root = tmp / f"n{nodes}"
+    root.mkdir()
+    jobdir = JobDir(root / "scale-job")
+    jobdir.create(JOB.format(rollouts=nodes - 2))
+    env = dict(os.environ, RLCTL_MEASURE_HEARTBEAT_LATENCY="1")
+    child = subprocess.Popen([sys.executable, __file__, "--serve", str(jobdir.path)], env=env)
+    try:
+        result = asyncio.run(run_swarm(jobdir.path, nodes, seconds, child.pid))
+    finally:
+        child.terminate()
+        child.wait(timeout=60)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", default="256,1024,4096")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return
+    _raise_fd_limit()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rlctl-scale-") as tmp:
+        naive = naive_bytes_per_heartbeat(Path(tmp))
+        for nodes in [int(n) for n in args.nodes.split(",")]:
+            print(f"[controller_scale] {nodes} agents for {args.seconds:.0f}s ...", file=sys.stderr, flush=True)
+            row = measure(nodes, args.seconds, Path(tmp))
+            row["baseline_journal_bytes_per_hour_if_every_beat"] = int(naive * nodes * 3600)
+            print(f"[controller_scale] {row}", file=sys.stderr, flush=True)
+            results.append(row)
+    biggest = results[-1]
+    print(json.dumps({
+        "results": results,
+        "target": "4096 agents at 1 Hz on under one core, p99 under 50 ms",
+        "meets_target": biggest["nodes"] < 4096 or (biggest["controller_cores"] < 1.0
+                                                    and biggest["heartbeat_to_state_p99_ms"] < 50.0),
+        "naive_bytes_per_heartbeat": round(naive, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()

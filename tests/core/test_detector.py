@@ -1,0 +1,135 @@
+"""The role-aware detector: heartbeat bounds, second-path confirmation, hangs, idle phases,
+fail-slow, XID triage, exit codes and the controller-lag guard."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlctl.core.detector import (
+    IDLE_PHASES,
+    XID_CLASSES,
+    Detector,
+    DetectorConfig,
+    NodeObs,
+    WorkerObs,
+    classify_signal,
+    exit_verdict,
+    phi,
+)
+
+BOUNDS = {"generating": 8.0, "training": 30.0, "scoring": 8.0, "weight-sync": 120.0, "checkpointing": 300.0,
+          "waiting-for-work": 3600.0, "waiting-for-batch": 3600.0, "compiling": 900.0, "loading": 600.0}
+
+
+def detector(**overrides: object) -> Detector:
+    config = dict(heartbeat_interval_s=1.0, phi_threshold=8.0, min_silence_s=2.0, confirm_with_probe=True,
+                  phase_timeout_s=BOUNDS, slow_ratio=0.35, slow_window_s=10.0)
+    config.update(overrides)
+    return Detector(DetectorConfig(**config))  # type: ignore[arg-type]
+
+
+def beating(d: Detector, node: str, until: float) -> None:
+    t = 0.0
+    while t <= until:
+        d.heartbeat(node, t)
+        t += 1.0
+
+
+def obs(last: float, reachable: bool | None = None, gpu_lost: bool = False) -> NodeObs:
+    return NodeObs("n1", "rollout", last, connected=False, probe_reachable=reachable, probe_detail="probe", gpu_lost=gpu_lost)
+
+
+def test_phi_grows_with_silence() -> None:
+    assert phi(1.0, 1.0, 0.1) < 1 < phi(1.5, 1.0, 0.1) < phi(2.0, 1.0, 0.1)
+
+
+def test_silence_bound_never_below_the_pause_floor_and_adapts_to_jitter() -> None:
+    steady = detector()
+    beating(steady, "n1", 30)
+    assert steady.silence_bound("n1") == pytest.approx(2.0)
+    jittery = detector()
+    t = 0.0
+    for gap in [0.5, 2.5] * 20:
+        t += gap
+        jittery.heartbeat("n1", t)
+    assert jittery.silence_bound("n1") > 5.0
+
+
+def test_node_loss_needs_the_second_path() -> None:
+    d = detector()
+    beating(d, "n1", 10)
+    assert d.heartbeat_verdict(obs(10.0), 11.5, 0.0) is None, "within the bound"
+    suspect = d.heartbeat_verdict(obs(10.0), 13.0, 0.0)
+    assert suspect and suspect.verdict == "suspect" and suspect.action == "probe"
+    lost = d.heartbeat_verdict(obs(10.0, reachable=False), 13.0, 0.0)
+    assert lost and (lost.verdict, lost.fault, lost.action) == ("failed", "node-loss", "replace-node")
+    alive = d.heartbeat_verdict(obs(10.0, reachable=True), 13.0, 0.0)
+    assert alive and (alive.fault, alive.action) == ("agent-lost", "restart-agent")
+    assert "second path" in alive.reason
+
+
+def test_no_conviction_while_the_controller_lags() -> None:
+    d = detector()
+    beating(d, "n1", 10)
+    assert d.heartbeat_verdict(obs(10.0, reachable=False), 20.0, controller_lag_s=2.0) is None
+
+
+def test_gpu_lost_is_immediate() -> None:
+    verdict = detector().heartbeat_verdict(obs(10.0, gpu_lost=True), 10.1, 0.0)
+    assert verdict and verdict.action == "replace-node"
+
+
+@pytest.mark.parametrize("phase", sorted(IDLE_PHASES - {"waiting-for-work", "waiting-for-batch", "standby"}))
+def test_idle_phases_never_raise_a_verdict(phase: str) -> None:
+    worker = WorkerObs("trainer-0", "trainer-0.1", "trainer", "n1", phase, progress=3, progress_age_s=1e6)
+    assert detector().worker_verdict(worker, 1e6) is None
+
+
+def test_waiting_workers_are_judged_by_their_polls() -> None:
+    d = detector()
+    polling = WorkerObs("trainer-0", "t.1", "trainer", "n1", "waiting-for-batch", 3, progress_age_s=500.0, request_age_s=0.3)
+    assert d.worker_verdict(polling, 500.0) is None
+    stopped = WorkerObs("trainer-0", "t.1", "trainer", "n1", "waiting-for-batch", 3, progress_age_s=500.0, request_age_s=9.0)
+    verdict = d.worker_verdict(stopped, 500.0)
+    assert verdict and verdict.fault == "worker-hang" and "stopped polling" in verdict.reason
+
+
+def test_hang_is_progress_frozen_beyond_the_phase_bound() -> None:
+    d = detector()
+    busy = WorkerObs("rollout-0", "r.1", "rollout", "n1", "generating", 10, progress_age_s=7.9)
+    assert d.worker_verdict(busy, 100.0) is None
+    frozen = WorkerObs("rollout-0", "r.1", "rollout", "n1", "generating", 10, progress_age_s=8.1)
+    verdict = d.worker_verdict(frozen, 100.0)
+    assert verdict and verdict.action == "restart-worker" and verdict.evidence_since == pytest.approx(91.9)
+
+
+def test_fail_slow_needs_a_sustained_gap_to_peers() -> None:
+    d = detector()
+    verdicts = []
+    for second in range(0, 30):
+        t = float(second)
+        d.progress("fast.1", 100.0 * second, t)
+        d.progress("fast.2", 100.0 * second, t)
+        d.progress("slow.1", 10.0 * second, t)
+        workers = [WorkerObs(f"rollout-{i}", w, "rollout", f"n{i}", "generating", 0, 0.0)
+                   for i, w in enumerate(["fast.1", "fast.2", "slow.1"])]
+        verdicts += [(t, v) for v in d.slow_verdicts(workers, t)]
+    assert verdicts, "a worker at a tenth of its peers' speed for 20 s must be judged slow"
+    first_at, verdict = verdicts[0]
+    assert verdict.slot == "rollout-2" and verdict.verdict == "slow" and first_at >= 10.0
+
+
+def test_xid_triage_follows_the_catalogue() -> None:
+    assert classify_signal("xid", 79) == ("gpu-lost", "replace-node")
+    assert classify_signal("xid", 48)[1] == "drain-replace"
+    assert classify_signal("xid", 13)[1] == "restart-worker"
+    assert classify_signal("xid", 63)[1] == "observe"
+    assert classify_signal("xid", 9999) == ("gpu-xid-9999", "observe")
+    assert classify_signal("nccl-timeout", None) == ("nccl-timeout", "restart-role")
+    assert {action for _, action in XID_CLASSES.values()} == {"restart-worker", "drain-replace", "replace-node", "observe"}
+
+
+def test_exit_zero_is_not_a_crash() -> None:
+    assert exit_verdict("n1", "reward-0", "reward", 0, None, 1.0) is None
+    crash = exit_verdict("n1", "reward-0", "reward", None, "SIGKILL", 1.0)
+    assert crash and crash.fault == "worker-crash" and "SIGKILL" in crash.reason

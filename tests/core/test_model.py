@@ -1,0 +1,72 @@
+"""The job model: ETTR weighting by fault impact, recovery bookkeeping, idle phases never judged."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlctl.core.detector import Detector, DetectorConfig, WorkerObs
+from rlctl.core.events import event
+from tests.core.test_policy import running_job
+
+
+def test_rollout_fault_impairs_half_the_job_and_recovery_closes_it() -> None:
+    model = running_job()
+    model.apply(event("WeightsPublished", 10.0, version=0, slot="trainer-0", source={"port": 1}))
+    model.apply(event("FaultInjected", 20.0, fault_id="f1", node="node02", kind="crash", params={}))
+    model.apply(event("Verdict", 21.0, node="node02", slot="rollout-0", verdict="failed", fault="f1",
+                      fault_kind="worker-crash", action="restart-worker", reason="died", evidence_since=20.0))
+    model.apply(event("WorkerStarting", 21.0, slot="rollout-0", wid=model.next_wid("rollout-0"), node="node02", role="rollout"))
+    model.apply(event("WeightsHeld", 25.0, version=0, slot="rollout-0", source={"port": 2}))
+    fault = model.faults["f1"]
+    assert (fault.detected_at, fault.recovered_at) == (21.0, 25.0)
+    model.apply(event("JobStateChanged", 30.0, state="starting", reason="x"))
+    seconds = model.ledger.seconds
+    assert seconds["detection"] == pytest.approx(0.5)   # 1 s at half impact (one of two rollouts)
+    assert seconds["recovery"] == pytest.approx(2.0)    # 4 s at half impact
+    assert sum(seconds.values()) == pytest.approx(29.0)
+
+
+def test_trainer_fault_impairs_the_whole_job() -> None:
+    model = running_job()
+    model.apply(event("WeightsPublished", 10.0, version=0, slot="trainer-0", source={"port": 1}))
+    model.apply(event("FaultInjected", 20.0, fault_id="f1", node="node01", kind="crash", params={}))
+    model.apply(event("JobStateChanged", 22.0, state="starting", reason="x"))
+    assert model.ledger.seconds["detection"] == pytest.approx(2.0)
+
+
+def test_retrained_steps_count_as_lost_after_a_trainer_restore() -> None:
+    model = running_job()
+    model.apply(event("WeightsPublished", 10.0, version=0, slot="trainer-0", source={}))
+    for step in range(3):
+        model.apply(event("WorkerPhase", 11.0 + step, slot="trainer-0", wid=model.slots["trainer-0"].wid,
+                          phase="training", step=step))
+        model.apply(event("StepTrained", 11.5 + step, step=step, metrics={}))
+    model.apply(event("TrainerRestored", 20.0, slot="trainer-0", checkpoint_step=1, replayed_steps=[1, 2]))
+    assert model.ledger.seconds["lost"] == pytest.approx(1.0)
+
+
+def test_a_fault_free_run_through_every_idle_phase_raises_no_verdict() -> None:
+    bounds = {"generating": 2.0, "training": 2.0, "weight-sync": 5.0, "checkpointing": 5.0, "compiling": 5.0,
+              "loading": 5.0, "waiting-for-work": 5.0, "waiting-for-batch": 5.0, "scoring": 2.0}
+    d = Detector(DetectorConfig(1.0, 8.0, 2.0, True, bounds, 0.35, 10.0))
+    now = 0.0
+    verdicts = []
+    # Long idle stretches (a trainer waiting for a slow rollout phase, a long first compile) keep
+    # polling or sit in phases judged by nothing but polls; busy phases make progress.
+    for phase, seconds, progressing, polling in [
+        ("compiling", 60.0, False, False), ("loading", 30.0, False, False), ("waiting-for-batch", 120.0, False, True),
+        ("training", 10.0, True, False), ("checkpointing", 40.0, False, False), ("weight-sync", 40.0, False, False),
+        ("waiting-for-work", 300.0, False, True), ("generating", 20.0, True, False), ("standby", 600.0, False, True),
+    ]:
+        end = now + seconds
+        while now < end:
+            now += 0.5
+            worker = WorkerObs("trainer-0", "t.1", "trainer", "n1", phase, now if progressing else 0.0,
+                               progress_age_s=0.2 if progressing else now,
+                               request_age_s=0.2 if polling else None)
+            verdict = d.worker_verdict(worker, now)
+            if verdict is not None and phase not in ("weight-sync", "checkpointing", "compiling", "loading"):
+                verdicts.append(verdict)
+            elif phase in ("weight-sync", "checkpointing", "compiling", "loading"):
+                assert verdict is None
+    assert verdicts == []

@@ -1,0 +1,95 @@
+"""Recovery plans: role policy recovers only what failed; full-restart stops everything."""
+
+from __future__ import annotations
+
+from rlctl.core.detector import Verdict
+from rlctl.core.events import event
+from rlctl.core.model import JobModel
+from rlctl.core.policy import plan
+
+
+def running_job(policy: str = "role", spares: int = 1) -> JobModel:
+    model = JobModel(job_id="j")
+    t = 1.0
+    model.apply(event("JobSubmitted", t, job_id="j", spec_file="x", backend="local", policy=policy, steps=10))
+    layout = [("node01", "trainer", "trainer-0", False), ("node02", "rollout", "rollout-0", False),
+              ("node03", "rollout", "rollout-1", False), ("node04", "reward", "reward-0", False)]
+    layout += [(f"node{5 + i:02d}", "spare", f"standby-{i}", True) for i in range(spares)]
+    for node, role, slot, standby in layout:
+        model.apply(event("NodeAllocated", t, node=node, host="h", role=role, slot=slot, standby=standby,
+                          role_of_slot="trainer" if standby else role))
+        model.apply(event("AgentRegistered", t, node=node, incarnation=1, facts={}))
+        model.apply(event("NodeStateChanged", t, node=node, state="ready", reason="up"))
+        model.apply(event("NodeStateChanged", t, node=node, state="standby" if standby else "active", reason="placed"))
+        model.apply(event("WorkerStarting", t, slot=slot, wid=model.next_wid(slot), node=node,
+                          role="trainer" if standby else role, standby=standby))
+        model.apply(event("WorkerStarted", t, slot=slot, wid=model.slots[slot].wid, pid=1))
+    return model
+
+
+def verdict(node: str, slot: str | None, fault: str, action: str) -> Verdict:
+    return Verdict(node, slot, "failed", fault, action, "test", 1.0)
+
+
+def kinds(steps: list) -> list[str]:
+    return [s.kind for s in steps]
+
+
+def test_rollout_crash_restarts_only_that_worker() -> None:
+    steps = plan(running_job(), verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
+    assert kinds(steps) == ["restart-worker"] and steps[0].args == {"slot": "rollout-0"}
+
+
+def test_repeated_restarts_on_one_node_move_the_role_to_a_spare() -> None:
+    model = running_job()
+    model.slots["rollout-0"].restarts_on_node = 2
+    steps = plan(model, verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
+    assert kinds(steps) == ["fail-node", "retire-standby", "move-slot", "restart-worker"]
+    assert steps[2].args["node"] == "node05"
+
+
+def test_node_loss_of_a_rollout_uses_the_spare() -> None:
+    steps = plan(running_job(), verdict("node03", None, "node-loss", "replace-node"), 2)
+    assert kinds(steps) == ["fail-node", "retire-standby", "move-slot", "restart-worker"]
+    assert steps[2].args == {"slot": "rollout-1", "node": "node05"}
+
+
+def test_without_spares_a_new_node_is_requested() -> None:
+    steps = plan(running_job(spares=0), verdict("node03", None, "node-loss", "replace-node"), 2)
+    assert kinds(steps) == ["fail-node", "request-node"]
+
+
+def test_trainer_failure_activates_the_warm_standby_and_keeps_the_healthy_node() -> None:
+    steps = plan(running_job(), verdict("node01", "trainer-0", "worker-crash", "restart-worker"), 2)
+    assert kinds(steps) == ["stop-worker", "activate-standby", "make-standby"]
+    assert steps[1].args == {"slot": "trainer-0", "standby_slot": "standby-0"}
+
+
+def test_trainer_node_loss_activates_the_standby_and_retires_the_node() -> None:
+    steps = plan(running_job(), verdict("node01", None, "gpu-lost", "replace-node"), 2)
+    assert kinds(steps) == ["fail-node", "stop-worker", "activate-standby"]
+
+
+def test_nccl_timeout_restarts_only_the_trainer_group() -> None:
+    steps = plan(running_job(), verdict("node02", "rollout-0", "nccl-timeout", "restart-role"), 2)
+    assert kinds(steps) == ["restart-worker"] and steps[0].args == {"slot": "rollout-0"}
+    steps = plan(running_job(), verdict("node01", "trainer-0", "nccl-timeout", "restart-role"), 2)
+    assert [s.args["slot"] for s in steps] == ["trainer-0"]
+
+
+def test_agent_loss_restarts_the_agent_only() -> None:
+    assert kinds(plan(running_job(), verdict("node02", None, "agent-lost", "restart-agent"), 2)) == ["restart-agent"]
+
+
+def test_observations_need_no_action() -> None:
+    assert plan(running_job(), verdict("node02", None, "gpu-remap-pending", "observe"), 2) == []
+
+
+def test_full_restart_stops_everything_and_rolls_back() -> None:
+    model = running_job(policy="full-restart")
+    model.apply(event("Checkpointed", 2.0, step=5, path="/c"))
+    steps = plan(model, verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
+    assert kinds(steps) == ["stop-all", "rollback", "start-all"]
+    assert steps[1].args == {"to_step": 5}
+    lost = plan(model, verdict("node03", None, "node-loss", "replace-node"), 2)
+    assert kinds(lost)[:2] == ["stop-all", "fail-node"] and kinds(lost)[-2:] == ["rollback", "start-all"]
