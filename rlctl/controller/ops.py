@@ -128,6 +128,14 @@ class DataOps:
 
     # ------------------------------------------------------------------------------ trainer
 
+    def op_standby_wait(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """A warm standby asks whether it has been given a role yet."""
+        if self.c.model.life.state.terminal or self.c.stopping:
+            return {"stop": True}
+        if slot.standby:
+            return {"standby": True, "wait_s": 0.3}
+        return {"role": slot.role, "slot": slot.slot}
+
     def op_trainer_init(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         model = self.c.model
         if slot.standby:

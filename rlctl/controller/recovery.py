@@ -148,7 +148,7 @@ class Recovery:
     async def _execute(self, step: policy.Step, verdict: det.Verdict, fault_id: str) -> None:
         c, model, args = self.c, self.c.model, step.args
         lost = 0
-        if step.kind in ("restart-worker", "fail-node", "stop-all"):
+        if step.kind in ("restart-worker", "stop-worker", "fail-node", "stop-all"):
             lost = self._release_items(step, verdict)
         c.record("ActionTaken", action=step.kind, node=args.get("node", verdict.node), slot=args.get("slot"),
                  reason=verdict.reason[:200], fault_ids=[fault_id], trajectories_lost=0, items_requeued=lost,
@@ -175,7 +175,7 @@ class Recovery:
             node = model.slots[args["slot"]].node  # the ActionTaken above moved the role onto the standby's node
             if node is not None and model.nodes[node].life.can_move(NodeState.ACTIVE):
                 c.record("NodeStateChanged", node=node, state=NodeState.ACTIVE.value,
-                         reason=f"warm standby takes over {args['slot']}", role="trainer")
+                         reason=f"warm standby takes over {args['slot']}", role=model.slots[args["slot"]].role)
         elif step.kind == "retire-standby":
             standby = model.slots.get(args["standby_slot"])
             if standby is not None:
@@ -202,7 +202,7 @@ class Recovery:
         """Give the failed worker's in-flight prompts back to the scheduler; count them."""
         model, c = self.c.model, self.c
         targets: list[SlotRecord] = []
-        if step.kind == "restart-worker":
+        if step.kind in ("restart-worker", "stop-worker"):
             targets = [model.slots[step.args["slot"]]]
         elif step.kind == "fail-node":
             targets = [s for s in model.slots.values() if s.node == step.args["node"]]
@@ -223,6 +223,10 @@ class Recovery:
             c.record("NodeStateChanged", node=name, state=NodeState.FAILED.value, reason=reason[:200],
                      exclude=c.spec.fault_tolerance.exclude_failed_nodes)
         c.detector.forget(name)
+        live = (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT, WorkerState.STOPPING)
+        for slot in c.model.slots.values():
+            if slot.node == name and slot.wid and slot.life is not None and slot.life.state in live:
+                c.record("WorkerExited", slot=slot.slot, wid=slot.wid, exit_code=None, signal="node-failed")
         info = c.node_infos.get(name) or NodeInfo(name, node.host, node.backend_ref)
         try:
             await asyncio.wait_for(c.backend.release([info]), 15.0)

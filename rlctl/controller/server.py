@@ -254,6 +254,7 @@ class Controller:
 
     async def on_hello(self, node: str, hello: dict[str, Any]) -> None:
         record = self.model.nodes[node]
+        returning = record.incarnation != 0  # a node that registered before (agent or controller restart)
         self.detector.heartbeat(node, time.time())
         self.record("AgentRegistered", node=node, incarnation=int(hello.get("incarnation", 0)),
                     facts=dict(hello.get("facts", {})))
@@ -267,7 +268,8 @@ class Controller:
             alive = reported.get(slot.wid)
             if alive is not None and alive.get("alive", True):
                 continue
-            if slot.life is not None and slot.life.state in (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT) and slot.wid:
+            live = (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT)
+            if returning and slot.life is not None and slot.life.state in live and slot.wid:
                 self.record("WorkerExited", slot=slot.slot, wid=slot.wid, exit_code=None, signal="lost-while-disconnected")
                 self.recovery.on_worker_gone(slot, None, "lost-while-disconnected")
                 continue
@@ -403,7 +405,8 @@ class Controller:
     def worker_argv_env(self, slot: SlotRecord) -> tuple[list[str], dict[str, str]]:
         role = self.spec.roles[slot.role]
         python = sys.executable if self.spec.backend == "local" else str(self.spec.cluster.get("python", "python3"))
-        argv = [python if part == "python" else part for part in role.command]
+        command = self.spec.standby_command if slot.standby else role.command
+        argv = [python if part == "python" else part for part in command]
         workload = {
             **self.spec.workload,
             "seed": self.spec.seed,

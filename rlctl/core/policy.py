@@ -41,8 +41,8 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
     node_bad = verdict.action in ("replace-node", "drain-replace")
     if slot is None:
         return _retire_node(verdict, drain=verdict.action == "drain-replace") if node_bad else []
-    if slot.role == "trainer" and _standbys(model, verdict.node):
-        # A warm standby takes the trainer role at once; a healthy old node becomes the new spare.
+    if _standbys(model, verdict.node):
+        # A warm standby takes the role at once; a healthy old node becomes the new spare.
         steps = [Step("stop-worker", {"slot": slot.slot}), Step("activate-standby", {
             "slot": slot.slot, "standby_slot": _standbys(model, verdict.node)[0].slot})]
         if node_bad:
@@ -54,8 +54,9 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
 
 
 def _standbys(model: JobModel, bad_node: str) -> list[SlotRecord]:
+    """Standbys ready to take over: running, fully loaded (phase ``standby``), on a healthy node."""
     return [s for s in model.standby_slots() if s.node != bad_node and _usable(model, s.node)
-            and s.life is not None and s.life.state.value == "running"]
+            and s.life is not None and s.life.state.value == "running" and s.phase == "standby"]
 
 
 def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
@@ -63,15 +64,7 @@ def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
 
 
 def _move(model: JobModel, slot: SlotRecord, bad_node: str) -> list[Step]:
-    """Put ``slot`` on a healthy node: a warm standby for the trainer, a spare, or a new node."""
-    standbys = [s for s in model.standby_slots() if s.node != bad_node and _usable(model, s.node)]
-    if standbys:
-        spare = standbys[0]
-        return [
-            Step("retire-standby", {"standby_slot": spare.slot}),
-            Step("move-slot", {"slot": slot.slot, "node": spare.node}),
-            Step("restart-worker", {"slot": slot.slot}),
-        ]
+    """Put ``slot`` on a healthy node without a standby worker: an idle spare, or a new node."""
     idle = [n.name for n in model.nodes.values() if n.role == "spare" and n.name != bad_node and _usable(model, n.name)]
     idle = [n for n in idle if model.slot_on_node(n) is None]
     if idle:

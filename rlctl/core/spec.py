@@ -165,7 +165,13 @@ JOB_SCHEMA: dict[str, Field] = {
         "Spare nodes kept ready to replace failed ones.",
         fields={
             "nodes": Field("int", "Spare nodes allocated with the job.", 1, minimum=0),
-            "warm": Field("bool", "Pre-start the trainer environment on spares so a trainer takeover skips cold start.", True),
+            "warm": Field(
+                "bool",
+                "Run a warm standby on each spare (everything loaded) so any failed role is taken over at once.", True
+            ),
+            "command": Field(
+                "str-list", "Program a warm standby runs.", ["python", "-m", "rlctl.roles.standby"], check=_non_empty_list
+            ),
         },
     ),
     "fault_tolerance": Field(
@@ -329,6 +335,7 @@ class JobSpec:
     roles: dict[str, RoleSpec]
     spare_nodes: int
     warm_spares: bool
+    standby_command: tuple[str, ...]
     fault_tolerance: FaultToleranceSpec
     rollout: RolloutSpec
     weights_transport: str
@@ -457,6 +464,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         roles=roles,
         spare_nodes=values["spares"]["nodes"],
         warm_spares=values["spares"]["warm"],
+        standby_command=tuple(values["spares"]["command"]),
         fault_tolerance=FaultToleranceSpec(**{**ft, "phase_timeout_s": dict(ft["phase_timeout_s"])}),
         rollout=RolloutSpec(
             **{k: v for k, v in rollout.items() if k != "tail_batching"},

@@ -14,8 +14,8 @@ from rlctl.workload.task import score
 CAPACITY = 64
 
 
-def main() -> int:
-    w = worker.connect()
+def main(w: worker.Worker | None = None) -> int:
+    w = w or worker.connect()
     scored = 0
     while True:
         w.phase("waiting-for-work")

@@ -40,7 +40,7 @@ REWARD_CAPACITY = 64  # rlctl/roles/reward.py CAPACITY
 SLOW_TICK_S = 1.0
 SLOW_PEERS = 15
 HEARTBEAT_SUMMARY_EVERY_STEPS = 1
-PLACEMENT_EVENTS = frozenset({"NodeAllocated", "ActionTaken", "WorkerStarting", "NodeStateChanged"})
+PLACEMENT_EVENTS = frozenset({"NodeAllocated", "ActionTaken", "WorkerStarting"})
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,8 @@ class Simulation:
         self.last_step_s = expected_step_s(cost, sched_config.tail_enabled, sched_config.overprovision)
         self.slow_watch: set[str] = set()
         self._replay_reported: set[int] = set()
-        self._rate_cache: dict[str, float] = {}
+        self._refresh_pending = False
+        self._views: dict[tuple[str, str], Any] = {}  # per-role views, dropped whenever truth or placement changes
 
     @property
     def now(self) -> float:
@@ -146,7 +147,7 @@ class Simulation:
     def _apply(self, ev: Event) -> None:
         self.model.apply(ev)
         if ev.type in PLACEMENT_EVENTS:
-            self._rate_cache.clear()
+            self._views.clear()
         self.stats.events += 1
         if self.config.record_events:
             self.events.append(ev)
@@ -204,7 +205,6 @@ class Simulation:
         self._adopt_or_start_workers(name)
         self._settle_node_role(name)
         self._update_capacity()
-        self._maybe_running()
 
     def _adopt_or_start_workers(self, name: str) -> None:
         """Controller.on_hello: a slot whose worker the agent does not report is lost; else start it."""
@@ -315,8 +315,10 @@ class Simulation:
             self.trainer_restore(wid)
 
     def _rollout_sync(self, wid: str) -> None:
-        if self.model.productive_since is None:
+        worker = self.workers[wid]
+        if self.model.productive_since is None or worker.syncing:
             return  # no weights yet: synced when the trainer publishes the first version
+        worker.syncing = True
         self.q.after(self.cost.weights.sync_s, self._rollout_synced, wid)
 
     def _rollout_synced(self, wid: str) -> None:
@@ -324,13 +326,11 @@ class Simulation:
         if current is None or current[0].hung_at is not None:
             return
         worker, slot = current
+        worker.syncing = False
         version = self.model.published_version
         self.emit("WeightsHeld", version=version, slot=slot.slot, source={"transport": "sim", "version": version})
         worker.ready = True
         self._update_capacity()
-        self._dispatch_pending()
-        self.recovery.update_job_state()
-        self.advance()
 
     # ------------------------------------------------------------------------- the trainer
 
@@ -377,21 +377,21 @@ class Simulation:
                 if other.role == "rollout" and other.alive and other.loaded and not other.ready:
                     self._rollout_sync(other.wid)
         self._update_capacity()
-        self.recovery.update_job_state()
-        self._maybe_running()
-        self.advance()
 
     def _trainer_phase(self, phase: str, step: int) -> None:
         """The trainer group's phase, reported by its first rank (the others' reports are aggregated
         away like heartbeats: thousands of identical WorkerPhase events per step change nothing)."""
-        slots = self.model.slots_of("trainer")
+        slots = self.role_slots("trainer")
         if slots and slots[0].wid:
             self.emit("WorkerPhase", slot=slots[0].slot, wid=slots[0].wid, phase=phase, step=step)
 
     def trainer_rate(self) -> float:
+        return self.role_rate("trainer")
+
+    def _trainer_rate(self) -> float:
         """The trainer group trains only when every trainer slot's worker works; at its slowest speed."""
         speeds = []
-        for slot in self.model.slots_of("trainer"):
+        for slot in self.role_slots("trainer"):
             worker = self.workers.get(slot.wid or "")
             if worker is None or slot.node is None or not worker.working or not self._node_ok(worker.node):
                 return 0.0
@@ -400,15 +400,22 @@ class Simulation:
 
     # ----------------------------------------------------------------------------- capacity
 
+    def role_slots(self, role: str) -> list[SlotRecord]:
+        """JobModel.slots_of, cached until the placement changes (it is O(slots) per call)."""
+        key = ("slots", role)
+        if key not in self._views:
+            self._views[key] = self.model.slots_of(role)
+        return self._views[key]
+
     def role_rate(self, role: str) -> float:
         """Fraction of the role's capacity really working (cached until the truth changes)."""
-        cached = self._rate_cache.get(role)
-        if cached is None:
-            cached = self._rate_cache[role] = self._role_rate(role)
-        return cached
+        key = ("rate", role)
+        if key not in self._views:
+            self._views[key] = self._trainer_rate() if role == "trainer" else self._role_rate(role)
+        return self._views[key]
 
     def _role_rate(self, role: str) -> float:
-        slots = self.model.slots_of(role)
+        slots = self.role_slots(role)
         if not slots:
             return 0.0
         total = 0.0
@@ -423,14 +430,27 @@ class Simulation:
         return truth is not None and truth.up and not truth.partitioned
 
     def _update_capacity(self) -> None:
-        """Call after any change of truth or placement: rates are recomputed, the phase re-timed."""
-        self._rate_cache.clear()
-        task = self.task
-        if task is None:
+        """Call after any change of truth: views are dropped now; one refresh per instant re-times the
+        running phase, hands out pending work and re-checks the job state (coalesced, so a thousand
+        rollouts coming up at once cost one O(nodes) pass, not a thousand)."""
+        self._views.clear()
+        if not self._refresh_pending:
+            self._refresh_pending = True
+            self.q.after(0.0, self._refresh)
+
+    def _refresh(self) -> None:
+        self._refresh_pending = False
+        if self.model.life.state.terminal:
             return
-        task.advance(self.now)
-        task.rate = self._stage_rate(task.stage)
-        self._schedule_task()
+        self._maybe_running()
+        self._dispatch_pending()
+        task = self.task
+        if task is not None:
+            task.advance(self.now)
+            task.rate = self._stage_rate(task.stage)
+            self._schedule_task()
+        self.recovery.update_job_state()
+        self.advance()
 
     def _stage_rate(self, stage: str) -> float:
         if stage == "gen":
@@ -506,8 +526,14 @@ class Simulation:
             self._start_scoring()
 
     def _working_slots(self, role: str) -> list[SlotRecord]:
+        key = ("working", role)
+        if key not in self._views:
+            self._views[key] = self._find_working_slots(role)
+        return self._views[key]
+
+    def _find_working_slots(self, role: str) -> list[SlotRecord]:
         out = []
-        for slot in self.model.slots_of(role):
+        for slot in self.role_slots(role):
             worker = self.workers.get(slot.wid or "")
             if worker is not None and worker.working and slot.node is not None and self._node_ok(slot.node):
                 out.append(slot)
@@ -625,7 +651,7 @@ class Simulation:
 
     def _publish(self, version: int) -> None:
         """DataOps.op_trainer_publish: StepTrained for the step, then WeightsPublished."""
-        trainer = self.model.slots_of("trainer")[0]
+        trainer = self.role_slots("trainer")[0]
         self.emit("StepTrained", step=version - 1, metrics={"mean_reward": 1.0})
         self.emit("WeightsPublished", version=version, slot=trainer.slot, source={"transport": "sim", "checksum": f"v{version}"})
         self._trainer_phase("waiting-for-batch", version)
@@ -633,7 +659,7 @@ class Simulation:
         self.stats.steps_trained += 1
         self.last_step_s = max(1.0, self.now - self.step_started_at)
         if version % HEARTBEAT_SUMMARY_EVERY_STEPS == 0:
-            nodes = sum(1 for n in self.nodes.values() if n.up and n.agent_connected)
+            nodes = self._beating_nodes()
             self.emit("HeartbeatSummary", beats=int(nodes * self.last_step_s / self.interval), nodes=nodes,
                       window_s=round(self.last_step_s, 3))
         self.stage = "idle"
@@ -643,6 +669,12 @@ class Simulation:
             self._finish()
             return
         self.advance()
+
+    def _beating_nodes(self) -> int:
+        key = ("beating", "")
+        if key not in self._views:
+            self._views[key] = sum(1 for n in self.nodes.values() if n.up and n.agent_connected and not n.partitioned)
+        return self._views[key]
 
     def cancel_task(self) -> None:
         """Drop the running phase (a rollback, or the trainer it needed died)."""
@@ -654,7 +686,7 @@ class Simulation:
         """After a failed worker's items went back: hand them out again and count the redone work."""
         task = self.task
         if task is not None and task.stage == "gen":
-            rollouts = max(1, len(self.model.slots_of("rollout")))
+            rollouts = max(1, len(self.role_slots("rollout")))
             task.advance(self.now)
             task.work += task.done / rollouts
             self._dispatch_pending()
@@ -678,7 +710,7 @@ class Simulation:
 
     def _all_roles_running(self) -> bool:
         for role in ("trainer", "rollout", "reward"):
-            slots = self.model.slots_of(role)
+            slots = self.role_slots(role)
             if self.layout.nodes[role] and not any(s.life is not None and s.life.state == WorkerState.RUNNING for s in slots):
                 return False
         return True

@@ -239,6 +239,7 @@ class SimRecovery:
         if worker is not None:
             worker.slot = slot_name
             worker.ready = False
+            sim._update_capacity()
             if worker.loaded:
                 sim.trainer_restore(worker.wid, recovering=True)
         yield 0.5  # the standby polls trainer.init every 0.5 s

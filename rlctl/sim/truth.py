@@ -37,6 +37,7 @@ class WorkerTruth:
     started_at: float
     loaded: bool = False  # init done
     ready: bool = False  # can take work (rollouts: holds weights; trainer: restored)
+    syncing: bool = False  # a rollout pulling weights
     alive: bool = True
     hung_at: float | None = None
     slow: float = 1.0

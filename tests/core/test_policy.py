@@ -24,6 +24,8 @@ def running_job(policy: str = "role", spares: int = 1) -> JobModel:
         model.apply(event("WorkerStarting", t, slot=slot, wid=model.next_wid(slot), node=node,
                           role="trainer" if standby else role, standby=standby))
         model.apply(event("WorkerStarted", t, slot=slot, wid=model.slots[slot].wid, pid=1))
+        if standby:
+            model.apply(event("WorkerPhase", t, slot=slot, wid=model.slots[slot].wid, phase="standby", step=0))
     return model
 
 
@@ -35,26 +37,38 @@ def kinds(steps: list) -> list[str]:
     return [s.kind for s in steps]
 
 
-def test_rollout_crash_restarts_only_that_worker() -> None:
-    steps = plan(running_job(), verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
+def test_rollout_crash_without_a_ready_standby_restarts_only_that_worker() -> None:
+    steps = plan(running_job(spares=0), verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
     assert kinds(steps) == ["restart-worker"] and steps[0].args == {"slot": "rollout-0"}
 
 
-def test_repeated_restarts_on_one_node_move_the_role_to_a_spare() -> None:
+def test_rollout_crash_with_a_ready_standby_hands_over_and_refills_the_spare() -> None:
+    steps = plan(running_job(), verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
+    assert kinds(steps) == ["stop-worker", "activate-standby", "make-standby"]
+    assert steps[1].args == {"slot": "rollout-0", "standby_slot": "standby-0"}
+    assert steps[2].args == {"node": "node02"}
+
+
+def test_a_loading_standby_is_not_used() -> None:
     model = running_job()
+    model.slots["standby-0"].phase = "loading"
+    assert kinds(plan(model, verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)) == ["restart-worker"]
+
+
+def test_repeated_restarts_on_one_node_retire_it() -> None:
+    model = running_job(spares=0)
     model.slots["rollout-0"].restarts_on_node = 2
     steps = plan(model, verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
-    assert kinds(steps) == ["fail-node", "retire-standby", "move-slot", "restart-worker"]
-    assert steps[2].args["node"] == "node05"
+    assert kinds(steps) == ["fail-node", "request-node"]
 
 
-def test_node_loss_of_a_rollout_uses_the_spare() -> None:
+def test_node_loss_of_a_rollout_uses_the_standby() -> None:
     steps = plan(running_job(), verdict("node03", None, "node-loss", "replace-node"), 2)
-    assert kinds(steps) == ["fail-node", "retire-standby", "move-slot", "restart-worker"]
-    assert steps[2].args == {"slot": "rollout-1", "node": "node05"}
+    assert kinds(steps) == ["fail-node", "stop-worker", "activate-standby"]
+    assert steps[2].args == {"slot": "rollout-1", "standby_slot": "standby-0"}
 
 
-def test_without_spares_a_new_node_is_requested() -> None:
+def test_without_spares_a_new_node_is_requested_for_a_lost_node() -> None:
     steps = plan(running_job(spares=0), verdict("node03", None, "node-loss", "replace-node"), 2)
     assert kinds(steps) == ["fail-node", "request-node"]
 

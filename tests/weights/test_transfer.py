@@ -214,12 +214,24 @@ def test_byte_corrupted_on_the_wire_is_detected() -> None:
             fetch_sync({**source, "port": proxy.port}, timeout=20.0)
 
 
+def wait_until_stopped(pid: int, limit_s: float = 10.0) -> None:
+    """Block until /proc says `pid` is stopped (SIGSTOP takes effect asynchronously)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def test_hung_holder_times_out() -> None:
     from rlctl.weights import WeightTransferError, fetch_sync
 
     timeout = 2.0
-    with holders(("tcp", {})) as [holder]:
+    with holders(("tcp", {"big": LARGE})) as [holder]:
         os.kill(holder.process.pid, signal.SIGSTOP)
+        wait_until_stopped(holder.process.pid)
         started = time.monotonic()
         with pytest.raises(WeightTransferError, match="timed out"):
             fetch_sync(holder.source, timeout=timeout)
