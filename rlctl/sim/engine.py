@@ -265,7 +265,9 @@ class Simulation:
         self.emit("WorkerStarted", slot=slot.slot, wid=wid, pid=slot.generation)
         worker = WorkerTruth(wid, slot.slot, slot.role, slot.node, self.now)
         self.workers[wid] = worker
-        self.q.after(self.cost.init.for_role(slot.role), self._worker_loaded, wid)
+        init = self.cost.init
+        load_s = max(init.trainer_s, init.rollout_s) if slot.standby else init.for_role(slot.role)
+        self.q.after(load_s, self._worker_loaded, wid)
 
     def stop_worker(self, slot: SlotRecord) -> None:
         """Controller.stop_worker, then the agent's exit report."""
@@ -301,18 +303,35 @@ class Simulation:
             return
         worker, slot = current
         worker.loaded = True
-        if worker.role == "rollout":
-            self._rollout_sync(wid)
-        elif worker.role == "reward":
-            self.emit("WorkerPhase", slot=slot.slot, wid=wid, phase="waiting-for-work", step=self.model.published_version)
-            worker.ready = True
-            self._update_capacity()
-        elif slot.standby:
+        if slot.standby:
             self.emit("WorkerPhase", slot=slot.slot, wid=wid, phase="standby", step=0)
             worker.ready = True
             self._update_capacity()
+        elif slot.role == "rollout":
+            self._rollout_sync(wid)
+        elif slot.role == "reward":
+            self._reward_ready(worker, slot)
         else:
             self.trainer_restore(wid)
+
+    def take_over(self, worker: WorkerTruth, slot: SlotRecord) -> None:
+        """A warm standby runs the role of ``slot``: a trainer restores, a rollout pulls weights, a
+        reward worker starts scoring (roles/standby.py)."""
+        worker.slot, worker.role, worker.ready = slot.slot, slot.role, False
+        self._update_capacity()
+        if not worker.loaded:
+            return  # it takes the role when it finishes loading (_worker_loaded)
+        if slot.role == "trainer":
+            self.trainer_restore(worker.wid, recovering=True)
+        elif slot.role == "rollout":
+            self._rollout_sync(worker.wid)
+        else:
+            self._reward_ready(worker, slot)
+
+    def _reward_ready(self, worker: WorkerTruth, slot: SlotRecord) -> None:
+        self.emit("WorkerPhase", slot=slot.slot, wid=worker.wid, phase="waiting-for-work", step=self.model.published_version)
+        worker.ready = True
+        self._update_capacity()
 
     def _rollout_sync(self, wid: str) -> None:
         worker = self.workers[wid]
@@ -516,6 +535,17 @@ class Simulation:
         timing = round_timing(self.cost, rnd.kind, rnd.max_new_tokens, cfg.overprovision, self.rng)
         self._dispatch_pending()
         self._start_task("gen", self.cost.weights.sync_s + timing.seconds)
+        self.q.after(self.cost.weights.sync_s, self._representative_held, rnd.weights_version)
+
+    def _representative_held(self, version: int) -> None:
+        """Every rollout notifies weights.held after its per-step sync; one stands for all of them
+        (aggregated like heartbeats), which is what the model needs: a live holder of ``version``."""
+        if self.model.published_version != version or self.model.life.state.terminal:
+            return
+        working = self._working_slots("rollout")
+        if working:
+            slot = working[0]
+            self.emit("WeightsHeld", version=version, slot=slot.slot, source={"transport": "sim", "version": version})
 
     def _resume_round(self) -> None:
         rnd = self.scheduler.round

@@ -124,7 +124,7 @@ class SimRecovery:
         """Recovery._execute, with virtual durations."""
         sim, model, args, cost = self.sim, self.sim.model, step.args, self.sim.cost
         requeued = 0
-        if step.kind in ("restart-worker", "fail-node", "stop-all"):
+        if step.kind in ("restart-worker", "stop-worker", "fail-node", "stop-all"):
             requeued = self._release_items(step, verdict)
         sim.emit("ActionTaken", action=step.kind, node=args.get("node", verdict.node), slot=args.get("slot"),
                  reason=verdict.reason[:200], fault_ids=[fault_id], trajectories_lost=0, items_requeued=requeued,
@@ -188,7 +188,7 @@ class SimRecovery:
     def _release_items(self, step: policy.Step, verdict: det.Verdict) -> int:
         """Recovery._release_items: the failed worker's in-flight prompts go back to the scheduler."""
         sim, model = self.sim, self.sim.model
-        if step.kind == "restart-worker":
+        if step.kind in ("restart-worker", "stop-worker"):
             targets = [model.slots[step.args["slot"]]]
         elif step.kind == "fail-node":
             targets = [s for s in model.slots.values() if s.node == step.args["node"]]
@@ -228,21 +228,16 @@ class SimRecovery:
                 sim.emit("NodeStateChanged", node=name, state=target.value, reason="failed node given back")
 
     def _activate_standby(self, slot_name: str, standby_slot: str) -> Iterator[float]:
-        """The ActionTaken already moved the standby into the slot; its worker now restores."""
+        """The ActionTaken already moved the role onto the standby's node; the standby now runs it."""
         sim, model = self.sim, self.sim.model
-        standby = model.slots.get(standby_slot)  # popped by the model: the live code finds None here too
-        if standby is not None and standby.node is not None:
-            sim.emit("NodeStateChanged", node=standby.node, state=NodeState.ACTIVE.value,
-                     reason=f"warm standby takes over {slot_name}", role="trainer")
         slot = model.slots[slot_name]
+        if slot.node is not None and model.nodes[slot.node].life.can_move(NodeState.ACTIVE):
+            sim.emit("NodeStateChanged", node=slot.node, state=NodeState.ACTIVE.value,
+                     reason=f"warm standby takes over {slot_name}", role=slot.role)
+        yield 0.3  # the standby polls standby.wait every 0.3 s
         worker = sim.workers.get(slot.wid or "")
-        if worker is not None:
-            worker.slot = slot_name
-            worker.ready = False
-            sim._update_capacity()
-            if worker.loaded:
-                sim.trainer_restore(worker.wid, recovering=True)
-        yield 0.5  # the standby polls trainer.init every 0.5 s
+        if worker is not None and worker.alive:
+            sim.take_over(worker, slot)
 
     def _make_standby(self, name: str) -> Iterator[float]:
         """Recovery._make_standby: a healthy node whose role moved away becomes a warm trainer standby."""

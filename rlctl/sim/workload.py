@@ -44,8 +44,17 @@ def synthetic_prompts(count: int, seed: int) -> list[PromptRef]:
 
 def sample_length(gen: GenerationCost, sample_seed: int) -> int:
     """A sample's uncapped response length (tokens), a pure function of its seed."""
-    u = random.Random(sample_seed).random()
+    u = _unit(sample_seed)
     return max(1, int(response_quantile(gen, min(max(u, 1e-12), 1 - 1e-12))))
+
+
+def _unit(seed: int) -> float:
+    """A uniform draw in (0, 1) from ``seed`` (splitmix64 finaliser: cheap, deterministic, well mixed)."""
+    z = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return (z + 0.5) / 2.0**64
 
 
 @dataclass(frozen=True)

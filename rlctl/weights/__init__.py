@@ -14,6 +14,7 @@ from rlctl.weights.errors import (
     TransportUnavailableError,
     WeightError,
     WeightIntegrityError,
+    WeightTimeoutError,
     WeightTransferError,
 )
 from rlctl.weights.server import TRANSPORTS, WeightServer, WeightServerThread, resolve_transport
@@ -28,6 +29,7 @@ __all__ = [
     "WeightIntegrityError",
     "WeightServer",
     "WeightServerThread",
+    "WeightTimeoutError",
     "WeightTransferError",
     "compute_checksum",
     "fetch",

@@ -62,9 +62,15 @@ def test_launch_status_kill_resume_stop(tmp_path: Path, state_dir: Path) -> None
     assert seqs[-1] > seq_at_kill
     starts = [e for e in events if e.type == "WorkerStarting"]
     assert len(starts) == len({e.data["slot"] for e in starts}), "a healthy worker was restarted by the resume"
+    assert not [e for e in events if e.type == "Verdict"], "a fault-free run (with a controller restart) raised a verdict"
     resumed = [e for e in events if e.type == "ControllerStarted"]
     assert [e.data["resumed"] for e in resumed] == [False, True]
     assert worker_pids
+
+    refused = rlctl(state_dir, "inject-fault", "node99", "--job", job, "--kind", "crash", check=False)
+    assert refused.returncode != 0 and "node99" in refused.stderr and "node01" in refused.stderr
+    unknown = rlctl(state_dir, "inject-fault", "node02", "--job", job, "--kind", "meteor", check=False)
+    assert unknown.returncode == 2 and "crash" in unknown.stderr
 
     result = rlctl_json(state_dir, "stop", job)
     assert result["state"] == "stopped"
