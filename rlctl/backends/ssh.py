@@ -14,6 +14,12 @@ Contract (see ``rlctl.backends.base.Backend``):
   second path, independent of the agent's heartbeats.
 * Which inventory host serves which role is persisted in ``<job_dir>/backend-ssh.json`` so a
   restarted controller can ``adopt`` its nodes.
+* ``release`` stops the agent *and* the job's role workers on the host (workers run in their own
+  sessions, outside the agent's process group). A host that cannot be reached then (partitioned,
+  dead) is remembered in the state file and retried by every later ``release``, including the
+  one at the end of the job, so a node that comes back is cleaned up.
+* ``inject`` carries out ``partition``, ``node-down`` and ``slow-link`` on lab nodes when
+  ``lab_dir`` is set (``supported_faults`` says which); see :mod:`rlctl.lab.inject`.
 
 Remote layout per host (``remote_dir`` may contain ``{node}``, needed when hosts share a
 filesystem, as lab nodes do)::
@@ -52,7 +58,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "backend-ssh.json"
 SPARE_ROLE = "spare"
-LAB_FAULTS = ("partition", "heal", "node-down", "node-up", "slow")  # = rlctl.lab.FAULT_KINDS
+RELEASE_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,7 @@ class SshBackend:
         probe_timeout_s: float = 5.0,
         insecure_no_host_key_check: bool = False,
         lab_dir: Path | None = None,
+        release_timeout_s: float | None = None,
     ) -> None:
         names = [h.name for h in hosts]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -169,11 +176,27 @@ class SshBackend:
         self.probe_timeout_s = probe_timeout_s
         self.insecure = insecure_no_host_key_check
         self.lab_dir = lab_dir
+        # one host's release (connect + stop), bounded so a dead host never stalls the others and
+        # below the 15 s the controller gives the release of a failed node
+        self.release_timeout_s = release_timeout_s or min(connect_timeout_s, 5.0) + RELEASE_GRACE_S + 2.0
         self.last_deploy: dict[str, DeployOutcome] = {}
         self._sem = asyncio.Semaphore(max_parallel)
         self._conns: dict[str, asyncssh.SSHClientConnection] = {}
         self._conn_locks: dict[str, asyncio.Lock] = {}
-        self._assigned: dict[str, str] = self._load_state()
+        self._assigned: dict[str, str] = {}
+        self._unreleased: dict[str, str] = {}  # host name -> job id ("" = every job dir found)
+        self._job_id = ""  # the job these hosts serve (from allocate/start_agent), persisted
+        self._load_state()
+        self._lab = None
+        if lab_dir is not None:
+            from rlctl.lab.inject import LabFaultInjector
+
+            self._lab = LabFaultInjector(lab_dir)
+
+    @property
+    def supported_faults(self) -> frozenset[str]:
+        """Backend-level faults ``inject`` can carry out (the controller's API checks this)."""
+        return self._lab.supported_faults if self._lab is not None else frozenset()
 
     # --- construction from job.toml --------------------------------------------------------
     @classmethod
@@ -205,23 +228,27 @@ class SshBackend:
             probe_timeout_s=float(cfg.get("probe_timeout_s", 5.0)),
             insecure_no_host_key_check=bool(cfg.get("insecure_no_host_key_check", False)),
             lab_dir=Path(str(lab_dir)) if lab_dir else None,
+            release_timeout_s=float(cfg["release_timeout_s"]) if cfg.get("release_timeout_s") else None,
         )
 
     # --- persisted assignment ----------------------------------------------------------------
     def _state_path(self) -> Path:
         return self.job_dir / STATE_FILE
 
-    def _load_state(self) -> dict[str, str]:
+    def _load_state(self) -> None:
         try:
             data = json.loads(self._state_path().read_text())
         except (OSError, ValueError):
-            return {}
-        return {str(k): str(v) for k, v in data.get("assigned", {}).items()}
+            return
+        self._assigned = {str(k): str(v) for k, v in data.get("assigned", {}).items()}
+        self._unreleased = {str(k): str(v) for k, v in data.get("unreleased", {}).items()}
+        self._job_id = str(data.get("job_id", ""))
 
     def _save_state(self) -> None:
         self.job_dir.mkdir(parents=True, exist_ok=True)
         tmp = self._state_path().with_suffix(".tmp")
-        tmp.write_text(json.dumps({"assigned": self._assigned}, indent=2, sort_keys=True))
+        state = {"assigned": self._assigned, "unreleased": self._unreleased, "job_id": self._job_id}
+        tmp.write_text(json.dumps(state, indent=2, sort_keys=True))
         tmp.replace(self._state_path())
 
     def _node(self, host: SshHost, role: str) -> NodeInfo:
@@ -269,6 +296,7 @@ class SshBackend:
         picks = self._pick(request)
         for host, role in picks:
             self._assigned[host.name] = role
+        self._job_id = request.job_id
         self._save_state()
         return [self._node(host, role) for host, role in picks]
 
@@ -449,17 +477,28 @@ class SshBackend:
         out = await self._run(host, cmd, "starting the agent")
         return out.split()[1]
 
-    async def _stop(self, host: SshHost, paths: RemotePaths, grace_s: float = 5.0) -> None:
-        """SIGTERM the agent's process group (agent + its workers), SIGKILL after ``grace_s``."""
+    async def _stop(self, host: SshHost, paths: RemotePaths, grace_s: float = RELEASE_GRACE_S,
+                    workers: bool = False) -> None:
+        """SIGTERM the agent's process group, SIGKILL after ``grace_s``. With ``workers``, the job's
+        role workers on this host go too: each runs in its own session (outside the agent's
+        group) and outlives a killed agent, so they are found by the ``RLCTL_WORKDIR`` the agent
+        put in their environment (this job, this node) and their process groups are signalled."""
         q = shlex.quote
         ticks = max(1, int(grace_s * 5))
-        cmd = (
-            f"p=$(cat {q(paths.pidfile)} 2>/dev/null); "
-            f'if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then kill -TERM -- -"$p" 2>/dev/null || kill -TERM "$p"; '
-            f'for i in $(seq {ticks}); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done; '
-            f'kill -KILL -- -"$p" 2>/dev/null; fi; rm -f {q(paths.pidfile)}'
+        find_workers = (
+            f"grep -lzxF -- {q('RLCTL_WORKDIR=' + paths.workdir)} /proc/[0-9]*/environ 2>/dev/null "
+            "| cut -d/ -f3 | grep -vx $$" if workers else "true"
         )
-        await self._run(host, cmd, "stopping the agent", timeout_s=grace_s + self.command_timeout_s)
+        cmd = (
+            f"p=$(cat {q(paths.pidfile)} 2>/dev/null); w=$({find_workers}); "
+            f'[ -n "$p" ] && kill -0 "$p" 2>/dev/null || p=""; '
+            f'for x in $p $w; do kill -TERM -- -"$x" 2>/dev/null || kill -TERM "$x" 2>/dev/null; done; '
+            f'for i in $(seq {ticks}); do live=""; for x in $p $w; do kill -0 "$x" 2>/dev/null && live=1; done; '
+            f'[ -z "$live" ] && break; sleep 0.2; done; '
+            f'for x in $p $w; do kill -KILL -- -"$x" 2>/dev/null; kill -KILL "$x" 2>/dev/null; done; '
+            f"rm -f {q(paths.pidfile)}; true"
+        )
+        await self._run(host, cmd, "stopping the agent and its workers", timeout_s=grace_s + self.command_timeout_s)
 
     # --- probe / release / inject ------------------------------------------------------------
     async def probe(self, node: NodeInfo) -> ProbeResult:
@@ -482,17 +521,40 @@ class SshBackend:
         return ProbeResult(True, f"{host.name}: ssh ok in {time.perf_counter() - t0:.2f}s")
 
     async def release(self, nodes: list[NodeInfo], *, clean: bool = False, job_id: str | None = None) -> None:
-        """Stop the agents (by pidfile), optionally delete their job dirs, give the hosts back.
+        """Stop the agents (by pidfile) and the job's workers, optionally delete their job dirs,
+        give the hosts back.
 
-        Idempotent; an unreachable host is logged and still given back. ``job_id`` defaults to
-        every job dir under ``remote_dir`` for which a pidfile exists.
+        Idempotent; each host is bounded by ``release_timeout_s``. A host that cannot be reached
+        is logged, still given back, and remembered: every later ``release`` tries it again (the
+        job's last release cleans a partitioned node that came back). ``job_id`` defaults to
+        the job this backend allocated for, else every job dir under ``remote_dir``.
         """
-        results = await asyncio.gather(*(self._release_one(n, clean, job_id) for n in nodes), return_exceptions=True)
-        for node, result in zip(nodes, results):
-            if isinstance(result, BaseException):
-                log.warning("release %s: %s", node.name, result)
-            self._assigned.pop(node.backend_ref or node.name, None)
+        job_id = job_id or self._job_id or None
+        targets = {self._host(n).name: (n, job_id) for n in nodes}
+        for name, pending_job in self._unreleased.items():
+            if name not in targets and name in self.hosts:
+                targets[name] = (self._node(self.hosts[name], SPARE_ROLE), pending_job or None)
+        for name, (_, jid) in targets.items():  # written before the attempt: a cancelled release is retried too
+            self._unreleased.setdefault(name, jid or "")
+            self._assigned.pop(name, None)
         self._save_state()
+        results = await asyncio.gather(*(self._release_bounded(n, clean, jid) for n, jid in targets.values()),
+                                       return_exceptions=True)
+        for name, result in zip(targets, results):
+            if isinstance(result, BaseException):
+                log.warning("release %s: %s (retried by the next release)", name, result)
+            else:
+                self._unreleased.pop(name, None)
+        self._save_state()
+
+    async def _release_bounded(self, node: NodeInfo, clean: bool, job_id: str | None) -> None:
+        host = self._host(node)
+        try:
+            await asyncio.wait_for(self._release_one(node, clean, job_id), self.release_timeout_s)
+        except TimeoutError:
+            self._drop(host)  # a cached connection to a host that went silent is useless now
+            raise BackendError(f"{host.name} ({host.address}): release timed out after "
+                               f"{self.release_timeout_s:.0f}s") from None
 
     async def _release_one(self, node: NodeInfo, clean: bool, job_id: str | None) -> None:
         host = self._host(node)
@@ -500,7 +562,7 @@ class SshBackend:
         async with self._sem:
             for jid in job_ids:
                 paths = self.paths(node, jid)
-                await self._stop(host, paths)
+                await self._stop(host, paths, workers=True)
                 if clean:
                     await self._run(host, f"rm -rf {shlex.quote(paths.job_dir)}", "removing the job dir")
 
@@ -511,17 +573,17 @@ class SshBackend:
         return [j for j in out.split() if j]
 
     async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
-        """Lab faults (``partition``, ``heal``, ``node-down``, ``node-up``, ``slow``) when ``lab_dir``
-        is set; False (unsupported) otherwise."""
-        if self.lab_dir is None or kind not in LAB_FAULTS:
+        """Lab faults when ``lab_dir`` is set: ``partition``, ``node-down``, ``slow-link``
+        (``delay_ms``; ``duration`` undoes any of them), and the lab's ``heal``/``node-up``/``slow``.
+        False (unsupported) otherwise."""
+        if self._lab is None:
             return False
-        from rlctl.lab import apply_fault
-
-        await asyncio.to_thread(apply_fault, node.name, kind, params, state_dir=self.lab_dir)
-        return True
+        return await self._lab.inject(self._host(node).name, kind, params)
 
     async def close(self) -> None:
         """Close every cached SSH connection. Nodes and agents are left as they are."""
+        if self._lab is not None:
+            await self._lab.close()
         conns = list(self._conns.values())
         self._conns.clear()
         for conn in conns:

@@ -85,7 +85,9 @@ class ApiServer:
             return {"ok": False, "error": f"node {node!r} is not in job {model.job_id}; nodes: {', '.join(sorted(model.nodes))}"}
         if kind not in FAULT_KINDS:
             return {"ok": False, "error": f"unknown fault kind {kind!r}; valid kinds: {', '.join(FAULT_KINDS)}"}
-        backend_kind = kind in BACKEND_FAULTS and kind not in AGENT_FAULTS
+        # A backend that can really break the node (the lab: kill every process of the machine,
+        # cut its link) does so; otherwise node-down is the agent's simulation of it.
+        backend_kind = kind in BACKEND_FAULTS and (kind not in AGENT_FAULTS or _backend_supports(self.c, kind))
         if backend_kind and not _backend_supports(self.c, kind):
             return {"ok": False, "error": f"the {self.c.backend.name} backend cannot inject {kind!r} (the lab can)"}
         if kind in ("xid",) and "code" not in params:
@@ -101,7 +103,13 @@ class ApiServer:
             await asyncio.sleep(delay)
         if backend_kind:
             info = self.c.node_infos[node]
-            await self.c.backend.inject(info, kind, params)
+            try:
+                done = await self.c.backend.inject(info, kind, params)
+            except Exception as exc:  # runs as a background task: say what failed, never drop it
+                log.warning("the %s backend could not inject %s on %s: %s", self.c.backend.name, kind, node, exc)
+                return
+            if not done:
+                log.warning("the %s backend did not carry out %s on %s", self.c.backend.name, kind, node)
             return
         slot = self.c.model.slot_on_node(node)
         agent_params = dict(params)

@@ -427,10 +427,27 @@ class Controller:
             "RLCTL_WORKLOAD": json.dumps(workload),
             "RLCTL_CHECKPOINT_DIR": str(self.jobdir.checkpoints),
             "RLCTL_WEIGHTS_TRANSPORT": self.spec.weights_transport,
-            "RLCTL_WEIGHTS_HOST": self.spec.weights_host,
+            "RLCTL_WEIGHTS_HOST": self._weights_host(slot),
             "RLCTL_STANDBY": "1" if slot.standby else "0",
         }
         return argv, env
+
+    def _weights_host(self, slot: SlotRecord) -> str:
+        """Where the worker's weight server listens and what it advertises.
+
+        Backend glue (issue 5, found on the lab): ``[weights] host`` is one address for the whole
+        job. That is right on the local backend (every worker on this machine) but wrong across
+        machines, where each holder must advertise its own node's address or joiners dial
+        themselves. On the ssh/slurm backends a loopback setting (the default) therefore means
+        "this node's address", as the backend reported it (``NodeInfo.host``).
+        """
+        configured = self.spec.weights_host
+        if self.spec.backend == "local" or slot.node is None:
+            return configured
+        if not (configured.startswith("127.") or configured == "localhost"):
+            return configured
+        node = self.model.nodes.get(slot.node)
+        return node.host if node is not None and node.host else configured
 
     async def start_worker(self, slot: SlotRecord) -> None:
         if slot.node is None:

@@ -8,6 +8,7 @@ file behind and raises if it cannot prove that. Fault helpers act on one node at
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from rlctl.lab import network, packages, procs, sshd
 from rlctl.lab import slurm as lab_slurm
 from rlctl.lab.shell import LabError, is_root, missing_tools, pid_alive, run
 
+JOB_USER = "root"  # who jobs log in as over SSH (see LabStatus.job_toml)
+NODE_NET_DEVICE = "eth0"  # a node's only link (its veth end into the bridge)
 REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "mountpoint", "ssh-keygen", "runuser")
 RUN_SSHD_MARKER = "created-run-sshd"
 
@@ -49,24 +52,36 @@ class LabStatus:
     ssh_config: Path | None = None
     slurm_conf: Path | None = None
     ssh_user: str = sshd.LAB_USER
+    job_user: str = JOB_USER
+    job_python: str = field(default_factory=lambda: sys.executable)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in data.items()}
 
     def job_toml(self) -> str:
-        """``[cluster.ssh]`` and ``[cluster.slurm]`` sections that point a job at this lab."""
+        """``[cluster.ssh]`` and ``[cluster.slurm]`` sections that point a job at this lab.
+
+        Jobs run as ``job_user`` (root) with ``job_python`` (the interpreter running this code):
+        the nodes share this machine's filesystem, and both the interpreter (under /root) and the
+        controller's job dir (checkpoints) belong to root; Slurm runs tasks as the submitting user
+        anyway. Workers need UCX pointed at the node's bridge device (see docs/lab.md).
+        """
         hosts = ", ".join(f'"{n.name}={n.ip}"' for n in self.nodes)
         return (
             "[cluster.ssh]\n"
             f"hosts = [{hosts}]\n"
-            f'known_hosts = "{self.known_hosts}"\nkey_file = "{self.ssh_key}"\nuser = "{self.ssh_user}"\n'
+            f'known_hosts = "{self.known_hosts}"\nkey_file = "{self.ssh_key}"\nuser = "{self.job_user}"\n'
+            f'python = "{self.job_python}"\n'
             f'controller_host = "{self.controller_address}"\n'
             f'lab_dir = "{self.state_dir}"\n\n'
             "[cluster.slurm]\n"
             f'partition = "{self.partition}"\nslurm_conf = "{self.slurm_conf}"\n'
+            f'python = "{self.job_python}"\n'
             f'controller_host = "{self.controller_address}"\n'
-            f'lab_dir = "{self.state_dir}"\n'
+            f'lab_dir = "{self.state_dir}"\n\n'
+            "# in every [roles.<role>.env]: UCX over the node's bridge device\n"
+            f'# UCX_NET_DEVICES = "{NODE_NET_DEVICE}"\n# UCX_TLS = "tcp,self"\n'
         )
 
 
@@ -102,13 +117,13 @@ def up(
     cfg.path("lab.json").write_text(cfg.to_json())
     lab_slurm.ensure_munge(cfg)
     sshd.ensure_lab_user(cfg)
-    sshd.ensure_keys(cfg)
+    sshd_config_changed = sshd.ensure_keys(cfg)
     _ensure_network(cfg)
     lab_slurm.ensure_fake_gpu_devices(cfg)
     lab_slurm.write_configs(cfg)
     lab_slurm.ensure_slurmctld(cfg)
     for node in cfg.node_names():
-        sshd.start_sshd(cfg, node)
+        sshd.start_sshd(cfg, node, reload=sshd_config_changed)
         lab_slurm.start_slurmd(cfg, node)
     lab_slurm.wait_all_idle(cfg, idle_timeout_s)
     return status(state_dir=cfg.state_dir)

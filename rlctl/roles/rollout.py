@@ -38,7 +38,7 @@ class Rollout:
 
     def sync_weights(self, version: int, source: dict[str, Any] | None) -> None:
         """Pull ``version`` from any live holder; a holder that fails is reported and another tried."""
-        from rlctl.weights import WeightError, fetch_sync
+        from rlctl.weights import WeightError, fetch_bundle_sync, unflatten
 
         self.w.phase("weight-sync", self.step)
         failed: dict[str, Any] | None = None
@@ -51,17 +51,18 @@ class Rollout:
                 if source is None:
                     time.sleep(0.2)
             try:
-                got, state = fetch_sync(source, timeout=120.0)
+                bundle = fetch_bundle_sync(source, timeout=120.0)
                 break
             except WeightError as exc:
                 failed, error, source = source, str(exc), None
         else:
             raise RuntimeError(f"could not fetch weights v{version} after {FETCH_ATTEMPTS} attempts: {error}")
+        got = bundle.manifest.version
         if got != version:
             raise RuntimeError(f"asked for weights v{version}, holder sent v{got}")
-        self.engine.load_state_dict(state, got)
+        self.engine.load_state_dict(unflatten(bundle.manifest, bundle.buffer), got)
         self.held_version = got
-        descriptor = self.server.publish(got, state)
+        descriptor = self.server.publish_bundle(bundle)  # serve on exactly the bytes received, no copy
         self.w.notify("weights.held", version=got, source=descriptor)
 
     def generate(self, work: dict[str, Any]) -> list[dict[str, Any]]:

@@ -603,30 +603,41 @@ class Simulation:
         return False
 
     def _generation_done(self) -> None:
-        self._dispatch_pending()
-        if self._blocked(INFLIGHT):
-            self.task.rate = 0.0 if self.task else 0.0
-            return  # completed once the held items come back (ItemsReturned) and are redone
+        """The round's generation time has elapsed: working rollouts submit, ask again, submit..."""
         rnd = self.scheduler.round
         assert rnd is not None
         step = rnd.step
-        by_wid: dict[str, list[dict[str, Any]]] = {}
-        for sample in rnd.samples.values():
-            if sample.status == INFLIGHT and sample.wid:
-                length = sample_length(self.cost.generation, sample.seed)
-                by_wid.setdefault(sample.wid, []).append({
-                    "item_id": sample.item_id, "response_tokens": [], "truncated": length > rnd.max_new_tokens,
-                    "weights_version": rnd.weights_version,
-                })
-        for wid, results in by_wid.items():
-            worker = self.workers[wid]
-            self.commit_decided(self.scheduler.submit(worker.slot, wid, results, self.now))
+        self._dispatch_pending()
+        while self._submit_held(rnd) and self.scheduler.round is rnd and not rnd.closed:
+            self._dispatch_pending()
+        if self.scheduler.round is rnd and self._blocked(INFLIGHT):
+            if self.task is not None:
+                self.task.rate = 0.0
+            return  # completed once the held items come back (ItemsReturned) and are redone
         self.task = None
         current = self.scheduler.round
         if current is not None and current is not rnd and not current.closed and current.step == step:
             self._start_generation()  # every prompt was deferred: the scheduler opened a new round
             return
         self._start_scoring()
+
+    def _submit_held(self, rnd: Any) -> bool:
+        """rollout.submit for every working rollout's in-flight items; False when there were none."""
+        by_wid: dict[str, list[dict[str, Any]]] = {}
+        for sample in rnd.samples.values():
+            if sample.status != INFLIGHT or not sample.wid:
+                continue
+            worker = self.workers.get(sample.wid)
+            if worker is None or not worker.working or not self._node_ok(worker.node):
+                continue
+            length = sample_length(self.cost.generation, sample.seed)
+            by_wid.setdefault(sample.wid, []).append({
+                "item_id": sample.item_id, "response_tokens": [], "truncated": length > rnd.max_new_tokens,
+                "weights_version": rnd.weights_version,
+            })
+        for wid, results in by_wid.items():
+            self.commit_decided(self.scheduler.submit(self.workers[wid].slot, wid, results, self.now))
+        return bool(by_wid)
 
     def _start_scoring(self) -> None:
         self._dispatch_scoring()

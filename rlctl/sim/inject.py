@@ -142,9 +142,9 @@ def _hang(sim: "Simulation", worker: WorkerTruth) -> None:
     worker.hung_at = sim.now
     sim._update_capacity()
     phase = reported_phase(sim, worker)
-    bound = sim.spec.fault_tolerance.phase_timeout_s.get(phase)
-    if phase in det.IDLE_PHASES or bound is None:
-        return  # Detector.worker_verdict never convicts an idle phase (see docs/sim.md, core gaps)
+    bound = observe.hang_bound(sim.detector, phase, sim.spec.fault_tolerance.phase_timeout_s)
+    if bound is None:
+        return  # Detector.worker_verdict never convicts a frozen worker in this phase (docs/sim.md)
     sim.q.schedule(_next_tick(sim, sim.now + bound), _judge_hang, sim, worker.wid, phase)
 
 
@@ -168,7 +168,7 @@ def _judge_hang(sim: "Simulation", wid: str, phase: str) -> None:
     slot = sim.model.slots.get(worker.slot) if worker else None
     if worker is None or worker.hung_at is None or slot is None or slot.wid != wid or not worker.alive:
         return
-    obs = observe.worker_obs(slot, phase, slot.progress, sim.now - worker.hung_at)
+    obs = observe.worker_obs(slot, phase, slot.progress, sim.now - worker.hung_at, request_age_s=sim.now - worker.hung_at)
     verdict = sim.detector.worker_verdict(obs, sim.now)
     if verdict is not None:
         sim.recovery.handle(verdict)

@@ -278,7 +278,7 @@ def _sampling_params(sampling: SamplingConfig, request: GenRequest, max_new_toke
 
     stops = [sampling.eos_id] if sampling.eos_id >= 0 else []  # eos_id < 0: no EOS (benchmarks)
     return SamplingParams(
-        n=1, temperature=max(sampling.temperature, 0.0), top_k=sampling.top_k if sampling.top_k > 0 else 0,
+        n=1, temperature=max(sampling.temperature, 0.0), top_k=max(0, sampling.top_k),
         max_tokens=max_new_tokens, seed=request.seed, stop_token_ids=stops, ignore_eos=not stops,
         detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -316,7 +316,7 @@ class VllmEngine:
     @classmethod
     def from_gpt(cls, model: GPT, workdir: str | Path, sampling: SamplingConfig | None = None,
                  on_phase: PhaseCallback | None = None, options: VllmOptions | None = None,
-                 version: int = 0) -> "VllmEngine":
+                 version: int = 0) -> VllmEngine:
         """Export ``model`` to ``workdir`` and start an engine on it (the rollout role's entry point)."""
         opts = options or VllmOptions()
         directory = export_gpt(model.state_dict(), model.config, workdir, opts.dtype)

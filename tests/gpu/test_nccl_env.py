@@ -45,9 +45,9 @@ def test_pg_timeout_beats_default_for_short_steps() -> None:
     assert pg_timeout_s(NcclBounds(max_step_s=20, checkpoint_s=30)) < 600  # PyTorch's NCCL default
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_step_s=0), dict(max_step_s=1, safety=0.5),
-                                    dict(max_step_s=1, trace_buffer=0), dict(max_step_s=1, min_timeout_s=10,
-                                                                              max_timeout_s=5)])
+@pytest.mark.parametrize("kwargs", [{"max_step_s": 0}, {"max_step_s": 1, "safety": 0.5},
+                                    {"max_step_s": 1, "trace_buffer": 0},
+                                    {"max_step_s": 1, "min_timeout_s": 10, "max_timeout_s": 5}])
 def test_bad_bounds_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         NcclBounds(**kwargs)  # type: ignore[arg-type]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -109,9 +110,9 @@ def eos_policy_state(config: ModelConfig) -> dict[str, torch.Tensor]:
     """Weights under which EOS is every position's argmax: identity blocks, EOS row aligned with
     the one channel every embedding shares."""
     state = {k: torch.zeros_like(v) for k, v in build_model(config, seed=3).state_dict().items()}
-    for name in state:
+    for name, value in state.items():
         if name.endswith("norm.weight"):
-            state[name].fill_(1.0)
+            value.fill_(1.0)
     embed = torch.randn(config.vocab_size, config.d_model, generator=torch.Generator().manual_seed(0)) * 0.01
     embed[:, 0] = 1.0
     embed[EOS_ID] = 0.0

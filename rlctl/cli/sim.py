@@ -1,0 +1,119 @@
+"""`rlctl sim`: simulate a job under faults with the real core on a virtual clock (see docs/sim.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from rlctl.cli.common import console, fail, print_json
+
+
+def sim(
+    job_file: Path = typer.Argument(..., help="The job spec (job.toml) to simulate."),
+    gpus: int = typer.Option(None, "--gpus", help="Role GPUs (split by the cost model's shares; spares on top)."),
+    rate: float = typer.Option(None, "--rate", help="Failure rate: per RL step (step model, default 0.1) or per GPU-hour "
+                               "(gpu-hours model, default Llama 3's)."),
+    policy: str = typer.Option("both", "--policy", help="role | full-restart | both"),
+    duration: str = typer.Option("7d", "--duration", help="Virtual time limit (e.g. 24h, 7d)."),
+    steps: int = typer.Option(None, "--steps", help="RL steps to run (default: the job file's; 0: until --duration)."),
+    seed: int = typer.Option(0, "--seed"),
+    cost_model: Path = typer.Option(None, "--cost-model", help="Cost-model TOML (docs/cost-model.md)."),
+    failure_model: str = typer.Option("step", "--failure-model", help="step | gpu-hours | trace"),
+    trace: Path = typer.Option(None, "--trace", help="Fault trace (JSON lines / JSON list) or a job journal.db."),
+    calibrate: Path = typer.Option(None, "--calibrate", help="A real job's directory: measure its cost model from "
+                                   "its journal, replay its faults, compare predicted and measured ETTR."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    plot: Path = typer.Option(None, "--plot", help="Write a ledger plot (PNG)."),
+) -> None:
+    """Simulate JOB_FILE's job on a virtual clock with a cost model and a failure model."""
+    from rlctl.core.spec import SpecError
+    from rlctl.jobfile import load_job_file
+    from rlctl.sim.costmodel import CostModelError, load_cost_model
+    from rlctl.sim.engine import SimConfig
+    from rlctl.sim.faults import make_failure_model, parse_duration
+    from rlctl.sim.report import POLICIES, compare_policies, plot_ledger, simulate
+
+    try:
+        spec = load_job_file(job_file)
+    except SpecError as exc:
+        fail(str(exc), code=2)
+    if calibrate is not None:
+        _calibrate(calibrate, spec, seed, json_out)
+        return
+    if policy not in (*POLICIES, "both"):
+        fail(f"--policy must be role, full-restart or both, got {policy!r}", code=2)
+    try:
+        cost = load_cost_model(cost_model)
+        horizon = parse_duration(duration)
+        make_failure_model(failure_model, rate, seed, trace)
+    except (CostModelError, ValueError, OSError) as exc:
+        fail(str(exc), code=2)
+    total = None if steps is None else (steps or 10**9)
+    config = SimConfig(policy=policy if policy != "both" else "role", steps=total, duration_s=horizon, seed=seed, gpus=gpus)
+    make = lambda s: make_failure_model(failure_model, rate, s, trace)  # noqa: E731
+    if policy == "both":
+        result: dict[str, Any] = compare_policies(spec, cost, make, config)
+    else:
+        result = simulate(spec, cost, make(seed), config)
+    if plot is not None:
+        plot_ledger(result, plot)
+    if json_out:
+        print_json(result)
+        return
+    _render(result)
+
+
+def _calibrate(target: Path, spec: Any, seed: int, json_out: bool) -> None:
+    from rlctl.sim.calibrate import journal_path, predict_from_journal
+
+    if not journal_path(target).exists():
+        fail(f"{target}: no journal.db there", code=2)
+    result = predict_from_journal(target, spec, seed=seed)
+    if json_out:
+        print_json(result)
+        return
+    table = Table(title=f"calibration against {result['journal']}")
+    for column in ("", "ETTR", "wall s", "steps", "faults"):
+        table.add_column(column)
+    for name in ("measured", "predicted"):
+        row = result[name]
+        table.add_row(name, f"{row['ettr']:.1%}", f"{row['wall_s']:.1f}", str(row["steps"]), str(row["faults"]))
+    console.print(table)
+    verdict = "within" if result["within_5_points"] else "outside"
+    console.print(f"error {result['error_points']:+.1f} points ({verdict} the 5-point target)")
+
+
+def _render(result: dict[str, Any]) -> None:
+    runs = result.get("runs", {result.get("policy", "run"): result})
+    table = Table(title="rlctl sim")
+    table.add_column("")
+    for name in runs:
+        table.add_column(name, justify="right")
+    rows = [
+        ("GPUs (incl. spares)", lambda r: str(r["gpus"])),
+        ("state", lambda r: r["state"]),
+        ("steps", lambda r: f"{r['steps_done']}/{r['steps_target'] if r['steps_target'] < 10**9 else '-'}"),
+        ("ETTR", lambda r: f"{r['ettr']:.1%}"),
+        ("end to end", lambda r: _hours(r["end_to_end_s"]) if r["end_to_end_s"] else f"> {_hours(r['wall_s'])}"),
+        ("mean step", lambda r: f"{r['mean_step_s']:.0f} s" if r["mean_step_s"] else "-"),
+        ("faults", lambda r: str(r["faults_injected"])),
+        ("mean detection", lambda r: f"{r['mean_detection_s']:.1f} s" if r["mean_detection_s"] is not None else "-"),
+        ("mean recovery", lambda r: f"{r['mean_recovery_s']:.0f} s" if r["mean_recovery_s"] is not None else "-"),
+    ]
+    for label, cell in rows:
+        table.add_row(label, *(cell(r) for r in runs.values()))
+    for category in ("productive", "init", "detection", "recovery", "lost"):
+        table.add_row(f"  {category}", *(f"{r['ledger_fraction'][category]:.1%}" for r in runs.values()))
+    table.add_row("sim time", *(f"{r['sim_wall_clock_s']:.2f} s" for r in runs.values()))
+    console.print(table)
+    comparison = result.get("comparison")
+    if comparison:
+        console.print(f"role vs full-restart: ETTR {comparison['ettr_gap_points']:+.1f} points, "
+                      f"{comparison.get('end_to_end_faster_pct', 0):.1f}% faster end to end")
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h"

@@ -1,0 +1,213 @@
+"""Calibration: measure a cost model from a real job's journal, replay its faults, predict its ETTR.
+
+``measure_cost_model`` reads the journal (rlctl.controller.store.Journal) and takes the step,
+training, checkpoint, init, detection and recovery times the live run actually had;
+``trace_from_journal`` turns its ``FaultInjected`` events into a fault trace (by role, so the
+simulator's node names need not match); ``predict_from_journal`` simulates the same job with both
+and compares the predicted ETTR with the journal's own ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rlctl.controller.store import Journal
+from rlctl.core.events import Event
+from rlctl.core.model import JobModel
+from rlctl.core.rounds import RoundScheduler, config_from_spec
+from rlctl.core.spec import JobSpec
+from rlctl.sim.costmodel import CostModel, DetectionCost, GenerationCost, InitCost, StepCost, WeightsCost
+from rlctl.sim.faults import SimFault, TraceFailures
+
+# Injected fault kinds (rlctl inject-fault) → simulated kinds.
+INJECTED_TO_SIM = {"crash": "crash", "hang": "hang", "node-down": "node-down", "xid": "xid", "ecc": "ecc",
+                   "nccl-timeout": "nccl-timeout", "slow": "slow", "partition": "partition", "agent-kill": "partition",
+                   "slow-link": "slow"}
+
+
+def journal_path(target: Path) -> Path:
+    """A job directory or its journal.db."""
+    return target / "journal.db" if target.is_dir() else target
+
+
+def read_events(target: Path) -> list[Event]:
+    """A job's events from its journal (a job directory or journal.db) or a JSON-lines export."""
+    if target.suffix == ".jsonl":
+        rows = [json.loads(line) for line in target.read_text().splitlines() if line.strip()]
+        return [Event(type=r["type"], at=float(r["at"]), data=r["data"], seq=int(r.get("seq", 0))) for r in rows]
+    journal = Journal(journal_path(target), readonly=True)
+    try:
+        return list(journal.read())
+    finally:
+        journal.close()
+
+
+def replay(events: list[Event], spec: JobSpec | None) -> JobModel:
+    model = JobModel(job_id="calibration")
+    if spec is not None:
+        model.scheduler = RoundScheduler(config_from_spec(spec), [])
+    for ev in events:
+        model.apply(ev)
+    return model
+
+
+def _median(values: list[float], default: float) -> float:
+    values = [v for v in values if v >= 0]
+    return statistics.median(values) if values else default
+
+
+def _role_of_slot(events: list[Event]) -> dict[str, str]:
+    roles: dict[str, str] = {}
+    for ev in events:
+        if ev.type == "WorkerStarting":
+            roles[ev.data["slot"]] = ev.data["role"]
+    return roles
+
+
+def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | None = None) -> CostModel:
+    """The cost model the journal shows: every duration is a median of what really happened."""
+    base = base or CostModel()
+    t0 = events[0].at
+    model = replay(events, spec)
+    first_publish = next((e.at for e in events if e.type == "WeightsPublished"), t0)
+    allocated = next((e.at for e in events if e.type == "NodeAllocated"), t0)
+    registered = [e.at for e in events if e.type == "AgentRegistered"]
+    starting: dict[str, float] = {}
+    init_by_role: dict[str, list[float]] = {"trainer": [], "rollout": [], "reward": []}
+    roles = _role_of_slot(events)
+    round_open: dict[int, float] = {}
+    gen_s: list[float] = []
+    checkpoint_s: list[float] = []
+    ckpt_started: float | None = None
+    last_trajectory = 0.0
+    reward_s: list[float] = []
+    lengths: list[int] = []
+    for ev in events:
+        d = ev.data
+        if ev.type == "WorkerStarting" and not d.get("standby"):
+            starting[d["wid"]] = ev.at
+        elif ev.type == "WeightsHeld" and roles.get(d["slot"]) == "rollout":
+            _first_ready(model, starting, init_by_role["rollout"], d["slot"], ev.at)
+        elif ev.type == "WorkerPhase" and roles.get(d["slot"]) == "reward" and d["phase"] == "waiting-for-work":
+            if d["wid"] in starting:
+                init_by_role["reward"].append(ev.at - starting.pop(d["wid"]))
+        elif ev.type == "WorkerPhase" and d["phase"] == "checkpointing":
+            ckpt_started = ev.at
+        elif ev.type == "Checkpointed" and ckpt_started is not None:
+            checkpoint_s.append(ev.at - ckpt_started)
+            ckpt_started = None
+        elif ev.type == "RoundStarted":
+            round_open[int(d["step"])] = ev.at
+        elif ev.type == "TrajectoryStored":
+            last_trajectory = ev.at
+            lengths.append(max(1, len(d["response_tokens"])))
+        elif ev.type == "BatchFormed" and int(d["step"]) in round_open:
+            gen_s.append(last_trajectory - round_open.pop(int(d["step"])))
+            reward_s.append(ev.at - last_trajectory)
+    trainer_init = first_publish - max(registered[:1] or [allocated])
+    cycle = _fault_free_cycle(events, model)
+    train_median = _median([v for v in model.training_seconds.values() if v > 0], base.step.train_s)
+    reward_median = _median(reward_s, 0.1)
+    if cycle is not None:  # the generation share is what the step cycle leaves after training and scoring
+        gen_s = [max(0.05, cycle - train_median - reward_median - 0.05)]
+    detection = [f.detected_at - f.occurred_at for f in model.faults.values() if f.detected_at is not None]
+    return replace(
+        base,
+        generation=replace(GenerationCost(), max_new_tokens=0, short_max_tokens=0, per_token_s=0.0,
+                           overhead_s=_median(gen_s, base.generation.overhead_s), **_length_fit(lengths)),
+        step=replace(StepCost(), reward_s=reward_median, train_s=train_median, jitter=0.0,
+                     checkpoint_s=_median(checkpoint_s, 0.0), checkpoint_load_s=0.5),
+        weights=replace(WeightsCost(), bytes=0.0, overhead_s=0.05),
+        init=replace(InitCost(), trainer_s=max(0.0, trainer_init), rollout_s=_median(init_by_role["rollout"], 5.0),
+                     reward_s=_median(init_by_role["reward"], 1.0), allocate_s=max(0.0, allocated - t0),
+                     agent_start_s=max(0.0, (min(registered) if registered else allocated) - allocated)),
+        detection=replace(DetectionCost(), exit_report_s=_median(detection, 0.2), tick_s=0.1),
+        workload=replace(base.workload, batch_prompts=spec.rollout.batch_prompts, group_size=spec.rollout.group_size),
+    )
+
+
+def _length_fit(lengths: list[int]) -> dict[str, float]:
+    """Lognormal fit (median, sigma of the log) of the journal's response lengths."""
+    if len(lengths) < 2:
+        return {}
+    logs = [math.log(n) for n in lengths]
+    return {"response_median_tokens": math.exp(statistics.median(logs)),
+            "response_sigma": max(0.05, statistics.pstdev(logs))}
+
+
+def _fault_free_cycle(events: list[Event], model: JobModel) -> float | None:
+    """Median time between consecutive weight publications whose interval no fault touched."""
+    publishes = [e.at for e in events if e.type == "WeightsPublished" and e.data["slot"] and e.data["version"] > 0]
+    windows = [(f.occurred_at, f.recovered_at or f.occurred_at) for f in model.faults.values()]
+    gaps = [b - a for a, b in zip(publishes, publishes[1:])
+            if b > a and not any(start < b and end > a for start, end in windows)]
+    return statistics.median(gaps) if gaps else None
+
+
+def _first_ready(model: JobModel, starting: dict[str, float], out: list[float], slot: str, at: float) -> None:
+    for wid, started in list(starting.items()):
+        if wid.startswith(slot + "."):
+            out.append(at - started)
+            del starting[wid]
+
+
+def trace_from_journal(target: Path) -> list[SimFault]:
+    """The journal's injected faults as a trace, each aimed at the role its node had."""
+    events = read_events(target)
+    return _trace(events)
+
+
+def _trace(events: list[Event]) -> list[SimFault]:
+    if not events:
+        return []
+    t0 = events[0].at
+    role_of_node: dict[str, str] = {}
+    out: list[SimFault] = []
+    for ev in events:
+        d = ev.data
+        if ev.type == "NodeAllocated":
+            role_of_node[d["node"]] = d["role"]
+        elif ev.type == "NodeStateChanged" and "role" in d:
+            role_of_node[d["node"]] = d["role"]
+        elif ev.type == "FaultInjected":
+            kind = INJECTED_TO_SIM.get(d["kind"])
+            if kind is None:
+                continue
+            params = {k: v for k, v in d["params"].items() if k != "after"}
+            at = ev.at - t0 + float(d["params"].get("after", 0.0))
+            out.append(SimFault(at=at, kind=kind, role=role_of_node.get(d["node"]), cause=d["kind"], params=params))
+    return out
+
+
+def predict_from_journal(target: Path, spec: JobSpec, seed: int = 0) -> dict[str, Any]:
+    """Simulate the journal's job with its measured cost model and its faults; compare ETTRs."""
+    return {"journal": str(journal_path(target)), **predict_from_events(read_events(target), spec, seed)}
+
+
+def predict_from_events(events: list[Event], spec: JobSpec, seed: int = 0) -> dict[str, Any]:
+    """``predict_from_journal`` on events already read."""
+    from rlctl.sim.engine import SimConfig
+    from rlctl.sim.report import simulate
+
+    measured = replay(events, spec)
+    cost = measure_cost_model(events, spec)
+    policy = next((e.data["policy"] for e in events if e.type == "JobSubmitted"), spec.fault_tolerance.policy)
+    steps = measured.total_steps or spec.steps
+    result = simulate(spec, cost, TraceFailures(_trace(events)), SimConfig(policy=policy, steps=steps, seed=seed,
+                                                                           duration_s=10 * measured.ledger.wall + 3600))
+    actual = measured.ledger.ettr()
+    return {
+        "measured": {"ettr": round(actual, 4), "wall_s": round(measured.ledger.wall, 3),
+                     "ledger_s": {k: round(v, 3) for k, v in measured.ledger.seconds.items()},
+                     "faults": len(measured.faults), "steps": measured.published_version},
+        "predicted": {"ettr": result["ettr"], "wall_s": result["wall_s"], "ledger_s": result["ledger_s"],
+                      "faults": result["faults_injected"], "steps": result["steps_done"]},
+        "error_points": round(100 * (result["ettr"] - actual), 2),
+        "within_5_points": abs(result["ettr"] - actual) <= 0.05,
+        "cost_model": cost.as_dict(),
+    }

@@ -1,0 +1,214 @@
+"""The simulator and the live controller reach the same verdicts and plans on the same observations.
+
+The live side is the real ``rlctl.controller.recovery.Recovery`` (and ``Controller._on_fault_signal``)
+around a stub controller; the sim side is ``rlctl.sim.observe`` + ``SimRecovery``. Both start from
+the same job model: the simulator's own, and one rebuilt by replaying its events (the journal path).
+A real local chaos run's journal is also replayed: every plan it journaled is re-derived.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rlctl.controller.recovery import Recovery
+from rlctl.controller.server import Controller
+from rlctl.core import detector as det
+from rlctl.core import policy
+from rlctl.core.events import Event, event
+from rlctl.core.model import JobModel
+from rlctl.jobfile import load_job_file
+from rlctl.sim import observe
+from rlctl.sim.calibrate import read_events
+from tests.sim.conftest import DATA, paused_simulation
+
+PAUSE_S = 1500.0
+
+
+@dataclass
+class StubController:
+    """Just what Recovery and Controller._on_fault_signal touch."""
+
+    model: JobModel
+    spec: Any
+    detector: det.Detector
+    now: float
+    recorded: list[Event] = field(default_factory=list)
+    plans: list[list[policy.Step]] = field(default_factory=list)
+    probes: dict[str, tuple[bool, str, float]] = field(default_factory=dict)
+    lag_s: float = 0.0
+    stopping: bool = False
+
+    def __post_init__(self) -> None:
+        self.hub = SimpleNamespace(connected=lambda name: True)
+        self.ops = SimpleNamespace(last_request_at={})
+        self.resumed_at = 0.0
+        self.probing: set[str] = set()
+        self.recovery = Recovery(self)  # type: ignore[arg-type]
+
+    def record(self, type_: str, **data: Any) -> list[Event]:
+        ev = event(type_, self.now, **data)
+        self.model.apply(ev)
+        self.recorded.append(ev)
+        return [ev]
+
+    def spawn(self, coro: Any) -> None:
+        frame = coro.cr_frame
+        if frame is not None and "steps" in frame.f_locals:
+            self.plans.append(list(frame.f_locals["steps"]))
+        coro.close()
+
+
+def replayed_model(events: list[Event]) -> JobModel:
+    model = JobModel(job_id="replayed")
+    for ev in events:
+        model.apply(ev)
+    return model
+
+
+def all_quiet(stub: StubController) -> None:
+    """Every node just beat and every worker just reported progress and polled (the stub has no agents)."""
+    for record in stub.model.nodes.values():
+        record.last_heartbeat_at = stub.now
+    for slot in stub.model.slots.values():
+        slot.progress_at = stub.now
+        if slot.wid:
+            stub.ops.last_request_at[slot.wid] = stub.now
+
+
+def live_verdicts(stub: StubController) -> list[dict[str, Any]]:
+    return [e.data for e in stub.recorded if e.type == "Verdict"]
+
+
+def sim_side(sim: Any) -> tuple[list[dict[str, Any]], list[list[policy.Step]]]:
+    verdicts = [e.data for e in sim.events if e.type == "Verdict"]
+    return verdicts, [steps for _, steps in sim.recovery.plans]
+
+
+def comparable(verdict: dict[str, Any]) -> tuple[Any, ...]:
+    return (verdict["node"], verdict["slot"], verdict["verdict"], verdict["fault_kind"], verdict["action"], verdict["reason"])
+
+
+@pytest.fixture(params=["role", "full-restart"])
+def paired(request: pytest.FixtureRequest, quickstart: Any) -> tuple[Any, StubController]:
+    sim = paused_simulation(quickstart, PAUSE_S, policy=request.param)
+    assert sim.model.published_version >= 2, "the job should be training when the observations arrive"
+    stub = StubController(replayed_model(sim.events), quickstart, observe.detector_for(quickstart), sim.now)
+    return sim, stub
+
+
+SIGNALS = [("xid", 79), ("xid", 48), ("xid", 13), ("xid", 63), ("ecc-dbe", None), ("nccl-timeout", None), ("throttle", None)]
+
+
+@pytest.mark.parametrize("kind,code", SIGNALS)
+@pytest.mark.parametrize("role_slot", ["trainer-0", "rollout-1", "reward-0"])
+def test_fault_signals_give_the_same_verdict_and_plan(paired: tuple[Any, StubController], kind: str, code: int | None,
+                                                      role_slot: str) -> None:
+    sim, stub = paired
+    node = sim.model.slots[role_slot].node
+    detail = f"injected {kind}"
+    Controller._on_fault_signal(stub, node, {"kind": kind, "code": code, "message": detail}, stub.now)  # type: ignore[arg-type]
+    verdict = observe.signal_verdict(sim.model, node, kind, code, detail, sim.now)
+    if verdict is not None:
+        sim.recovery.handle(verdict)
+    live_v, (sim_v, sim_plans) = live_verdicts(stub), sim_side(sim)
+    assert [comparable(v) for v in live_v] == [comparable(v) for v in sim_v]
+    assert stub.plans == sim_plans
+
+
+@pytest.mark.parametrize("role_slot", ["trainer-0", "rollout-0", "reward-0"])
+def test_worker_exit_gives_the_same_verdict_and_plan(paired: tuple[Any, StubController], role_slot: str) -> None:
+    sim, stub = paired
+    live_slot = stub.model.slots[role_slot]
+    stub.record("WorkerExited", slot=role_slot, wid=live_slot.wid, exit_code=1, signal=None)
+    stub.recovery.on_worker_gone(live_slot, 1, None)
+    slot = sim.model.slots[role_slot]
+    sim.emit("WorkerExited", slot=role_slot, wid=slot.wid, exit_code=1, signal=None)
+    sim.recovery.on_worker_gone(slot, 1, None)
+    sim_v, sim_plans = sim_side(sim)
+    assert [comparable(v)[:5] for v in live_verdicts(stub)] == [comparable(v)[:5] for v in sim_v[-1:]]
+    assert stub.plans == sim_plans
+
+
+@pytest.mark.parametrize("probe_reaches", [False, True])
+def test_heartbeat_silence_gives_the_same_suspicion_verdict_and_plan(paired: tuple[Any, StubController],
+                                                                     probe_reaches: bool) -> None:
+    sim, stub = paired
+    node = sim.model.slots["rollout-1"].node
+    last = sim.now - 30.0
+    jitter = [0.01 * ((i * 7) % 5 - 2) for i in range(observe.HEARTBEAT_HISTORY)]
+    for detector in (stub.detector, sim.detector):
+        observe.prime_heartbeats(detector, node, last, 1.0, jitter)
+    all_quiet(stub)
+    stub.model.nodes[node].last_heartbeat_at = last
+    stub.recovery.detect(stub.now)  # no probe yet: suspect
+    sim_first = observe.node_verdict(sim.detector, sim.model, node, last, None, "", sim.now)
+    assert sim_first is not None and sim_first.verdict == "suspect"
+    assert stub.model.nodes[node].life.state.value == "suspect"
+    sim.recovery.suspect(node, sim_first.reason)
+    detail = "probe said so"
+    stub.probes[node] = (probe_reaches, detail, stub.now)
+    stub.recovery.detect(stub.now)
+    verdict = observe.node_verdict(sim.detector, sim.model, node, last, probe_reaches, detail, sim.now)
+    assert verdict is not None
+    sim.recovery.handle(verdict)
+    live = [v for v in live_verdicts(stub) if v["node"] == node]
+    assert [comparable(v) for v in live] == [comparable(v) for v in sim_side(sim)[0]]
+    assert stub.plans == sim_side(sim)[1]
+
+
+@pytest.mark.parametrize("phase", ["generating", "waiting-for-work"])
+def test_frozen_progress_gives_the_same_hang_verdict(paired: tuple[Any, StubController], phase: str) -> None:
+    sim, stub = paired
+    slot_name = "rollout-0"
+    all_quiet(stub)
+    for model in (stub.model, sim.model):
+        slot = model.slots[slot_name]
+        model.apply(event("WorkerPhase", stub.now - 60.0, slot=slot_name, wid=slot.wid, phase=phase, step=1))
+        slot.progress_at = stub.now - 60.0
+    stub.ops.last_request_at[stub.model.slots[slot_name].wid] = stub.now - 60.0
+    stub.recovery.detect(stub.now)
+    slot = sim.model.slots[slot_name]
+    obs = observe.worker_obs(slot, phase, slot.progress, 60.0, request_age_s=60.0)
+    verdict = sim.detector.worker_verdict(obs, sim.now)
+    assert verdict is not None and verdict.fault == "worker-hang"
+    sim.recovery.handle(verdict)
+    live = [v for v in live_verdicts(stub) if v["slot"] == slot_name]
+    assert [comparable(v)[:5] for v in live] == [comparable(v)[:5] for v in sim_side(sim)[0]]
+    assert stub.plans == sim_side(sim)[1]
+
+
+def test_a_real_chaos_journal_replays_to_the_plans_it_journaled() -> None:
+    """For every verdict of a real local run (rollout and trainer crashes), the plan re-derived from the
+    model as it stood is the sequence of actions the live controller journaled for that fault."""
+    events = read_events(DATA / "chaos_journal.jsonl")
+    spec = load_job_file(DATA / "chaos_job.toml")
+    model = JobModel(job_id="chaos")
+    checked = 0
+    for index, ev in enumerate(events):
+        if ev.type == "Verdict" and ev.data["verdict"] == "failed":
+            verdict = det.Verdict(ev.data["node"], ev.data["slot"], ev.data["verdict"], ev.data["fault_kind"],
+                                  ev.data["action"], ev.data["reason"], ev.data["evidence_since"])
+            steps = policy.plan(copy.deepcopy(model), verdict, spec.fault_tolerance.max_restarts_per_slot)
+            journaled = [e.data["action"] for e in events[index + 1:]
+                         if e.type == "ActionTaken" and ev.data["fault"] in e.data.get("fault_ids", [])]
+            assert [s.kind for s in steps] == journaled[: len(steps)]
+            checked += 1
+        model.apply(ev)
+    assert checked >= 2
+
+
+def test_the_sim_events_replay_to_the_same_model(quickstart: Any) -> None:
+    """What the simulator journals rebuilds its model exactly, as a controller's journal does."""
+    sim = paused_simulation(quickstart, PAUSE_S)
+    replayed = replayed_model(sim.events)
+    assert replayed.ledger.seconds == pytest.approx(sim.model.ledger.seconds)
+    assert replayed.published_version == sim.model.published_version
+    assert {k: v.life.state for k, v in replayed.nodes.items()} == {k: v.life.state for k, v in sim.model.nodes.items()}
+    assert json.dumps(sorted(replayed.slots)) == json.dumps(sorted(sim.model.slots))
