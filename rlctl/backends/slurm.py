@@ -322,7 +322,14 @@ class SlurmBackend:
         n = len(self._state["arrays"])
         path = self.slurm_dir / f"{role}-{n}.sbatch"
         path.write_text(script)
-        out = await self._slurm("sbatch", "--parsable", str(path))
+        try:
+            out = await self._slurm("sbatch", "--parsable", str(path))
+        except BackendError as exc:
+            if "node configuration is not available" not in str(exc):
+                raise
+            raise BackendError(f"{exc} (role {role} asks for {count} node(s) with {gpus} GPU(s) each"
+                               f"{' in partition ' + self.partition if self.partition else ''}; "
+                               f"is [roles.{role}] gpus_per_node more than the nodes' Gres=gpu:N?)") from None
         array_id = out.strip().split(";")[0]
         if not array_id.isdigit():
             raise BackendError(f"sbatch {path} printed {out.strip()!r}, expected a job id")

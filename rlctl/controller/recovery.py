@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlctl.controller.recovery")
 
 AGENT_REGISTER_TIMEOUT_S = 30.0
+# After a controller restart, agents reconnect with backoff (up to 5 s between tries): a node is
+# not blamed for its silence until it had the time to come back.
+RESUME_GRACE_S = 12.0
 
 
 class Recovery:
@@ -46,6 +49,8 @@ class Recovery:
             recent = node.last_heartbeat_at is not None and now - node.last_heartbeat_at < quiet_floor
             if recent and not node.gpus_lost:
                 continue  # cheap pre-filter: no node is suspected before the acceptable pause
+            if self.c.resume and now - self.c.resumed_at < RESUME_GRACE_S and not self.c.hub.connected(node.name):
+                continue
             probe = self.c.probes.get(node.name)
             obs = det.NodeObs(
                 name=node.name,

@@ -22,6 +22,8 @@ from rlctl.sim.truth import WorkerTruth
 if TYPE_CHECKING:
     from rlctl.sim.engine import Simulation
 
+PARTITION_HEALS_S = 60.0  # a partition without a duration heals after a minute (the agent reconnects)
+RECHECK_S = 1.0
 WATCHED_NODE_STATES = (NodeState.READY, NodeState.STANDBY, NodeState.ACTIVE, NodeState.SUSPECT)
 
 
@@ -46,6 +48,7 @@ def apply_fault(sim: "Simulation", fault: SimFault, fault_id: str, node: str, sl
         truth.partitioned, truth.silent_since = True, sim.now
         sim._update_capacity()
         _watch_silence(sim, node)
+        sim.q.after(float(fault.params.get("duration", PARTITION_HEALS_S)), _heal_partition, sim, node)
     elif kind in ("xid", "ecc"):
         code = int(fault.params["code"]) if kind == "xid" else None
         signal_kind = "xid" if kind == "xid" else "ecc-dbe"
@@ -133,6 +136,16 @@ def _judge_silence(sim: "Simulation", node: str, probe: bool | None, detail: str
         sim.q.after(delay, _judge_silence, sim, node, reachable, result)
         return
     sim.recovery.handle(verdict)
+    # The live tick judges every node again and again; a verdict the recovery ignored (already being
+    # handled) comes back once its key is forgotten.
+    sim.q.after(RECHECK_S, _judge_silence, sim, node, None, "")
+
+
+def _heal_partition(sim: "Simulation", node: str) -> None:
+    truth = sim.nodes.get(node)
+    if truth is None or not truth.partitioned:
+        return
+    sim.start_agent(node, 0.0)  # the agent's connection comes back; it registers again
 
 
 # ------------------------------------------------------------------------------------ hangs
