@@ -49,6 +49,7 @@ class StubController:
         self.hub = SimpleNamespace(connected=lambda name: True)
         self.ops = SimpleNamespace(last_request_at={})
         self.resumed_at = 0.0
+        self.resume = False
         self.probing: set[str] = set()
         self.recovery = Recovery(self)  # type: ignore[arg-type]
 
