@@ -549,12 +549,25 @@ class SshBackend:
 
     async def _release_bounded(self, node: NodeInfo, clean: bool, job_id: str | None) -> None:
         host = self._host(node)
+        if not await self._port_open(host):  # a dead or cut-off host: do not wait out the SSH timeouts
+            self._drop(host)
+            raise BackendError(f"{host.name} ({host.address}:{host.port}): not reachable within "
+                               f"{self.probe_timeout_s:.0f}s")
         try:
             await asyncio.wait_for(self._release_one(node, clean, job_id), self.release_timeout_s)
         except TimeoutError:
             self._drop(host)  # a cached connection to a host that went silent is useless now
             raise BackendError(f"{host.name} ({host.address}): release timed out after "
                                f"{self.release_timeout_s:.0f}s") from None
+
+    async def _port_open(self, host: SshHost) -> bool:
+        """A TCP connect to the host's SSH port within ``probe_timeout_s`` (no SSH handshake)."""
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host.address, host.port), self.probe_timeout_s)
+        except (TimeoutError, OSError):
+            return False
+        writer.close()
+        return True
 
     async def _release_one(self, node: NodeInfo, clean: bool, job_id: str | None) -> None:
         host = self._host(node)

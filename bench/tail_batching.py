@@ -1,0 +1,143 @@
+"""Tail batching vs plain synchronous batching, same seed and prompts, real generation and training.
+
+Both arms run the controller's real round scheduler (`rlctl.core.rounds.RoundScheduler`, tail
+batching on or off), the real torch generation engine and the real GRPO trainer, in one process,
+from the same warm-started model, on the reference task's long-tailed response lengths. Each
+step: the scheduler hands out items in worker-sized batches, the engine generates them (a batch
+lasts as long as its longest row), the reward function scores them, the batch trains, the new
+weights load. Measured per arm: rollout-phase seconds per step, total seconds to N steps, final
+reward (mean over the last steps), round kinds.
+
+    python bench/tail_batching.py [--steps 24] [--batch 8] [--group 4] [--max-new 160] [--short-cap 24]
+
+Prints progress to stderr and one JSON object on the last stdout line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig  # noqa: E402
+from rlctl.workload.engine import GenRequest, SamplingConfig, TorchEngine  # noqa: E402
+from rlctl.workload.model import ModelConfig  # noqa: E402
+from rlctl.workload.task import length_stats, make_dataset, score  # noqa: E402
+from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample  # noqa: E402
+from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint  # noqa: E402
+
+
+def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, Any]:
+    torch.manual_seed(args.seed)
+    dataset = make_dataset(args.dataset, args.seed)
+    prompts = {p.prompt_id: p for p in dataset}
+    scheduler = RoundScheduler(
+        SchedulerConfig(batch_prompts=args.batch, group_size=args.group, max_new_tokens=args.max_new,
+                        tail_enabled=tail, short_max_tokens=args.short_cap, overprovision=args.overprovision,
+                        long_batch=args.batch, seed=args.seed),
+        [PromptRef(p.prompt_id, tuple(p.tokens), dict(p.meta)) for p in dataset],
+    )
+    trainer = Trainer.from_checkpoint(init_path, TrainerConfig(lr=args.lr))
+    engine = TorchEngine(Trainer.from_checkpoint(init_path).model, SamplingConfig(temperature=1.0))
+    engine.load_state_dict(trainer.state_dict_for_publish(), 0)
+    rollout_s: list[float] = []
+    rewards: list[float] = []
+    kinds: list[str] = []
+    started = time.perf_counter()
+    now = 0.0
+    for step in range(args.steps):
+        scheduler.start_round(step, now)
+        generating = 0.0
+        while scheduler.round is not None and scheduler.round.step == step and not scheduler.round.closed:
+            rnd = scheduler.round
+            now += 1.0
+            scheduler.dispatch("r0", "r0.1", args.worker_batch, now)
+            held = [s for s in rnd.samples.values() if s.wid == "r0.1" and s.status == "inflight"]
+            if held:
+                requests = [GenRequest(s.item_id, list(prompts[s.prompt_id].tokens), s.seed) for s in held]
+                t0 = time.perf_counter()
+                results = engine.generate(requests, rnd.max_new_tokens,
+                                          should_cancel=lambda active: set(scheduler.cancelled_among(active)))
+                generating += time.perf_counter() - t0
+                scheduler.submit("r0", "r0.1", [{"item_id": r.item_id, "response_tokens": r.response_tokens,
+                                                 "truncated": r.truncated, "weights_version": step} for r in results], now)
+            if scheduler.round is not rnd or rnd.closed:
+                continue
+            scheduler.dispatch_scoring("w0", "w0.1", 10_000, now)
+            scoring = [s for s in rnd.samples.values() if s.wid == "w0.1" and s.status == "scoring"]
+            scheduler.submit_scores("w0.1", [
+                {"item_id": s.item_id, **dict(zip(("reward", "correct"), score(prompts[s.prompt_id].meta,
+                                                                                s.response_tokens or [])))}
+                for s in scoring], now)
+        batch = scheduler.batch_for(step)
+        assert batch is not None
+        samples = [TrainSample(s.item_id, s.prompt_id, batch.prompt_ids.index(s.prompt_id),
+                               list(prompts[s.prompt_id].tokens), list(s.response_tokens or []), float(s.reward or 0.0))
+                   for s in batch.samples]
+        metrics = trainer.train_step(samples)
+        engine.load_state_dict(trainer.state_dict_for_publish(), step + 1)
+        rollout_s.append(generating)
+        rewards.append(metrics["reward_mean"])
+        kinds.append(batch.kind)
+        print(f"[tail_batching] {'tail' if tail else 'sync'} step {step} {batch.kind} rollout {generating:.2f}s "
+              f"reward {metrics['reward_mean']:.3f}", file=sys.stderr, flush=True)
+    total = time.perf_counter() - started
+    last = max(1, args.steps // 4)
+    return {
+        "rollout_s_per_step_mean": round(statistics.fmean(rollout_s), 3),
+        "rollout_s_per_step_median": round(statistics.median(rollout_s), 3),
+        "rollout_s_total": round(sum(rollout_s), 2),
+        "total_s": round(total, 2),
+        "final_reward": round(statistics.fmean(rewards[-last:]), 4),
+        "first_reward": round(statistics.fmean(rewards[:last]), 4),
+        "rounds": {k: kinds.count(k) for k in sorted(set(kinds))},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--worker-batch", type=int, default=32)
+    parser.add_argument("--max-new", type=int, default=160)
+    parser.add_argument("--short-cap", type=int, default=24)
+    parser.add_argument("--overprovision", type=float, default=0.5)
+    parser.add_argument("--dataset", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("RLCTL_TORCH_THREADS", "2")))
+    warm = WarmStartConfig(model=ModelConfig(), steps=300)
+    cache = Path(os.environ.get("RLCTL_CACHE", os.path.expanduser("~/.cache/rlctl")))
+    cache.mkdir(parents=True, exist_ok=True)
+    init_path = prepare_initial_checkpoint(cache / f"warmstart-{config_hash(args.seed, warm)[:16]}.pt", args.seed, warm)
+    stats = length_stats(make_dataset(args.dataset, args.seed))
+    sync = run_arm(False, args, init_path)
+    tail = run_arm(True, args, init_path)
+    print(json.dumps({
+        "config": vars(args),
+        "response_length_stats": stats,
+        "sync": sync,
+        "tail_batching": tail,
+        "rollout_speedup": round(sync["rollout_s_total"] / max(tail["rollout_s_total"], 1e-9), 3),
+        "end_to_end_speedup": round(sync["total_s"] / max(tail["total_s"], 1e-9), 3),
+        "final_reward_delta": round(tail["final_reward"] - sync["final_reward"], 4),
+        "target": "rollout phase >= 2x faster, final reward within noise",
+    }))
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory():
+        main()
