@@ -24,13 +24,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlctl.jobfile import load_job_file  # noqa: E402
-from rlctl.sim.costmodel import CostModel, load_cost_model  # noqa: E402
-from rlctl.sim.engine import SimConfig  # noqa: E402
-from rlctl.sim.faults import StepFailures  # noqa: E402
-from rlctl.sim.report import compare, median_runs, plot_ledger, plot_sweeps, simulate  # noqa: E402
+from rlctl.jobfile import load_job_file
+from rlctl.sim.costmodel import CostModel, load_cost_model
+from rlctl.sim.engine import SimConfig
+from rlctl.sim.faults import StepFailures
+from rlctl.sim.report import compare, median_runs, plot_ledger, plot_sweeps, simulate
 
 POLICIES = ("role", "full-restart")
+UNTIL_DURATION = 10**9  # steps: run until the virtual duration ends
 ROBUSTRL = {"ettr_role": ">0.80", "ettr_full_restart": 0.60, "end_to_end_faster_pct": "8.4-17.4"}
 
 
@@ -57,11 +58,11 @@ def sweep(spec: Any, cost: CostModel, seeds: list[int], duration_s: float) -> di
     rate_rows, size_rows = [], []
     for rate in (0.0, 0.02, 0.05, 0.1, 0.15, 0.2):
         for policy in POLICIES:
-            m = median_runs(run_policy(spec, cost, policy, rate, 256, seeds, None, duration_s))
+            m = median_runs(run_policy(spec, cost, policy, rate, 256, seeds, UNTIL_DURATION, duration_s))
             rate_rows.append({"rate": rate, "policy": policy, "ettr": m["ettr"], "steps": m["steps_done"]})
     for gpus in (64, 256, 1024, 4096, 8192):
         for policy in POLICIES:
-            m = median_runs(run_policy(spec, cost, policy, 0.1, gpus, seeds, None, duration_s))
+            m = median_runs(run_policy(spec, cost, policy, 0.1, gpus, seeds, UNTIL_DURATION, duration_s))
             size_rows.append({"gpus": gpus, "policy": policy, "ettr": m["ettr"], "steps": m["steps_done"]})
     plot_sweeps(rate_rows, size_rows, ROOT / "docs" / "figures" / "sim_sweep.png")
     return {"duration_h": duration_s / 3600, "seeds": len(seeds), "by_rate": rate_rows, "by_gpus": size_rows}

@@ -30,12 +30,15 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
 from rlctl.backends.base import AgentLaunch, AllocationRequest, BackendError, NodeInfo, ProbeResult
 from rlctl.backends.slurm_states import JobOutcome, JobVerdict, map_job_state, map_node_state
+
+if TYPE_CHECKING:
+    from rlctl.lab.inject import LabFaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +161,7 @@ class SlurmBackend:
         self.lab_dir = lab_dir
         self.probe_timeout_s = probe_timeout_s
         self._slurmd_port: int | None = None
-        self._lab = None
+        self._lab: LabFaultInjector | None = None
         if lab_dir is not None:
             from rlctl.lab.inject import LabFaultInjector
 

@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
@@ -53,6 +53,9 @@ from rlctl.backends.base import (
     NodeInfo,
     ProbeResult,
 )
+
+if TYPE_CHECKING:
+    from rlctl.lab.inject import LabFaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +190,7 @@ class SshBackend:
         self._unreleased: dict[str, str] = {}  # host name -> job id ("" = every job dir found)
         self._job_id = ""  # the job these hosts serve (from allocate/start_agent), persisted
         self._load_state()
-        self._lab = None
+        self._lab: LabFaultInjector | None = None
         if lab_dir is not None:
             from rlctl.lab.inject import LabFaultInjector
 

@@ -53,7 +53,7 @@ def sim(
         fail(str(exc), code=2)
     total = None if steps is None else (steps or 10**9)
     config = SimConfig(policy=policy if policy != "both" else "role", steps=total, duration_s=horizon, seed=seed, gpus=gpus)
-    make = lambda s: make_failure_model(failure_model, rate, s, trace)  # noqa: E731
+    make = lambda s: make_failure_model(failure_model, rate, s, trace)
     if policy == "both":
         result: dict[str, Any] = compare_policies(spec, cost, make, config)
     else:

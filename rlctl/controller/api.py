@@ -105,7 +105,7 @@ class ApiServer:
             info = self.c.node_infos[node]
             try:
                 done = await self.c.backend.inject(info, kind, params)
-            except Exception as exc:  # runs as a background task: say what failed, never drop it
+            except Exception as exc:  # noqa: BLE001  # runs as a background task: say what failed, never drop it
                 log.warning("the %s backend could not inject %s on %s: %s", self.c.backend.name, kind, node, exc)
                 return
             if not done:

@@ -65,7 +65,7 @@ class LabFaultInjector:
         try:
             await asyncio.to_thread(apply_fault, node, undo, {}, state_dir=self.state_dir)
             log.info("lab fault on %s undone (%s) after %.1fs", node, undo, delay_s)
-        except Exception as exc:  # a timer must not die silently: say which node stays broken
+        except Exception as exc:  # noqa: BLE001  # a timer must not die silently: say which node stays broken
             log.warning("could not %s %s after %.1fs: %s", undo, node, delay_s, exc)
 
     async def close(self) -> None:

@@ -87,10 +87,18 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
     last_trajectory = 0.0
     reward_s: list[float] = []
     lengths: list[int] = []
+    standby_starting: dict[str, float] = {}
+    standby_s: list[float] = []
+    standby_refill_s: list[float] = []
     for ev in events:
         d = ev.data
-        if ev.type == "WorkerStarting" and not d.get("standby"):
-            starting[d["wid"]] = ev.at
+        if ev.type == "WorkerStarting":
+            (standby_starting if d.get("standby") else starting)[d["wid"]] = ev.at
+        elif ev.type == "WorkerPhase" and d["phase"] == "standby" and d["wid"] in standby_starting:
+            started = standby_starting.pop(d["wid"])
+            # Loads at launch compete with every other role starting at once; a refill during
+            # recovery (the one that matters for the next takeover) loads alone.
+            (standby_refill_s if started > first_publish else standby_s).append(ev.at - started)
         elif ev.type == "WeightsHeld" and roles.get(d["slot"]) == "rollout":
             _first_ready(model, starting, init_by_role["rollout"], d["slot"], ev.at)
         elif ev.type == "WorkerPhase" and roles.get(d["slot"]) == "reward" and d["phase"] == "waiting-for-work":
@@ -124,7 +132,8 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
                      checkpoint_s=_median(checkpoint_s, 0.0), checkpoint_load_s=0.5),
         weights=replace(WeightsCost(), bytes=0.0, overhead_s=0.05),
         init=replace(InitCost(), trainer_s=max(0.0, trainer_init), rollout_s=_median(init_by_role["rollout"], 5.0),
-                     reward_s=_median(init_by_role["reward"], 1.0), allocate_s=max(0.0, allocated - t0),
+                     reward_s=_median(init_by_role["reward"], 1.0), standby_s=_median(standby_refill_s or standby_s, trainer_init),
+                     allocate_s=max(0.0, allocated - t0),
                      agent_start_s=max(0.0, (min(registered) if registered else allocated) - allocated)),
         detection=replace(DetectionCost(), exit_report_s=_median(detection, 0.2), tick_s=0.1),
         workload=replace(base.workload, batch_prompts=spec.rollout.batch_prompts, group_size=spec.rollout.group_size),
@@ -170,9 +179,7 @@ def _trace(events: list[Event]) -> list[SimFault]:
     out: list[SimFault] = []
     for ev in events:
         d = ev.data
-        if ev.type == "NodeAllocated":
-            role_of_node[d["node"]] = d["role"]
-        elif ev.type == "NodeStateChanged" and "role" in d:
+        if ev.type == "NodeAllocated" or ev.type == "NodeStateChanged" and "role" in d:
             role_of_node[d["node"]] = d["role"]
         elif ev.type == "FaultInjected":
             kind = INJECTED_TO_SIM.get(d["kind"])

@@ -66,6 +66,7 @@ class InitCost:
     trainer_s: float = 240.0
     rollout_s: float = 120.0
     reward_s: float = 20.0
+    standby_s: float = 240.0  # a warm standby loads every role's environment (trainer and rollout)
     agent_start_s: float = 10.0
     allocate_s: float = 60.0
 
@@ -134,6 +135,7 @@ SOURCES: dict[str, str] = {
     "init.trainer_s": "[P/S] NVSentinel reschedule 5-7 min; FlashRecovery restores in 150 s; 4 min cold trainer init",
     "init.rollout_s": "[D] vLLM engine load + CUDA graph capture for an 8B model, ~2 min",
     "init.reward_s": "[D] verifier process start",
+    "init.standby_s": "[D] a warm standby loads trainer and rollout environments in parallel: max of the two",
     "init.agent_start_s": "[D] agent zipapp ship + start over SSH/srun",
     "init.allocate_s": "[D] initial Slurm allocation with idle nodes",
     "detection.exit_report_s": "[D] agent waitpid + one message",

@@ -33,8 +33,14 @@ from rlctl.sim.faults import FailureModel, SimFault
 from rlctl.sim.layout import Layout, layout_for, node_name, placement_events
 from rlctl.sim.recovery import SimRecovery
 from rlctl.sim.truth import NodeTruth, WorkerTruth
-from rlctl.sim.workload import (expected_step_s, jittered, round_timing, sample_length, scheduler_config,
-                                synthetic_prompts)
+from rlctl.sim.workload import (
+    expected_step_s,
+    jittered,
+    round_timing,
+    sample_length,
+    scheduler_config,
+    synthetic_prompts,
+)
 
 REWARD_CAPACITY = 64  # rlctl/roles/reward.py CAPACITY
 SLOW_TICK_S = 1.0
@@ -266,7 +272,7 @@ class Simulation:
         worker = WorkerTruth(wid, slot.slot, slot.role, slot.node, self.now)
         self.workers[wid] = worker
         init = self.cost.init
-        load_s = max(init.trainer_s, init.rollout_s) if slot.standby else init.for_role(slot.role)
+        load_s = init.standby_s if slot.standby else init.for_role(slot.role)
         self.q.after(load_s, self._worker_loaded, wid)
 
     def stop_worker(self, slot: SlotRecord) -> None:
@@ -656,11 +662,12 @@ class Simulation:
 
     def _scoring_done(self) -> None:
         self._dispatch_scoring()
-        if self._blocked(SCORING) or any(s.status == DONE for s in (self.scheduler.round.samples.values() if self.scheduler.round else [])):
-            self.task.rate = 0.0 if self.task else 0.0
-            return
         rnd = self.scheduler.round
         assert rnd is not None
+        if self._blocked(SCORING) or any(s.status == DONE for s in rnd.samples.values()):
+            if self.task is not None:
+                self.task.rate = 0.0
+            return  # resumed once the held items come back and a reward worker takes them
         by_wid: dict[str, list[dict[str, Any]]] = {}
         for sample in rnd.samples.values():
             if sample.status == SCORING and sample.wid:

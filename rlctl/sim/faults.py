@@ -164,7 +164,7 @@ class TraceFailures:
 _DURATION = re.compile(r"^\s*([0-9.]+)\s*([smhd]?)\s*$")
 
 
-def parse_duration(text: str | float | int) -> float:
+def parse_duration(text: str | float) -> float:
     """``90`` / ``"90s"`` / ``"15m"`` / ``"24h"`` / ``"7d"`` → seconds."""
     if isinstance(text, (int, float)):
         return float(text)

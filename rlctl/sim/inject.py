@@ -27,7 +27,7 @@ RECHECK_S = 1.0
 WATCHED_NODE_STATES = (NodeState.READY, NodeState.STANDBY, NodeState.ACTIVE, NodeState.SUSPECT)
 
 
-def apply_fault(sim: "Simulation", fault: SimFault, fault_id: str, node: str, slot: SlotRecord | None,
+def apply_fault(sim: Simulation, fault: SimFault, fault_id: str, node: str, slot: SlotRecord | None,
                 worker: WorkerTruth | None) -> None:
     """The fault's ground truth, and the observation(s) it will produce."""
     kind, det_cost = fault.kind, sim.cost.detection
@@ -75,7 +75,7 @@ def apply_fault(sim: "Simulation", fault: SimFault, fault_id: str, node: str, sl
 # ------------------------------------------------------------------------------ exits, signals
 
 
-def _exit_reported(sim: "Simulation", wid: str, exit_code: int) -> None:
+def _exit_reported(sim: Simulation, wid: str, exit_code: int) -> None:
     worker = sim.workers.get(wid)
     slot = sim.model.slots.get(worker.slot) if worker else None
     if worker is None or slot is None or slot.wid != wid or not sim.agent_connected(worker.node):
@@ -84,7 +84,7 @@ def _exit_reported(sim: "Simulation", wid: str, exit_code: int) -> None:
     sim.recovery.on_worker_gone(slot, exit_code, None)
 
 
-def _fault_signal(sim: "Simulation", node: str, kind: str, code: int | None, detail: str, wid: str | None) -> None:
+def _fault_signal(sim: Simulation, node: str, kind: str, code: int | None, detail: str, wid: str | None) -> None:
     """Controller._on_fault_signal: journal the signal, classify it, hand a verdict to recovery."""
     if wid is not None:
         worker = sim.workers.get(wid)
@@ -102,7 +102,7 @@ def _fault_signal(sim: "Simulation", node: str, kind: str, code: int | None, det
 # -------------------------------------------------------------------------------- heartbeats
 
 
-def _watch_silence(sim: "Simulation", node: str) -> None:
+def _watch_silence(sim: Simulation, node: str) -> None:
     """Prime the detector with the node's recent beats and judge when its φ bound runs out."""
     truth = sim.nodes[node]
     last = truth.last_beat(sim.now, sim.interval)
@@ -112,12 +112,12 @@ def _watch_silence(sim: "Simulation", node: str) -> None:
     sim.q.schedule(_next_tick(sim, last + bound), _judge_silence, sim, node, None, "")
 
 
-def _next_tick(sim: "Simulation", at: float) -> float:
+def _next_tick(sim: Simulation, at: float) -> float:
     tick = sim.cost.detection.tick_s
     return math.ceil(at / tick) * tick if tick > 0 else at
 
 
-def _judge_silence(sim: "Simulation", node: str, probe: bool | None, detail: str) -> None:
+def _judge_silence(sim: Simulation, node: str, probe: bool | None, detail: str) -> None:
     truth, record = sim.nodes.get(node), sim.model.nodes.get(node)
     if truth is None or record is None or truth.silent_since is None or record.life.state not in WATCHED_NODE_STATES:
         return
@@ -141,7 +141,7 @@ def _judge_silence(sim: "Simulation", node: str, probe: bool | None, detail: str
     sim.q.after(RECHECK_S, _judge_silence, sim, node, None, "")
 
 
-def _heal_partition(sim: "Simulation", node: str) -> None:
+def _heal_partition(sim: Simulation, node: str) -> None:
     truth = sim.nodes.get(node)
     if truth is None or not truth.partitioned:
         return
@@ -151,7 +151,7 @@ def _heal_partition(sim: "Simulation", node: str) -> None:
 # ------------------------------------------------------------------------------------ hangs
 
 
-def _hang(sim: "Simulation", worker: WorkerTruth) -> None:
+def _hang(sim: Simulation, worker: WorkerTruth) -> None:
     worker.hung_at = sim.now
     sim._update_capacity()
     phase = reported_phase(sim, worker)
@@ -161,7 +161,7 @@ def _hang(sim: "Simulation", worker: WorkerTruth) -> None:
     sim.q.schedule(_next_tick(sim, sim.now + bound), _judge_hang, sim, worker.wid, phase)
 
 
-def reported_phase(sim: "Simulation", worker: WorkerTruth) -> str:
+def reported_phase(sim: Simulation, worker: WorkerTruth) -> str:
     """The phase the worker last reported, from what the job was doing."""
     stage = sim.task.stage if sim.task is not None else "idle"
     if not worker.ready:
@@ -176,7 +176,7 @@ def reported_phase(sim: "Simulation", worker: WorkerTruth) -> str:
     return {"train": "training", "ckpt": "checkpointing"}.get(stage, "waiting-for-batch")
 
 
-def _judge_hang(sim: "Simulation", wid: str, phase: str) -> None:
+def _judge_hang(sim: Simulation, wid: str, phase: str) -> None:
     worker = sim.workers.get(wid)
     slot = sim.model.slots.get(worker.slot) if worker else None
     if worker is None or worker.hung_at is None or slot is None or slot.wid != wid or not worker.alive:
@@ -190,7 +190,7 @@ def _judge_hang(sim: "Simulation", wid: str, phase: str) -> None:
 # ------------------------------------------------------------------------------ fail-slow
 
 
-def _slow(sim: "Simulation", worker: WorkerTruth, factor: float, duration: float, fault_id: str) -> None:
+def _slow(sim: Simulation, worker: WorkerTruth, factor: float, duration: float, fault_id: str) -> None:
     worker.slow = max(1.0, factor)
     sim._update_capacity()
     if math.isfinite(duration):
@@ -202,7 +202,7 @@ def _slow(sim: "Simulation", worker: WorkerTruth, factor: float, duration: float
 SLOW_TICK = 1.0
 
 
-def _slow_tick(sim: "Simulation", wid: str) -> None:
+def _slow_tick(sim: Simulation, wid: str) -> None:
     """Controller.tick's throughput check: progress samples for the slow rollout and a peer sample."""
     worker = sim.workers.get(wid)
     if worker is None or not worker.alive or worker.slow <= 1.0 or sim.model.life.state.terminal:
@@ -222,7 +222,7 @@ def _slow_tick(sim: "Simulation", wid: str) -> None:
     sim.q.after(SLOW_TICK, _slow_tick, sim, wid)
 
 
-def _heal_slow(sim: "Simulation", wid: str, fault_id: str) -> None:
+def _heal_slow(sim: Simulation, wid: str, fault_id: str) -> None:
     worker = sim.workers.get(wid)
     if worker is not None:
         worker.slow = 1.0

@@ -8,7 +8,8 @@ starts, Slurm reallocation, the full-restart requeue). Plans are generators that
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from rlctl.core import detector as det
 from rlctl.core import policy
@@ -25,7 +26,7 @@ KNOWN_STEPS = frozenset({"restart-worker", "fail-node", "move-slot", "stop-worke
 
 
 class SimRecovery:
-    def __init__(self, sim: "Simulation") -> None:
+    def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self._handled: set[tuple[str, str, str]] = set()
         self._busy_slots: set[str] = set()

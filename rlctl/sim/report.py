@@ -8,9 +8,10 @@ simulator's own speed.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from rlctl.core.ettr import CATEGORIES
 from rlctl.core.spec import JobSpec
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 POLICIES = ("role", "full-restart")
 
 
-def summarize(sim: "Simulation", wall_clock_s: float) -> dict[str, Any]:
+def summarize(sim: Simulation, wall_clock_s: float) -> dict[str, Any]:
     """One run, as a JSON-able dict."""
     model = sim.model
     ledger = model.ledger
@@ -60,14 +61,14 @@ def summarize(sim: "Simulation", wall_clock_s: float) -> dict[str, Any]:
     }
 
 
-def simulate(spec: JobSpec, cost: CostModel, failures: FailureModel, config: "SimConfig") -> dict[str, Any]:
+def simulate(spec: JobSpec, cost: CostModel, failures: FailureModel, config: SimConfig) -> dict[str, Any]:
     from rlctl.sim.engine import Simulation
 
     return Simulation(spec, cost, failures, config).run()
 
 
 def compare_policies(spec: JobSpec, cost: CostModel, make_failures: Callable[[int], FailureModel],
-                     config: "SimConfig", policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
+                     config: SimConfig, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     """The same job, cost model and failure seed under each policy; the relative speed-up of ``role``."""
     runs = {p: simulate(spec, cost, make_failures(config.seed), replace(config, policy=p)) for p in policies}
     out: dict[str, Any] = {"runs": runs}

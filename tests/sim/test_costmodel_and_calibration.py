@@ -9,9 +9,17 @@ from typing import Any
 import pytest
 
 from rlctl.jobfile import load_job_file
-from rlctl.sim.calibrate import measure_cost_model, predict_from_events, read_events, _trace
-from rlctl.sim.costmodel import (CostModel, CostModelError, cost_model_from_dict, cost_model_to_toml, load_cost_model,
-                                 normal_quantile, response_cdf, response_quantile)
+from rlctl.sim.calibrate import _trace, measure_cost_model, predict_from_events, read_events
+from rlctl.sim.costmodel import (
+    CostModel,
+    CostModelError,
+    cost_model_from_dict,
+    cost_model_to_toml,
+    load_cost_model,
+    normal_quantile,
+    response_cdf,
+    response_quantile,
+)
 from rlctl.sim.faults import LLAMA3_RATE_PER_GPU_HOUR, load_trace, parse_duration
 from tests.sim.conftest import DATA, ROOT
 
