@@ -30,7 +30,8 @@ NCCL_TIMEOUT = "nccl-timeout"
 NCCL_FLIGHT_RECORDER = "nccl-flight-recorder"
 
 _WATCHDOG_TIMEOUT = re.compile(
-    r"\[Rank (?P<rank>\d+)\] Watchdog caught collective operation timeout: "
+    # Older PyTorch prefixes "[Rank N]"; newer ones "[PG ID 0 PG GUID 0(default_pg) Rank N]".
+    r"\[(?:PG ID \d+ PG GUID [^\s\]]+ )?Rank (?P<rank>\d+)\] Watchdog caught collective operation timeout: "
     r"WorkNCCL\((?P<fields>.*?)\) ran for (?P<ran_ms>\d+) milliseconds before timing out"
 )
 _WORK_FIELD = re.compile(r"(\w+(?:\(ms\))?)=([^,]*)")

@@ -421,6 +421,8 @@ class Controller:
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
         if self.spec.backend == "local":
             ucx_defaults["UCX_NET_DEVICES"] = "lo"
+        if slot.role == "trainer":
+            ucx_defaults.update(self._trainer_nccl_env(slot))
         env = {
             **{k: v for k, v in ucx_defaults.items() if k not in os.environ},
             **role.env,
@@ -448,6 +450,16 @@ class Controller:
             return configured
         node = self.model.nodes.get(slot.node)
         return node.host if node is not None and node.host else configured
+
+    def _trainer_nccl_env(self, slot: SlotRecord) -> dict[str, str]:
+        """PyTorch NCCL watchdog and flight-recorder settings sized from the job's phase bounds."""
+        from rlctl.workload.nccl_env import NcclBounds, trainer_nccl_settings
+
+        bounds = self.spec.fault_tolerance.phase_timeout_s
+        dump_dir = self.jobdir.node_dir(slot.node or "") if self.spec.backend == "local" else Path(".")
+        settings = trainer_nccl_settings(NcclBounds(max_step_s=bounds["training"], checkpoint_s=bounds["checkpointing"],
+                                                    dump_dir=dump_dir))
+        return {**settings.env, "RLCTL_PG_TIMEOUT_S": str(int(settings.pg_timeout.total_seconds()))}
 
     async def start_worker(self, slot: SlotRecord) -> None:
         if slot.node is None:

@@ -7,6 +7,7 @@ checks for cancellations between decode chunks, and reports tokens generated as 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -21,7 +22,7 @@ FETCH_ATTEMPTS = 5
 class Rollout:
     def __init__(self, w: worker.Worker, settings: RoleSettings) -> None:
         from rlctl.weights import WeightServerThread
-        from rlctl.workload.engine import SamplingConfig, TorchEngine
+        from rlctl.workload.engine import SamplingConfig
         from rlctl.workload.model import build_model
 
         self.w = w
@@ -29,12 +30,23 @@ class Rollout:
         device = setup_torch(settings)
         model = build_model(model_config(settings))
         sampling = SamplingConfig(temperature=float(settings.get("temperature", 1.0)))
-        self.engine = TorchEngine(model, sampling, device=device)
+        self.step = 0
+        self.engine = self._make_engine(model, sampling, device)
         self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
         self.server.start()
         self.held_version = -1
         self.tokens_generated = 0
-        self.step = 0
+
+    def _make_engine(self, model: Any, sampling: Any, device: str) -> Any:
+        """The torch engine, or vLLM when the job says ``engine = "vllm"`` (imported only then)."""
+        from rlctl.workload.engine import TorchEngine
+
+        if self.settings.get("engine", "torch") != "vllm":
+            return TorchEngine(model, sampling, device=device)
+        from rlctl.workload.engine_vllm import VllmEngine
+
+        workdir = os.path.join(os.environ.get("RLCTL_WORKDIR", "."), "vllm-model")
+        return VllmEngine.from_gpt(model, workdir, sampling, on_phase=lambda phase: self.w.phase(phase, self.step))
 
     def sync_weights(self, version: int, source: dict[str, Any] | None) -> None:
         """Pull ``version`` from any live holder; a holder that fails is reported and another tried."""
