@@ -167,7 +167,11 @@ def _first_ready(model: JobModel, starting: dict[str, float], out: list[float], 
 
 def trace_from_journal(target: Path) -> list[SimFault]:
     """The journal's injected faults as a trace, each aimed at the role its node had."""
-    events = read_events(target)
+    return trace_from_events(read_events(target))
+
+
+def trace_from_events(events: list[Event]) -> list[SimFault]:
+    """``FaultInjected`` events as a trace, times relative to the first event."""
     return _trace(events)
 
 

@@ -83,6 +83,7 @@ class FluidTask:
 @dataclass
 class SimStats:
     faults_injected: int = 0
+    faults_skipped: int = 0
     faults_by_kind: dict[str, int] = field(default_factory=dict)
     verdicts: dict[str, int] = field(default_factory=dict)
     actions: dict[str, int] = field(default_factory=dict)
@@ -785,6 +786,7 @@ class Simulation:
             return
         name = self._pick_node(fault)
         if name is None:
+            self.stats.faults_skipped += 1  # no role node it could hit (e.g. before allocation)
             return
         slot = self.model.slot_on_node(name)
         worker = self.workers.get(slot.wid or "") if slot else None

@@ -193,7 +193,14 @@ def load_trace(path: Path) -> list[SimFault]:
         return trace_from_journal(path)
     text = path.read_text().strip()
     records = json.loads(text) if text.startswith("[") else [json.loads(line) for line in text.splitlines() if line.strip()]
-    return sorted((fault_from_record(r) for r in records), key=lambda f: f.at)
+    if records and "type" in records[0] and "data" in records[0]:
+        from rlctl.sim.calibrate import read_events, trace_from_events
+
+        return trace_from_events(read_events(path))  # a journal exported as JSON lines
+    try:
+        return sorted((fault_from_record(r) for r in records), key=lambda f: f.at)
+    except KeyError as exc:
+        raise ValueError(f"{path}: a fault record lacks {exc}") from None
 
 
 def make_failure_model(name: str, rate: float | None, seed: int, trace: Path | None) -> FailureModel:

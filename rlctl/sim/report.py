@@ -48,6 +48,7 @@ def summarize(sim: Simulation, wall_clock_s: float) -> dict[str, Any]:
         "ledger_fraction": {c: round(ledger.seconds[c] / wall, 4) if wall > 0 else 0.0 for c in CATEGORIES},
         "faults_injected": sim.stats.faults_injected,
         "faults_by_cause": dict(sorted(sim.stats.faults_by_kind.items())),
+        "faults_skipped": sim.stats.faults_skipped,
         "faults_open_at_end": sum(1 for f in faults if f.open),
         "verdicts": dict(sorted(sim.stats.verdicts.items())),
         "actions": dict(sorted(sim.stats.actions.items())),

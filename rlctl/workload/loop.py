@@ -17,9 +17,9 @@ is where the effect of long-tail responses on step time shows.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from rlctl.workload.engine import GenerationEngine, GenRequest, GenResult, SamplingConfig, TorchEngine
 from rlctl.workload.model import GPT, load_model

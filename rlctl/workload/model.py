@@ -60,7 +60,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         return cls(**data)
 
 
@@ -201,7 +201,7 @@ class GPT(nn.Module):
     def _init_weights(self) -> None:
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith(("proj.weight", "mlp.2.weight")):
                 nn.init.normal_(param, std=residual_std)
             elif param.dim() == 2:
                 nn.init.normal_(param, std=0.02)
@@ -299,7 +299,7 @@ class HFCausalLM(nn.Module):
         self.hf_model = hf_model
 
     @classmethod
-    def from_pretrained(cls, path: Path, device: str | torch.device) -> "HFCausalLM":
+    def from_pretrained(cls, path: Path, device: str | torch.device) -> HFCausalLM:
         try:
             from transformers import AutoModelForCausalLM
         except ImportError as exc:
@@ -308,13 +308,13 @@ class HFCausalLM(nn.Module):
         hf_model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=config_text.get("torch_dtype", "auto"))
         return cls(hf_model.to(device))
 
-    def new_cache(self, batch_size: int, max_len: int) -> "_HFCache":
+    def new_cache(self, batch_size: int, max_len: int) -> _HFCache:
         from transformers import DynamicCache
 
         return _HFCache(DynamicCache())
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None, cache: "_HFCache | None" = None) -> Tensor:
+                position_ids: Tensor | None = None, cache: _HFCache | None = None) -> Tensor:
         out = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=cache.inner if cache is not None else None,
                             use_cache=cache is not None)

@@ -24,8 +24,9 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 PAD_ID = 0
 BOS_ID = 1
@@ -116,7 +117,7 @@ def _make_spell(rng: random.Random) -> _Problem:
 def pareto_terms(rng: random.Random, alpha: float, cap: int) -> int:
     """A heavy-tailed count >= 2: ``1 + floor(U ** (-1/alpha))`` capped at ``cap``."""
     u = 1.0 - rng.random()  # in (0, 1]
-    return min(cap, 1 + int(math.floor(u ** (-1.0 / alpha))))
+    return min(cap, 1 + math.floor(u ** (-1.0 / alpha)))
 
 
 def _make_count(rng: random.Random) -> _Problem:

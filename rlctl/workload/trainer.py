@@ -26,9 +26,10 @@ import math
 import os
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,7 +55,7 @@ class TrainSample:
     reward: float
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TrainSample":
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainSample:
         return cls(str(data["item_id"]), str(data["prompt_id"]), int(data["group_index"]),
                    list(data["prompt_tokens"]), list(data["response_tokens"]), float(data["reward"]))
 
@@ -204,7 +205,7 @@ class Trainer:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: TrainerConfig | None = None,
-                        device: str | torch.device = "cpu", distributed: bool | None = None) -> "Trainer":
+                        device: str | torch.device = "cpu", distributed: bool | None = None) -> Trainer:
         """A trainer whose model shape comes from ``path`` (a model file or trainer checkpoint).
 
         A trainer checkpoint restores everything (``load_checkpoint``); a model file only the weights.

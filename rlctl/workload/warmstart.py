@@ -21,14 +21,15 @@ import json
 import os
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from rlctl.workload.grpo import cross_entropy_on_mask
-from rlctl.workload.model import MODEL_FORMAT, GPT, ModelConfig, build_model
+from rlctl.workload.model import GPT, MODEL_FORMAT, ModelConfig, build_model
 from rlctl.workload.task import TOKENIZER, Prompt, make_dataset
 from rlctl.workload.trainer import atomic_torch_save
 

@@ -13,11 +13,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batches import synthetic_batch  # noqa: E402
+from batches import synthetic_batch
 
-from rlctl.workload.grpo import GRPOConfig  # noqa: E402
-from rlctl.workload.model import ModelConfig, build_model  # noqa: E402
-from rlctl.workload.trainer import Trainer, TrainerConfig  # noqa: E402
+from rlctl.workload.grpo import GRPOConfig
+from rlctl.workload.model import ModelConfig, build_model
+from rlctl.workload.trainer import Trainer, TrainerConfig
 
 SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=2, max_seq_len=128)
 

@@ -30,8 +30,8 @@ def _trainer(seed: int) -> Trainer:
 
 def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
 
 
 def test_collate_masks_response_tokens_only() -> None:
