@@ -67,7 +67,7 @@ def initial_weights(settings: RoleSettings, w: worker.Worker) -> Path:
     from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint
 
     seed = int(settings.get("seed", 0))
-    config = WarmStartConfig(model=model_config(settings), steps=int(settings.get("warmstart_steps", 300)))
+    config = WarmStartConfig(model=model_config(settings), steps=int(settings.get("warmstart_steps", 600)))
     cache = Path(os.environ.get("RLCTL_CACHE", os.path.expanduser("~/.cache/rlctl")))
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"warmstart-{config_hash(seed, config)[:16]}.pt"

@@ -28,6 +28,8 @@ class TrainerRole:
         device = setup_torch(settings)
         config = TrainerConfig(
             lr=float(settings.get("learning_rate", 3e-4)),
+            betas=(0.9, 0.99),
+            warmup_steps=int(settings.get("lr_warmup_steps", 5)),
             grpo=GRPOConfig(clip_eps=float(settings.get("clip_eps", 0.2)), kl_coef=float(settings.get("kl_coef", 0.0))),
         )
         self.trainer = Trainer.from_checkpoint(initial_weights(settings, w), config, device=device)
