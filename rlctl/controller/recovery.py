@@ -199,8 +199,10 @@ class Recovery:
         elif step.kind == "rollback":
             c.commit_decided(c.scheduler.rollback(int(args["to_step"]), time.time()))
         elif step.kind == "start-all":
+            # Nodes whose agent is not connected start their workers when it registers (on_hello).
             for slot in list(model.slots.values()):
-                if slot.node is not None and model.nodes[slot.node].life.state not in (NodeState.FAILED, NodeState.RELEASED):
+                if slot.node is not None and model.nodes[slot.node].life.state not in (NodeState.FAILED, NodeState.RELEASED) \
+                        and c.hub.connected(slot.node):
                     await c.start_worker(slot)
 
     def _release_items(self, step: policy.Step, verdict: det.Verdict) -> int:

@@ -486,7 +486,6 @@ class Controller:
         self.stopping_wids.add(slot.wid)
         if slot.life is not None and slot.life.can_move(WorkerState.STOPPING):
             self.record("WorkerPhase", slot=slot.slot, wid=slot.wid, phase="stopping", step=slot.phase_step)
-            slot.life.move(WorkerState.STOPPING, time.time(), "stop requested")
         await self.hub.command(slot.node, "stop_worker", wait=grace_s + 5.0, wid=slot.wid, grace_s=grace_s)
 
     # --------------------------------------------------------------------------------- weights

@@ -284,6 +284,10 @@ class JobModel:
             if phase == "training":
                 self.training_seconds.setdefault(step, -ev.at)
         slot.phase, slot.phase_step, slot.phase_since, slot.progress_at = phase, step, ev.at, ev.at
+        if phase == "stopping":
+            if slot.life is not None and slot.life.can_move(WorkerState.STOPPING):
+                slot.life.move(WorkerState.STOPPING, ev.at, "stop requested")
+            return
         if slot.life is not None and slot.life.state == WorkerState.STARTING:
             slot.life.move(WorkerState.RUNNING, ev.at, "reported a phase")
         if slot.role == "reward" and phase in ("waiting-for-work", "scoring"):
