@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -100,19 +101,47 @@ def serve(job_dir: Path) -> None:
     jobdir = JobDir(job_dir)
     setup_logging(jobdir.log_file)
     spec = load_job_file(jobdir.spec_file)
+    if os.environ.get("RLCTL_BENCH_NO_GC"):
+        import gc
+
+        gc.disable()
+    profile_to = os.environ.get("RLCTL_BENCH_PROFILE")
+    if not profile_to:
+        asyncio.run(Controller(jobdir, spec, SwarmBackend()).run())
+        return
+    import cProfile
+    import signal
+
+    profiler = cProfile.Profile()
+    signal.signal(signal.SIGUSR1, lambda *_: profiler.dump_stats(profile_to))
+    profiler.enable()
     asyncio.run(Controller(jobdir, spec, SwarmBackend()).run())
+
+
+async def connect(node: str, secret: bytes, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Authenticate like a real agent, retrying with backoff while the controller is busy."""
+    delay = 0.1
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=protocol.MAX_MESSAGE_BYTES)
+            challenge = protocol.decode(await reader.readline(), protocol.CONTROLLER_TO_AGENT)
+            writer.write(protocol.encode("hello", job_id="scale", node=node, incarnation=1,
+                                         auth=protocol.auth_digest(secret, challenge["nonce"], node),
+                                         facts={"gpu_provider": "sim", "gpus": [], "workers": []}))
+            await writer.drain()
+            welcome = protocol.decode(await reader.readline(), protocol.CONTROLLER_TO_AGENT)
+            if welcome["type"] == "welcome":
+                return reader, writer
+            writer.close()
+        except (OSError, protocol.ProtocolError, ValueError):
+            pass
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
 
 
 async def agent(node: str, secret: bytes, port: int, stop: asyncio.Event, ready: asyncio.Event,
                 counter: list[int]) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=protocol.MAX_MESSAGE_BYTES)
-    challenge = protocol.decode(await reader.readline(), protocol.CONTROLLER_TO_AGENT)
-    writer.write(protocol.encode("hello", job_id="scale", node=node, incarnation=1,
-                                 auth=protocol.auth_digest(secret, challenge["nonce"], node),
-                                 facts={"gpu_provider": "sim", "gpus": [], "workers": []}))
-    await writer.drain()
-    welcome = protocol.decode(await reader.readline(), protocol.CONTROLLER_TO_AGENT)
-    assert welcome["type"] == "welcome", welcome
+    reader, writer = await connect(node, secret, port)
     ready.set()
 
     worker: dict[str, str] = {}
@@ -179,7 +208,7 @@ async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict
         tasks.append(asyncio.create_task(agent(f"node{index + 1:05d}", secret, port, stop, ready, counter)))
         if index % 64 == 63:
             await asyncio.sleep(0.01)
-    await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 120)
+    await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 600)
     await asyncio.sleep(3.0)  # registration and worker-start traffic settles
     journal = Journal(jobdir.journal, readonly=True)
     cpu0, seq0, beats0, t0 = cpu_seconds(pid), journal.last_seq(), counter[0], time.monotonic()
@@ -234,8 +263,15 @@ def measure(nodes: int, seconds: float, tmp: Path) -> dict[str, Any]:
     try:
         result = asyncio.run(run_swarm(jobdir.path, nodes, seconds, child.pid))
     finally:
+        if os.environ.get("RLCTL_BENCH_PROFILE"):
+            child.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
         child.terminate()
-        child.wait(timeout=60)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
     return result
 
 

@@ -26,6 +26,7 @@ AGENT_REGISTER_TIMEOUT_S = 30.0
 # After a controller restart, agents reconnect with backoff (up to 5 s between tries): a node is
 # not blamed for its silence until it had the time to come back.
 RESUME_GRACE_S = 12.0
+WORKER_CHECK_INTERVAL_S = 1.0
 
 
 class Recovery:
@@ -35,10 +36,19 @@ class Recovery:
         self._busy_slots: set[str] = set()
         self._busy_nodes: set[str] = set()
         self._starting_since: dict[str, float] = {}
+        self._last_worker_check = 0.0
 
     # ------------------------------------------------------------------------------ detect
 
     def detect(self, now: float) -> None:
+        """Heartbeat judgements every tick; progress, hang and fail-slow judgements once a
+        second (their bounds are seconds long, and at thousands of workers they cost)."""
+        self._detect_nodes(now)
+        if now - self._last_worker_check >= WORKER_CHECK_INTERVAL_S:
+            self._last_worker_check = now
+            self._detect_workers(now)
+
+    def _detect_nodes(self, now: float) -> None:
         model = self.c.model
         quiet_floor = self.c.spec.fault_tolerance.min_silence_s
         for node in list(model.nodes.values()):
@@ -69,6 +79,9 @@ class Recovery:
                 self._probe(node.name)
                 continue
             self.handle(verdict)
+
+    def _detect_workers(self, now: float) -> None:
+        model = self.c.model
         workers = []
         for slot in model.slots.values():
             if slot.node is None or slot.wid is None or slot.life is None or slot.life.state != WorkerState.RUNNING:

@@ -330,6 +330,7 @@ class Controller:
         self.detector.heartbeat(node, now)
         record.last_heartbeat_at = now
         record.gpus = list(message.get("gpus", []))
+        record.gpus_lost = any(g.get("lost") for g in record.gpus)
         self._beats_since_summary += 1
         if self.heartbeat_latency is not None and "sent_mono" in message:
             self.heartbeat_latency.append(time.monotonic() - float(message["sent_mono"]))

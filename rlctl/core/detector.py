@@ -41,6 +41,8 @@ IDLE_PHASES = frozenset(
     {"waiting-for-work", "waiting-for-batch", "weight-sync", "checkpointing", "compiling", "loading", "starting", "idle", "standby"}
 )
 THROUGHPUT_PHASES = frozenset({"generating"})
+# Up to this many workers in a role, a worker is compared with the median of the others only.
+SMALL_ROLE = 8
 # Phases in which a worker waits by asking the controller every fraction of a second.
 POLLING_PHASES = frozenset({"waiting-for-work", "waiting-for-batch", "standby"})
 
@@ -214,9 +216,13 @@ class Detector:
         for role, rated in by_role.items():
             if len(rated) < 2:
                 continue
+            # With many peers one worker barely moves the median: compute it once per role.
+            role_median = statistics.median(r for _, r in rated) if len(rated) > SMALL_ROLE else None
             for worker, rate in rated:
-                peers = [r for w, r in rated if w.wid != worker.wid]
-                median = statistics.median(peers)
+                if role_median is None:
+                    median = statistics.median(r for w, r in rated if w.wid != worker.wid)
+                else:
+                    median = role_median
                 track = self._rates[worker.wid]
                 if median > 0 and rate < cfg.slow_ratio * median:
                     track.slow_since = track.slow_since if track.slow_since is not None else now
@@ -231,13 +237,18 @@ class Detector:
         return out
 
     def _rate(self, wid: str, now: float) -> float | None:
+        """Progress per second over the last ``slow_window_s`` (oldest sample in the window to newest)."""
         track = self._rates.get(wid)
-        if track is None:
+        if track is None or len(track.samples) < 3:
             return None
-        window = [(t, v) for t, v in track.samples if now - t <= max(self.config.slow_window_s, 3.0)]
-        if len(window) < 3 or window[-1][0] - window[0][0] < 1.0:
-            return None
-        return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+        horizon = now - max(self.config.slow_window_s, 3.0)
+        samples = track.samples
+        while len(samples) > 3 and samples[0][0] < horizon:
+            samples.popleft()
+        first, last = samples[0], samples[-1]
+        if first[0] < horizon or last[0] - first[0] < 1.0:
+            return None  # too few recent samples to judge
+        return (last[1] - first[1]) / (last[0] - first[0])
 
 
 def classify_signal(kind: str, code: int | None) -> tuple[str, str]:

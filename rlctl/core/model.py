@@ -34,10 +34,7 @@ class NodeRecord:
     last_signal: str = ""
     excluded: bool = False
     backend_ref: str = ""
-
-    @property
-    def gpus_lost(self) -> bool:
-        return any(g.get("lost") for g in self.gpus)
+    gpus_lost: bool = False  # set with every GPU sample: NVML (or the simulation) says a GPU is gone
 
 
 @dataclass

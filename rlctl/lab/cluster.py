@@ -81,7 +81,7 @@ class LabStatus:
             f'controller_host = "{self.controller_address}"\n'
             f'lab_dir = "{self.state_dir}"\n\n'
             "# in every [roles.<role>.env]: UCX over the node's bridge device\n"
-            f'# UCX_NET_DEVICES = "{NODE_NET_DEVICE}"\n# UCX_TLS = "tcp,self"\n'
+            f'# UCX_NET_DEVICES = "{NODE_NET_DEVICE}"\n# UCX_TLS = "tcp,self"\n# UCX_TCP_MAX_CONN_RETRIES = "2"\n'
         )
 
 
@@ -144,6 +144,7 @@ def _ensure_network(cfg: c.LabConfig) -> None:
     network.ensure_bridge()
     for node in cfg.node_names():
         network.ensure_node_netns(node)
+        network.tune_node_tcp(node)
         network.ensure_uts(cfg.uts_file(node), node)
     network.ensure_uts(cfg.uts_file(c.CONTROLLER_HOSTNAME), c.CONTROLLER_HOSTNAME)
     if cfg.hosts_file:

@@ -23,6 +23,10 @@ PARTITION = "main"
 HOSTS_BEGIN = "# rlctl-lab-begin"
 HOSTS_END = "# rlctl-lab-end"
 MAX_NODES = 200
+# TCP inside the nodes gives up on a silent peer in seconds instead of the kernel's ~15 min
+# (tcp_retries2=15) and ~2 min (tcp_syn_retries=6): a partition then breaks in-flight transfers
+# (UCX over TCP, the agent link) as fast as SlurmdTimeout=10 makes Slurm notice it. Per netns.
+NODE_TCP_SYSCTLS = {"net.ipv4.tcp_retries2": "3", "net.ipv4.tcp_syn_retries": "1"}
 
 
 @dataclass(frozen=True)

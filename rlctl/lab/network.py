@@ -60,6 +60,15 @@ def ensure_node_netns(node: str) -> None:
     run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
 
+def tune_node_tcp(node: str) -> None:
+    """Apply :data:`config.NODE_TCP_SYSCTLS` in ``node``'s namespace (idempotent)."""
+    for key, value in c.NODE_TCP_SYSCTLS.items():
+        # /proc/sys/net is per network namespace: written from inside the node (coreutils' tee,
+        # so procps' sysctl is not needed)
+        path = "/proc/sys/" + key.replace(".", "/")
+        run(["nsenter", f"--net=/run/netns/{c.netns(node)}", "tee", path], input_text=value + "\n")
+
+
 def ensure_uts(uts_file: Path, hostname: str) -> None:
     """A persistent UTS namespace bind-mounted at ``uts_file`` whose hostname is ``hostname``."""
     if is_mountpoint(uts_file):
