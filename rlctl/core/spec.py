@@ -134,6 +134,8 @@ JOB_SCHEMA: dict[str, Field] = {
                     "allocate_timeout_s": Field("float", "How long to wait for the allocations to start.", 300.0, minimum=1.0),
                     "replace_timeout_s": Field("float", "How long to wait for a replacement allocation.", 300.0, minimum=1.0),
                     "agent_start_timeout_s": Field("float", "How long to wait for srun to start an agent.", 120.0, minimum=1.0),
+                    "probe_timeout_s": Field("float", "Budget of the second-path probe (Slurm's view plus a slurmd connect).", 2.0,
+                                             minimum=0.1),
                     "lab_dir": Field("str", "State dir of an `rlctl lab` cluster, for lab-only faults (partition).", ""),
                 },
             ),

@@ -17,6 +17,14 @@ from rlctl.roles.common import RoleSettings, model_config, setup_torch, wait_or_
 
 CHUNK_TOKENS = 8
 FETCH_ATTEMPTS = 5
+# A holder may die mid-transfer without the transport noticing: bound each attempt by the bytes
+# it moves at a pessimistic rate, then ask the controller for another holder.
+FETCH_FLOOR_S = 15.0
+FETCH_WORST_BYTES_PER_S = 50e6
+
+
+def fetch_timeout(source: dict[str, Any]) -> float:
+    return FETCH_FLOOR_S + float(source.get("nbytes") or 0) / FETCH_WORST_BYTES_PER_S
 
 
 class Rollout:
@@ -63,7 +71,7 @@ class Rollout:
                 if source is None:
                     time.sleep(0.2)
             try:
-                bundle = fetch_bundle_sync(source, timeout=120.0)
+                bundle = fetch_bundle_sync(source, timeout=fetch_timeout(source))
                 break
             except WeightError as exc:
                 failed, error, source = source, str(exc), None

