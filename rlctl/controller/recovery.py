@@ -82,6 +82,8 @@ class Recovery:
 
     def _detect_workers(self, now: float) -> None:
         model = self.c.model
+        if self.c.resume and now - self.c.resumed_at < RESUME_GRACE_S:
+            return  # workers blocked on requests while the controller was down are not hung
         workers = []
         for slot in model.slots.values():
             if slot.node is None or slot.wid is None or slot.life is None or slot.life.state != WorkerState.RUNNING:

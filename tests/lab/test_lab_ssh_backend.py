@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import LAB_DIR
+from conftest import LAB_NODES, LAB_DIR
 
 from rlctl import lab
 from rlctl.agent_bundle import build_agent_zipapp
@@ -41,7 +41,7 @@ def launch(tmp_path: Path) -> AgentLaunch:
 
 
 def test_lab_status_reports_nodes_and_job_facts(lab_status: lab.LabStatus) -> None:
-    assert lab_status.up and len(lab_status.nodes) == 4
+    assert lab_status.up and len(lab_status.nodes) == LAB_NODES
     assert lab_status.controller_address == "10.213.0.1" and lab_status.partition == "main"
     assert lab_status.known_hosts and lab_status.known_hosts.exists()
     assert "node01=10.213.0.11" in lab_status.job_toml()

@@ -7,7 +7,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import LAB_DIR
+from conftest import LAB_NODES, LAB_DIR
 
 from rlctl import lab
 
@@ -23,7 +23,7 @@ def test_cli_status_json(lab_status: lab.LabStatus) -> None:
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output.strip().splitlines()[-1])
     assert payload["ok"] and payload["controller_address"] == "10.213.0.1"
-    assert [n["name"] for n in payload["nodes"]] == ["node01", "node02", "node03", "node04"]
+    assert [n["name"] for n in payload["nodes"]] == [f"node{i:02d}" for i in range(1, LAB_NODES + 1)]
 
 
 @pytest.mark.skipif(os.environ.get("RLCTL_LAB_KEEP") == "1", reason="RLCTL_LAB_KEEP=1 keeps the lab up")

