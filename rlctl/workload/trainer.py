@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ from rlctl.workload.model import GPT, ModelConfig, build_model, load_model
 from rlctl.workload.task import PAD_ID
 
 CHECKPOINT_FORMAT = "rlctl-trainer-ckpt-v1"
+DEFAULT_PG_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,9 @@ def init_distributed_from_env(device: torch.device) -> DistContext:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=world_size)
+        # The controller sizes the collective timeout from the job's phase bounds (rlctl.workload.nccl_env).
+        timeout = timedelta(seconds=float(os.environ.get("RLCTL_PG_TIMEOUT_S", DEFAULT_PG_TIMEOUT_S)))
+        dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
     return DistContext(dist.get_rank(), dist.get_world_size())
 
 
