@@ -45,9 +45,10 @@ def job_status(jobdir: JobDir) -> dict[str, Any]:
             return client.call("status")["status"]
         except ApiError:
             pass
+    import time
+
     from rlctl.controller.replay import replay_model
     from rlctl.core.snapshot import snapshot
-    import time
 
     model = replay_model(jobdir)
     return snapshot(model, time.time(), controller={"live": False})

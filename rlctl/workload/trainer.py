@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import math
 import os
-from datetime import timedelta
 import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
