@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Protocol
 
 from rlctl.backends.base import Backend
 from rlctl.core.schema import Problem
 from rlctl.core.spec import JobSpec, SpecError, parse_spec
+
+
+class HasPath(Protocol):
+    """A job directory, or anything with the ``path`` a backend keeps its state under."""
+
+    path: Path
 
 
 def load_job_file(path: Path) -> JobSpec:
@@ -29,7 +36,7 @@ def load_job_file(path: Path) -> JobSpec:
     return parse_spec(data, source)
 
 
-def make_backend(spec: JobSpec, jobdir: "JobDirLike") -> Backend:
+def make_backend(spec: JobSpec, jobdir: HasPath) -> Backend:
     """The backend the spec names, configured from its ``[cluster.<backend>]`` table."""
     cluster = spec.cluster
     if spec.backend == "local":
@@ -43,7 +50,3 @@ def make_backend(spec: JobSpec, jobdir: "JobDirLike") -> Backend:
     from rlctl.backends.slurm import SlurmBackend
 
     return SlurmBackend.from_config(cluster, jobdir.path)
-
-
-class JobDirLike:
-    path: Path

@@ -27,7 +27,7 @@ def launch(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object for scripts."),
 ) -> None:
     """Validate JOB_FILE, plan roles onto nodes and start the job."""
-    from rlctl.jobfile import load_job_file, make_backend
+    from rlctl.jobfile import load_job_file
 
     try:
         spec = load_job_file(job_file)
@@ -47,7 +47,7 @@ def launch(
     jobdir = JobDir(root / new_job_id(spec.name))
     jobdir.create(job_file.read_text())
     if foreground:
-        _run_foreground(jobdir, spec, make_backend)
+        _run_foreground(jobdir, spec)
         return
     process = _spawn_controller(jobdir)
     _wait_ready(jobdir, process)
@@ -124,7 +124,7 @@ def _tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
-def _run_foreground(jobdir: JobDir, spec: JobSpec, make_backend: object) -> None:
+def _run_foreground(jobdir: JobDir, spec: JobSpec) -> None:
     import asyncio
 
     from rlctl.controller.server import Controller, setup_logging

@@ -157,7 +157,7 @@ def stop(
 def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json_out: bool = typer.Option(False, "--json"),
            state_dir: str = STATE_DIR_OPTION) -> None:
     """Start a job's controller again after it died; it rebuilds its state from the journal."""
-    from rlctl.cli.launch import _spawn_controller, _wait_ready
+    from rlctl.cli.launch import _wait_ready
 
     jobdir = resolve_job(job, state_dir)
     client = client_for(jobdir)
@@ -177,7 +177,6 @@ def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json
         print_json({"job_id": jobdir.job_id, "controller_pid": process.pid})
     else:
         console.print(f"resumed {jobdir.job_id} (controller pid {process.pid})")
-    _ = _spawn_controller
 
 
 def _brief(data: dict[str, Any]) -> str:
