@@ -123,17 +123,18 @@ async def connect(node: str, secret: bytes, port: int) -> tuple[asyncio.StreamRe
     delay = 0.1
     while True:
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=protocol.MAX_MESSAGE_BYTES)
-            challenge = protocol.decode(await reader.readline(), protocol.CONTROLLER_TO_AGENT)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection("127.0.0.1", port, limit=protocol.MAX_MESSAGE_BYTES), 10.0)
+            challenge = protocol.decode(await asyncio.wait_for(reader.readline(), 10.0), protocol.CONTROLLER_TO_AGENT)
             writer.write(protocol.encode("hello", job_id="scale", node=node, incarnation=1,
                                          auth=protocol.auth_digest(secret, challenge["nonce"], node),
                                          facts={"gpu_provider": "sim", "gpus": [], "workers": []}))
             await writer.drain()
-            welcome = protocol.decode(await reader.readline(), protocol.CONTROLLER_TO_AGENT)
+            welcome = protocol.decode(await asyncio.wait_for(reader.readline(), 10.0), protocol.CONTROLLER_TO_AGENT)
             if welcome["type"] == "welcome":
                 return reader, writer
             writer.close()
-        except (OSError, protocol.ProtocolError, ValueError):
+        except (OSError, protocol.ProtocolError, ValueError, asyncio.TimeoutError):
             pass
         await asyncio.sleep(delay)
         delay = min(delay * 2, 5.0)

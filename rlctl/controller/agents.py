@@ -22,6 +22,7 @@ HelloHandler = Callable[[str, dict[str, Any]], Awaitable[None]]
 GoneHandler = Callable[[str, str], Awaitable[None]]
 
 HANDSHAKE_TIMEOUT_S = 10.0
+ACCEPT_BACKLOG = 4096
 
 
 @dataclass
@@ -65,8 +66,9 @@ class AgentHub:
 
     async def start(self, host: str, port: int) -> int:
         """Bind (``port`` 0 picks one; a resumed controller passes its old port). Returns the port."""
+        # A large accept backlog: thousands of agents reconnect at once after a controller restart.
         self._server = await asyncio.start_server(
-            self._serve, host, port, limit=protocol.MAX_MESSAGE_BYTES + 1, reuse_address=True
+            self._serve, host, port, limit=protocol.MAX_MESSAGE_BYTES + 1, reuse_address=True, backlog=ACCEPT_BACKLOG
         )
         return int(self._server.sockets[0].getsockname()[1])
 
