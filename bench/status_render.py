@@ -28,7 +28,7 @@ from rich.console import Console  # noqa: E402
 
 from rlctl.cli import render  # noqa: E402
 from rlctl.core.events import event  # noqa: E402
-from rlctl.core.model import JobModel  # noqa: E402
+from rlctl.core.model import GpuSummary, JobModel  # noqa: E402
 from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig  # noqa: E402
 from rlctl.core.snapshot import snapshot  # noqa: E402
 
@@ -53,7 +53,8 @@ def build_model(nodes: int) -> JobModel:
                           phase="generating" if role == "rollout" else "waiting-for-batch", step=3))
         node = model.nodes[name]
         node.last_heartbeat_at = t + 10 - (index % 7) * 0.1
-        node.gpus = [{"index": g, "util": 80.0, "temp_c": 60.0, "mem_used": 6e10, "mem_total": 8e10} for g in range(8)]
+        node.gpu_summary = GpuSummary.of(
+            [{"index": g, "util": 80.0, "temp_c": 60.0, "mem_used": 6e10, "mem_total": 8e10} for g in range(8)])
     for index in range(0, nodes, 97):
         model.apply(event("NodeStateChanged", t + 5, node=f"node{index + 1:04d}", state="suspect", reason="silent"))
     for ev in model.scheduler.start_round(3, t + 6):

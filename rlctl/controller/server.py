@@ -30,7 +30,7 @@ from rlctl.controller.recovery import Recovery
 from rlctl.controller.store import Journal
 from rlctl.core import detector as det
 from rlctl.core.events import Event, event
-from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.model import GpuSummary, JobModel, SlotRecord
 from rlctl.core.rounds import PromptRef, RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
 from rlctl.core.spec import JobSpec
@@ -329,8 +329,9 @@ class Controller:
             return
         self.detector.heartbeat(node, now)
         record.last_heartbeat_at = now
-        record.gpus = list(message.get("gpus", []))
-        record.gpus_lost = any(g.get("lost") for g in record.gpus)
+        gpus = message.get("gpus") or []
+        record.gpu_summary = GpuSummary.of(gpus)
+        record.gpus_lost = any(g.get("lost") for g in gpus)
         self._beats_since_summary += 1
         if self.heartbeat_latency is not None and "sent_mono" in message:
             self.heartbeat_latency.append(time.monotonic() - float(message["sent_mono"]))

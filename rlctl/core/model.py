@@ -20,6 +20,33 @@ RECENT_EVENTS = 200
 QUIET_EVENTS = frozenset({"HeartbeatSummary", "ItemsDispatched", "ScoringDispatched", "TrajectoryStored", "RewardsStored"})
 
 
+@dataclass(frozen=True)
+class GpuSummary:
+    """One node's latest GPU sample, condensed: means of utilisation and temperature, memory sums.
+
+    Kept instead of the raw per-GPU dicts: at thousands of nodes at 1 Hz, short-lived dicts that
+    survive into the old GC generation cost the controller long collection pauses.
+    """
+
+    util: float | None
+    temp_c: float | None
+    mem_used: float
+    mem_total: float
+
+    @classmethod
+    def of(cls, gpus: list[dict[str, Any]]) -> "GpuSummary | None":
+        if not gpus:
+            return None
+        utils = [float(g["util"]) for g in gpus if g.get("util") is not None]
+        temps = [float(g["temp_c"]) for g in gpus if g.get("temp_c") is not None]
+        return cls(
+            util=round(sum(utils) / len(utils), 1) if utils else None,
+            temp_c=round(sum(temps) / len(temps), 1) if temps else None,
+            mem_used=sum(float(g.get("mem_used") or 0) for g in gpus),
+            mem_total=sum(float(g.get("mem_total") or 0) for g in gpus),
+        )
+
+
 @dataclass
 class NodeRecord:
     name: str
@@ -30,7 +57,7 @@ class NodeRecord:
     facts: dict[str, Any] = field(default_factory=dict)
     connected: bool = False
     last_heartbeat_at: float | None = None
-    gpus: list[dict[str, Any]] = field(default_factory=list)
+    gpu_summary: "GpuSummary | None" = None
     last_signal: str = ""
     excluded: bool = False
     backend_ref: str = ""

@@ -85,7 +85,7 @@ def _nodes(model: JobModel, now: float) -> list[dict[str, Any]]:
     for node in model.nodes.values():
         worker = by_node.get(node.name)
         slot = worker if worker is not None and not worker.standby else None
-        gpus = node.gpus or []
+        gpu = node.gpu_summary
         out.append(
             {
                 "name": node.name,
@@ -99,19 +99,14 @@ def _nodes(model: JobModel, now: float) -> list[dict[str, Any]]:
                 "worker_state": worker.life.state.value if worker and worker.life else None,
                 "phase": worker.phase if worker else None,
                 "progress": worker.progress if worker else None,
-                "gpu_util": _mean(gpus, "util"),
-                "gpu_temp_c": _mean(gpus, "temp_c"),
-                "gpu_mem_used": sum(float(g.get("mem_used") or 0) for g in gpus) if gpus else None,
-                "gpu_mem_total": sum(float(g.get("mem_total") or 0) for g in gpus) if gpus else None,
+                "gpu_util": gpu.util if gpu else None,
+                "gpu_temp_c": gpu.temp_c if gpu else None,
+                "gpu_mem_used": gpu.mem_used if gpu else None,
+                "gpu_mem_total": gpu.mem_total if gpu else None,
                 "last_signal": node.last_signal,
             }
         )
     return out
-
-
-def _mean(gpus: list[dict[str, Any]], key: str) -> float | None:
-    values = [float(g[key]) for g in gpus if g.get(key) is not None]
-    return round(sum(values) / len(values), 1) if values else None
 
 
 def _fault(fault: Any) -> dict[str, Any]:

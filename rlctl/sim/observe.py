@@ -57,7 +57,7 @@ def node_verdict(
         connected=probe is None,
         probe_reachable=probe,
         probe_detail=probe_detail,
-        gpu_lost=any(g.get("lost") for g in record.gpus),
+        gpu_lost=record.gpus_lost,
     )
     return detector.heartbeat_verdict(obs, now, lag_s)
 
