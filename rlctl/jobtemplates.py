@@ -36,6 +36,7 @@ policy = "{policy}"
 heartbeat_interval_s = 0.5
 min_silence_s = 1.5
 max_restarts_per_slot = {max_restarts}
+poll_silence_s = 4.0
 
 [fault_tolerance.phase_timeout_s]
 generating = 6.0

@@ -54,17 +54,7 @@ class Controller:
         self.scheduler = RoundScheduler(config_from_spec(spec), load_prompts(spec))
         self.model.scheduler = self.scheduler
         ft = spec.fault_tolerance
-        self.detector = det.Detector(
-            det.DetectorConfig(
-                heartbeat_interval_s=ft.heartbeat_interval_s,
-                phi_threshold=ft.phi_threshold,
-                min_silence_s=ft.min_silence_s,
-                confirm_with_probe=ft.confirm_with_probe,
-                phase_timeout_s=ft.phase_timeout_s,
-                slow_ratio=ft.slow_ratio,
-                slow_window_s=ft.slow_window_s,
-            )
-        )
+        self.detector = det.Detector(det.config_from_spec(ft))
         self.hub = AgentHub(
             secret=jobdir.secret(),
             known_node=self._may_join,

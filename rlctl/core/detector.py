@@ -14,6 +14,10 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlctl.core.spec import FaultToleranceSpec
 
 # XID → (fault kind, action). "restart-worker": application error; "drain-replace": hardware
 # needing the node out; "replace-node": the GPU is gone; "observe": informational.
@@ -58,6 +62,20 @@ class DetectorConfig:
     slow_window_s: float
     lag_limit_s: float = 0.5
     poll_silence_s: float = 8.0
+
+
+def config_from_spec(ft: "FaultToleranceSpec") -> DetectorConfig:
+    """The detector configuration of a job's ``[fault_tolerance]`` table (controller and simulator alike)."""
+    return DetectorConfig(
+        heartbeat_interval_s=ft.heartbeat_interval_s,
+        phi_threshold=ft.phi_threshold,
+        min_silence_s=ft.min_silence_s,
+        confirm_with_probe=ft.confirm_with_probe,
+        phase_timeout_s=ft.phase_timeout_s,
+        slow_ratio=ft.slow_ratio,
+        slow_window_s=ft.slow_window_s,
+        poll_silence_s=ft.poll_silence_s,
+    )
 
 
 @dataclass(frozen=True)

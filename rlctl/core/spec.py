@@ -203,6 +203,10 @@ JOB_SCHEMA: dict[str, Field] = {
             ),
             "slow_window_s": Field("float", "How long a node must stay slow before it is a fault.", 10.0, minimum=1.0),
             "exclude_failed_nodes": Field("bool", "Never place work again on a node judged failed.", True),
+            "poll_silence_s": Field(
+                "float", "A worker waiting by polling the controller (for work, a batch, a role) that stops asking this "
+                "long is hung.", 8.0, minimum=1.0,
+            ),
             "phase_timeout_s": Field(
                 "table",
                 "Per-phase progress bounds: a worker whose progress counter is frozen this long in the phase is hung. "
@@ -321,6 +325,7 @@ class FaultToleranceSpec:
     slow_ratio: float
     slow_window_s: float
     exclude_failed_nodes: bool
+    poll_silence_s: float
     phase_timeout_s: dict[str, float]
 
 

@@ -17,18 +17,7 @@ HEARTBEAT_HISTORY = 30  # inter-arrival samples replayed into the detector befor
 
 def detector_for(spec: JobSpec) -> det.Detector:
     """The detector the live controller builds for ``spec`` (same config, field by field)."""
-    ft = spec.fault_tolerance
-    return det.Detector(
-        det.DetectorConfig(
-            heartbeat_interval_s=ft.heartbeat_interval_s,
-            phi_threshold=ft.phi_threshold,
-            min_silence_s=ft.min_silence_s,
-            confirm_with_probe=ft.confirm_with_probe,
-            phase_timeout_s=ft.phase_timeout_s,
-            slow_ratio=ft.slow_ratio,
-            slow_window_s=ft.slow_window_s,
-        )
-    )
+    return det.Detector(det.config_from_spec(spec.fault_tolerance))
 
 
 def prime_heartbeats(detector: det.Detector, node: str, last_beat: float, interval: float, jitter: list[float]) -> None:
