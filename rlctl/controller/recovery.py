@@ -27,6 +27,7 @@ AGENT_REGISTER_TIMEOUT_S = 30.0
 # not blamed for its silence until it had the time to come back.
 RESUME_GRACE_S = 12.0
 WORKER_CHECK_INTERVAL_S = 1.0
+REJUDGE_AFTER_S = 20.0
 
 
 class Recovery:
@@ -162,8 +163,19 @@ class Recovery:
             log.exception("recovery step failed for %s", fault_id)
         finally:
             self._busy_slots.difference_update(s for s in slots if s)
-            await asyncio.sleep(1.0)
+            await self._cool_down(fault_id)
             self._handled.discard(key)
+
+    async def _cool_down(self, fault_id: str) -> None:
+        """Do not judge the same thing again until its recovery had the time to finish: until the
+        fault is recovered, or ``REJUDGE_AFTER_S`` at most (a plan that did not work is judged anew)."""
+        deadline = time.time() + REJUDGE_AFTER_S
+        await asyncio.sleep(1.0)
+        while time.time() < deadline:
+            fault = self.c.model.faults.get(fault_id)
+            if fault is None or not fault.open:
+                return
+            await asyncio.sleep(0.5)
 
     async def _execute(self, step: policy.Step, verdict: det.Verdict, fault_id: str) -> None:
         c, model, args = self.c, self.c.model, step.args

@@ -86,6 +86,8 @@ def _usable(model: JobModel, node: str | None) -> bool:
 def _full_restart(model: JobModel, verdict: Verdict) -> list[Step]:
     """Stop every worker, replace the bad node, roll back to the checkpoint and start all again."""
     steps = [Step("stop-all", {})]
+    if verdict.action == "restart-agent":
+        steps.append(Step("restart-agent", {"node": verdict.node}))
     if verdict.action in ("replace-node", "drain-replace"):
         slot = model.slot_on_node(verdict.node)
         steps += _retire_node(verdict, drain=verdict.action == "drain-replace")

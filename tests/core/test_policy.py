@@ -107,3 +107,8 @@ def test_full_restart_stops_everything_and_rolls_back() -> None:
     assert steps[1].args == {"to_step": 5}
     lost = plan(model, verdict("node03", None, "node-loss", "replace-node"), 2)
     assert kinds(lost)[:2] == ["stop-all", "fail-node"] and kinds(lost)[-2:] == ["rollback", "start-all"]
+
+
+def test_full_restart_brings_a_lost_agent_back() -> None:
+    steps = plan(running_job(policy="full-restart"), verdict("node01", None, "agent-lost", "restart-agent"), 2)
+    assert kinds(steps) == ["stop-all", "restart-agent", "rollback", "start-all"]
