@@ -41,6 +41,11 @@ class Recovery:
 
     # ------------------------------------------------------------------------------ detect
 
+    @property
+    def busy_slots(self) -> frozenset[str]:
+        """Slots a recovery plan is working on right now."""
+        return frozenset(self._busy_slots)
+
     def detect(self, now: float) -> None:
         """Heartbeat judgements every tick; progress, hang and fail-slow judgements once a
         second (their bounds are seconds long, and at thousands of workers they cost)."""

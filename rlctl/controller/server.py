@@ -257,6 +257,8 @@ class Controller:
         for slot in [s for s in self.model.slots.values() if s.node == node]:
             alive = reported.get(slot.wid)
             if alive is not None and alive.get("alive", True):
+                if slot.wid in self.stopping_wids:
+                    await self.stop_worker(slot)  # asked to stop while its agent was away
                 continue
             live = (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT)
             if returning and slot.life is not None and slot.life.state in live and slot.wid:
@@ -347,7 +349,11 @@ class Controller:
         sig = message.get("signal")
         self.record("WorkerExited", slot=slot.slot, wid=slot.wid, exit_code=code, signal=sig)
         if slot.wid in self.stopping_wids:
-            return  # we asked it to stop
+            # We asked it to stop. If nothing replaced it meanwhile (its node was unreachable when
+            # the others were restarted) and the job wants the slot filled, start it now.
+            if slot.slot not in self.recovery.busy_slots and self._wants_worker(slot):
+                self.spawn(self.start_worker(slot))
+            return
         self.recovery.on_worker_gone(slot, code, sig)
 
     def _on_fault_signal(self, node: str, message: dict[str, Any], now: float) -> None:

@@ -254,7 +254,8 @@ class JobModel:
         node.facts = dict(ev.data["facts"])
         node.connected = True
         node.last_heartbeat_at = ev.at
-        self._recover_matching("agent-lost", node.name, None, ev.at)
+        if self.policy == "role":  # under full-restart the fault lasts until everything restarted
+            self._recover_matching("agent-lost", node.name, None, ev.at)
 
     def _on_AgentDisconnected(self, ev: Event) -> None:
         node = self.nodes.get(ev.data["node"])
