@@ -52,6 +52,7 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
     engine = TorchEngine(Trainer.from_checkpoint(init_path).model, SamplingConfig(temperature=1.0))
     engine.load_state_dict(trainer.state_dict_for_publish(), 0)
     rollout_s: list[float] = []
+    generated_lengths: list[int] = []
     rewards: list[float] = []
     kinds: list[str] = []
     started = time.perf_counter()
@@ -70,6 +71,7 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
                 results = engine.generate(requests, rnd.max_new_tokens,
                                           should_cancel=lambda active: set(scheduler.cancelled_among(active)))
                 generating += time.perf_counter() - t0
+                generated_lengths.extend(len(r.response_tokens) for r in results)
                 scheduler.submit("r0", "r0.1", [{"item_id": r.item_id, "response_tokens": r.response_tokens,
                                                  "truncated": r.truncated, "weights_version": step} for r in results], now)
             if scheduler.round is not rnd or rnd.closed:
@@ -102,7 +104,14 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
         "final_reward": round(statistics.fmean(rewards[-last:]), 4),
         "first_reward": round(statistics.fmean(rewards[:last]), 4),
         "rounds": {k: kinds.count(k) for k in sorted(set(kinds))},
+        "generated_length": _length_summary(generated_lengths),
     }
+
+
+def _length_summary(lengths: list[int]) -> dict[str, float]:
+    ordered = sorted(lengths) or [0]
+    return {"p50": ordered[len(ordered) // 2], "p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+            "max": ordered[-1], "n": len(lengths)}
 
 
 def main() -> None:
@@ -117,13 +126,15 @@ def main() -> None:
     parser.add_argument("--dataset", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmstart-steps", type=int, default=300,
+                        help="supervised steps before RL; fewer leave a policy whose answers run long more often")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("RLCTL_TORCH_THREADS", "2")))
-    warm = WarmStartConfig(model=ModelConfig(), steps=300)
+    warm = WarmStartConfig(model=ModelConfig(), steps=args.warmstart_steps)
     cache = Path(os.environ.get("RLCTL_CACHE", os.path.expanduser("~/.cache/rlctl")))
     cache.mkdir(parents=True, exist_ok=True)
     init_path = prepare_initial_checkpoint(cache / f"warmstart-{config_hash(args.seed, warm)[:16]}.pt", args.seed, warm)
-    stats = length_stats(make_dataset(args.dataset, args.seed))
+    stats = length_stats(make_dataset(args.dataset, args.seed))  # expected lengths; generated ones per arm below
     sync = run_arm(False, args, init_path)
     tail = run_arm(True, args, init_path)
     print(json.dumps({
