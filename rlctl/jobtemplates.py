@@ -8,6 +8,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The rollout and workload tables of the small reference job, shared with the lab's job (rlctl.lab.jobs).
+SMALL_WORKLOAD_TABLES = """[rollout]
+batch_prompts = 4
+group_size = 4
+max_new_tokens = 48
+dataset_size = 128
+worker_batch = 16
+
+[rollout.tail_batching]
+enabled = true
+short_max_tokens = 16
+overprovision = 0.5
+long_batch = 4
+
+[workload]
+model_dim = 64
+layers = 2
+heads = 2
+warmstart_steps = 60
+"""
+
 SMALL_JOB = """
 [job]
 name = "{name}"
@@ -45,25 +66,7 @@ weight-sync = 8.0
 scoring = 6.0
 loading = 60.0
 
-[rollout]
-batch_prompts = 4
-group_size = 4
-max_new_tokens = 48
-dataset_size = 128
-worker_batch = 16
-
-[rollout.tail_batching]
-enabled = true
-short_max_tokens = 16
-overprovision = 0.5
-long_batch = 4
-
-[workload]
-model_dim = 64
-layers = 2
-heads = 2
-warmstart_steps = 60
-"""
+""" + SMALL_WORKLOAD_TABLES
 
 
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,

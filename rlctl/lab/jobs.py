@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from rlctl.jobtemplates import SMALL_WORKLOAD_TABLES
 from rlctl.lab.cluster import JOB_USER, NODE_NET_DEVICE, LabStatus
 
 # UCX on the node's only link; TCP transport (no RDMA in the lab); give up on an unreachable
@@ -57,25 +58,7 @@ weight-sync = 20.0
 scoring = 20.0
 loading = 90.0
 
-[rollout]
-batch_prompts = 4
-group_size = 4
-max_new_tokens = 48
-dataset_size = 128
-worker_batch = 16
-
-[rollout.tail_batching]
-enabled = true
-short_max_tokens = 16
-overprovision = 0.5
-long_batch = 4
-
-[workload]
-model_dim = 64
-layers = 2
-heads = 2
-warmstart_steps = 60
-"""
+""" + SMALL_WORKLOAD_TABLES
 
 
 def _cluster_table(backend: str, lab: LabStatus, work_dir: Path, ssh_spares: list[str], state_dir: Path) -> str:
