@@ -239,16 +239,9 @@ class Recovery:
 
     def _release_items(self, step: policy.Step, verdict: det.Verdict) -> int:
         """Give the failed worker's in-flight prompts back to the scheduler; count them."""
-        model, c = self.c.model, self.c
-        targets: list[SlotRecord] = []
-        if step.kind in ("restart-worker", "stop-worker"):
-            targets = [model.slots[step.args["slot"]]]
-        elif step.kind == "fail-node":
-            targets = [s for s in model.slots.values() if s.node == step.args["node"]]
-        else:
-            targets = list(model.slots.values())
+        c = self.c
         count = 0
-        for slot in targets:
+        for slot in policy.slots_released_by(c.model, step):
             if slot.wid:
                 events = c.scheduler.release_worker(slot.wid, verdict.fault, time.time())
                 count += sum(len(e.data["item_ids"]) for e in events)

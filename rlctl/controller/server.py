@@ -270,22 +270,17 @@ class Controller:
         self._settle_node_role(node)
 
     def _settle_node_role(self, node: str) -> None:
-        record = self.model.nodes[node]
-        if record.life.state != NodeState.READY:
-            return
-        has_role = self.model.slot_on_node(node) is not None
-        target = NodeState.ACTIVE if has_role else NodeState.STANDBY
-        self.record("NodeStateChanged", node=node, state=target.value, reason="placed" if has_role else "kept as a spare")
+        target = self.model.placement_state(node)
+        if target is not None:
+            self.record("NodeStateChanged", node=node, state=target.value,
+                        reason="placed" if target == NodeState.ACTIVE else "kept as a spare")
 
     def _wants_worker(self, slot: SlotRecord) -> bool:
         if self.stopping or self.model.life.state.terminal or slot.node is None:
             return False
         if slot.life is None:
             return True
-        return slot.life.state in (WorkerState.EXITED, WorkerState.FAILED) and not self._role_finished(slot)
-
-    def _role_finished(self, slot: SlotRecord) -> bool:
-        return self.model.published_version >= self.model.total_steps > 0
+        return slot.life.state in (WorkerState.EXITED, WorkerState.FAILED) and not self.model.all_steps_done
 
     async def on_gone(self, node: str, reason: str) -> None:
         if node in self.model.nodes:

@@ -156,6 +156,16 @@ class JobModel:
     def standby_slots(self) -> list[SlotRecord]:
         return [s for s in self.slots.values() if s.standby and s.node is not None]
 
+    @property
+    def all_steps_done(self) -> bool:
+        return self.published_version >= self.total_steps > 0
+
+    def placement_state(self, node: str) -> NodeState | None:
+        """Where a freshly registered (READY) node goes: ACTIVE with a role, STANDBY without; None otherwise."""
+        if self.nodes[node].life.state != NodeState.READY:
+            return None
+        return NodeState.ACTIVE if self.slot_on_node(node) is not None else NodeState.STANDBY
+
     def open_faults(self) -> list[FaultRecord]:
         return [f for f in self.faults.values() if f.open]
 

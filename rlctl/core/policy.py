@@ -59,6 +59,17 @@ def _standbys(model: JobModel, bad_node: str) -> list[SlotRecord]:
             and s.life is not None and s.life.state.value == "running" and s.phase == "standby"]
 
 
+def slots_released_by(model: JobModel, step: Step) -> list[SlotRecord]:
+    """Slots whose in-flight prompts go back to the scheduler when ``step`` runs."""
+    if step.kind in ("restart-worker", "stop-worker"):
+        return [model.slots[step.args["slot"]]]
+    if step.kind == "fail-node":
+        return [s for s in model.slots.values() if s.node == step.args["node"]]
+    if step.kind == "stop-all":
+        return list(model.slots.values())
+    return []
+
+
 def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
     return [Step("fail-node", {"node": verdict.node, "reason": verdict.reason, "drain": drain})]
 

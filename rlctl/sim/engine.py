@@ -231,16 +231,13 @@ class Simulation:
             return False
         if slot.life is None:
             return True
-        done = self.model.published_version >= self.model.total_steps > 0
-        return slot.life.state in (WorkerState.EXITED, WorkerState.FAILED) and not done
+        return slot.life.state in (WorkerState.EXITED, WorkerState.FAILED) and not self.model.all_steps_done
 
     def _settle_node_role(self, name: str) -> None:
-        record = self.model.nodes[name]
-        if record.life.state != NodeState.READY:
-            return
-        has_role = self.model.slot_on_node(name) is not None
-        target = NodeState.ACTIVE if has_role else NodeState.STANDBY
-        self.emit("NodeStateChanged", node=name, state=target.value, reason="placed" if has_role else "kept as a spare")
+        target = self.model.placement_state(name)
+        if target is not None:
+            self.emit("NodeStateChanged", node=name, state=target.value,
+                      reason="placed" if target == NodeState.ACTIVE else "kept as a spare")
 
     def agent_connected(self, name: str) -> bool:
         truth = self.nodes.get(name)

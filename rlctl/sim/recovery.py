@@ -188,15 +188,9 @@ class SimRecovery:
 
     def _release_items(self, step: policy.Step, verdict: det.Verdict) -> int:
         """Recovery._release_items: the failed worker's in-flight prompts go back to the scheduler."""
-        sim, model = self.sim, self.sim.model
-        if step.kind in ("restart-worker", "stop-worker"):
-            targets = [model.slots[step.args["slot"]]]
-        elif step.kind == "fail-node":
-            targets = [s for s in model.slots.values() if s.node == step.args["node"]]
-        else:
-            targets = list(model.slots.values())
+        sim = self.sim
         count = 0
-        for slot in targets:
+        for slot in policy.slots_released_by(sim.model, step):
             if slot.wid:
                 events = sim.scheduler.release_worker(slot.wid, verdict.fault, sim.now)
                 count += sum(len(e.data["item_ids"]) for e in events)
