@@ -17,7 +17,8 @@ restarted agent too) with backoff; on reconnect it re-sends hello, the current p
 progress, queued notifications and every unanswered request. ``request`` retries with the same
 id on timeout, so a controller or agent restart only delays the answer. Wire format: JSON lines
 ``hello {wid}``, ``phase {phase, step}``, ``progress {value}``, ``msg {payload}`` to the agent;
-``msg {payload}`` and ``command {name, params}`` from it (see docs/architecture.md).
+``msg {payload}``, ``command {name, params}`` and ``controller {epoch}`` (a controller is reachable
+again: unanswered requests are re-sent at once) from it (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -316,6 +317,17 @@ class Worker:
             self._handle_payload(message.get("payload"))
         elif message.get("type") == "command":
             self._handle_command({"name": message.get("name"), "params": message.get("params") or {}})
+        elif message.get("type") == "controller":
+            self._resend_requests()
+
+    def _resend_requests(self) -> None:
+        """The agent (re)connected to a controller: a request written while the previous one was
+        dying may never be answered, so every unanswered one goes again now (same id; ops are
+        idempotent) instead of after its attempt timeout."""
+        with self._lock:
+            for pending in list(self._requests.values()):
+                if not pending.done.is_set():
+                    self._write_locked(pending.line)
 
     def _handle_payload(self, payload: Any) -> None:
         if isinstance(payload, dict) and payload.get("kind") == "reply":

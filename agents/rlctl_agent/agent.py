@@ -48,7 +48,8 @@ class Agent:
         self.gpu: GpuProvider = make_gpu_provider(config.gpu_provider, config.node, config.sim_gpus, self._gpu_loads)
         self.supervisor = Supervisor(config, gpu_count=len(self.gpu.facts()["gpus"]))
         self.relay = WorkerRelay(config.socket_path, self)
-        self.link = ControllerLink(config, self.incarnation, self._hello_facts, self._on_command)
+        self.link = ControllerLink(config, self.incarnation, self._hello_facts, self._on_command,
+                                   on_welcome=self._on_controller_welcome)
         self.faults = FaultInjector(self.supervisor, self.gpu, self.relay)
         self._heartbeat_seq = 0
         self._exit_status: asyncio.Future[int] | None = None
@@ -150,6 +151,11 @@ class Agent:
             self._send_signals(await asyncio.to_thread(self.gpu.poll_events, GPU_EVENT_WAIT_MS))
 
     # ---- worker relay callbacks (RelayHandler) ---------------------------------------------
+
+    def _on_controller_welcome(self, epoch: Any) -> None:
+        """Tell the workers a controller (maybe a restarted one) is reachable again: a request
+        written while the old one was dying may be lost, and they re-send what is unanswered."""
+        self.relay.broadcast({"type": "controller", "epoch": epoch})
 
     def is_known_worker(self, wid: str) -> bool:
         record = self.supervisor.workers.get(wid)

@@ -52,8 +52,9 @@ class ControllerLink:
     """Keeps the agent connected and authenticated; queues events across disconnections."""
 
     def __init__(self, config: AgentConfig, incarnation: int, hello_facts: HelloBuilder,
-                 on_command: CommandHandler) -> None:
+                 on_command: CommandHandler, on_welcome: Callable[[Any], None] | None = None) -> None:
         self._config = config
+        self._on_welcome = on_welcome
         self._incarnation = incarnation
         self._hello_facts = hello_facts
         self._on_command = on_command
@@ -150,6 +151,8 @@ class ControllerLink:
             self.heartbeat_interval_s = float(interval)
         self.controller_epoch = answer.get("controller_epoch")
         self._attach(writer)
+        if self._on_welcome is not None:
+            self._on_welcome(self.controller_epoch)
         log.info("connected to controller %s:%d (epoch %s); %d queued events delivered",
                  config.controller_host, config.controller_port, self.controller_epoch, len(self._outbox))
 

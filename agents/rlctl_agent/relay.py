@@ -98,6 +98,16 @@ class WorkerRelay:
         writer.write(encode_line({"type": "command", "name": name, "params": params}))
         return True
 
+    def broadcast(self, message: dict[str, Any]) -> int:
+        """Send ``message`` to every connected worker now (nothing is kept for absent ones)."""
+        line = encode_line(message)
+        sent = 0
+        for writer in list(self._writers.values()):
+            if not writer.is_closing():
+                writer.write(line)
+                sent += 1
+        return sent
+
     def forget(self, wid: str) -> None:
         """Drop the pending messages of a worker that has exited."""
         self._pending.pop(wid, None)

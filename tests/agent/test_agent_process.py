@@ -135,6 +135,34 @@ def test_request_is_retried_with_the_same_id(controller: ControllerStub, spawn_a
     assert len(requests) == 2 and requests[0]["id"] == requests[1]["id"]
 
 
+def test_controller_reconnect_resends_an_unanswered_request_at_once(controller: ControllerStub,
+                                                                     spawn_agent: Spawn) -> None:
+    """A request lost with a dying controller is re-sent on the next welcome, not after its
+    (here 30 s) attempt timeout: a restarted controller must not make a healthy worker look hung."""
+    attempts: list[str] = []
+
+    def drop_first(op: str, args: dict[str, object]) -> object:
+        attempts.append(op)
+        return DROP if len(attempts) == 1 else {"op": op, "args": args}
+
+    controller.request_handler = drop_first
+    spawn_agent()
+    controller.wait_type("hello")
+    cmd_id = controller.send("start_worker", wid="w1", slot="rollout-w1", role="rollout",
+                             argv=worker_argv("--request", "--request-timeout", "30"), env={}, cwd=None)
+    assert controller.ack(cmd_id)["ok"] is True
+    controller.wait_for(lambda m: m["type"] == "worker_msg" and m["payload"].get("kind") == "request")
+    controller.stop()
+    since = controller.mark()
+    restarted_at = time.monotonic()
+    controller.start()
+    got = controller.wait_for(lambda m: m["type"] == "worker_msg" and m["payload"].get("op") == "test.got",
+                              since=since)
+    assert time.monotonic() - restarted_at < 5.0
+    assert got["payload"]["args"]["reply"]["args"] == {"value": 41}
+    assert len(attempts) == 2
+
+
 # ---- injected faults -------------------------------------------------------------------------
 
 def test_inject_crash_reports_sigkill(controller: ControllerStub, spawn_agent: Spawn) -> None:
