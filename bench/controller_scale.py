@@ -191,6 +191,13 @@ def status(job_dir: Path) -> dict[str, Any]:
     return ApiClient(job_dir / "api.sock", timeout_s=30.0).call("status")["status"]
 
 
+def diagnostics(job_dir: Path, since_mono: float) -> dict[str, Any]:
+    """Heartbeat latency and event-loop stalls over the measured window only (not registration)."""
+    from rlctl.controller.api import ApiClient
+
+    return ApiClient(job_dir / "api.sock", timeout_s=30.0).call("diagnostics", since_mono=since_mono)["diagnostics"]
+
+
 async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict[str, Any]:
     jobdir = JobDir(job_dir)
     deadline = time.monotonic() + 60
@@ -210,26 +217,45 @@ async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict
         if index % 64 == 63:
             await asyncio.sleep(0.01)
     await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 600)
+    started = time.monotonic()
+    while (await asyncio.to_thread(status, job_dir))["job"]["state"] != "running":
+        if time.monotonic() - started > 300:
+            raise RuntimeError("the job did not reach running with every agent registered")
+        await asyncio.sleep(1.0)
+    registered_s = time.monotonic() - started
     await asyncio.sleep(3.0)  # registration and worker-start traffic settles
     journal = Journal(jobdir.journal, readonly=True)
     cpu0, seq0, beats0, t0 = cpu_seconds(pid), journal.last_seq(), counter[0], time.monotonic()
     await asyncio.sleep(seconds)
     cpu1, seq1, beats1, t1 = cpu_seconds(pid), journal.last_seq(), counter[0], time.monotonic()
+    window = await asyncio.to_thread(diagnostics, job_dir, t0)
     written = sum(event_bytes(e) for e in journal.read(after_seq=seq0) if e.seq <= seq1)
     snap = await asyncio.to_thread(status, job_dir)
+    kinds: dict[str, int] = {}
+    for ev in journal.read(after_seq=seq0):
+        if ev.seq <= seq1:
+            kinds[ev.type] = kinds.get(ev.type, 0) + 1
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     elapsed = t1 - t0
-    latency = snap["controller"].get("heartbeat_latency_s", {})
+    latency = window.get("heartbeat_latency_s", {})
+    stalls = window.get("tick_lag_s", {})
+    ticks = window.get("tick_s", {})
     return {
         "nodes": nodes,
         "beats_per_s": round((beats1 - beats0) / elapsed, 1),
         "controller_cores": round((cpu1 - cpu0) / elapsed, 3),
         "heartbeat_to_state_p50_ms": round(latency.get("p50", float("nan")) * 1000, 3),
         "heartbeat_to_state_p99_ms": round(latency.get("p99", float("nan")) * 1000, 3),
-        "controller_tick_lag_s": snap["controller"]["lag_s"],
+        "heartbeat_samples": latency.get("n", 0),
+        "event_loop_stall_p99_ms": round(stalls.get("p99", float("nan")) * 1000, 1),
+        "event_loop_stall_max_ms": round(stalls.get("max", float("nan")) * 1000, 1),
+        "tick_p99_ms": round(ticks.get("p99", float("nan")) * 1000, 1),
+        "tick_max_ms": round(ticks.get("max", float("nan")) * 1000, 1),
         "journal_bytes_per_hour": int(written / elapsed * 3600),
         "journal_events_per_s": round((seq1 - seq0) / elapsed, 2),
+        "journal_events_by_type": kinds,
+        "running_after_all_connected_s": round(registered_s, 2),
         "nodes_connected": sum(1 for n in snap["nodes"] if n["connected"]),
     }
 

@@ -182,7 +182,7 @@ def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json
 def _brief(data: dict[str, Any]) -> str:
     parts = []
     for key, value in data.items():
-        if key in ("response_tokens", "facts", "order", "last_seen", "prompts", "source", "scores", "item_ids"):
+        if key in ("response_tokens", "facts", "order", "last_seen", "silent", "prompts", "source", "scores", "item_ids"):
             value = f"<{len(value)} items>" if hasattr(value, "__len__") else value
         parts.append(f"{key}={value}")
     return " ".join(parts)[:300]

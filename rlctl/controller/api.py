@@ -72,6 +72,8 @@ class ApiServer:
         op = request.get("op")
         if op == "status":
             return {"ok": True, "status": self.c.snapshot()}
+        if op == "diagnostics":
+            return {"ok": True, "diagnostics": self.c.diagnostics(float(request.get("since_mono") or 0.0))}
         if op == "stop":
             self.c.request_stop(str(request.get("reason") or "stopped by the operator"))
             return {"ok": True}

@@ -27,6 +27,9 @@ AGENT_REGISTER_TIMEOUT_S = 30.0
 # not blamed for its silence until it had the time to come back.
 RESUME_GRACE_S = 12.0
 WORKER_CHECK_INTERVAL_S = 1.0
+# One round of worker judgements is spread over this many ticks, so that thousands of workers never
+# hold the event loop (and the heartbeats queued behind it) for long in one go.
+WORKER_CHECK_SLICES = 8
 REJUDGE_AFTER_S = 20.0
 
 
@@ -37,7 +40,11 @@ class Recovery:
         self._busy_slots: set[str] = set()
         self._busy_nodes: set[str] = set()
         self._starting_since: dict[str, float] = {}
-        self._last_worker_check = 0.0
+        self._worker_round_started = 0.0
+        self._worker_queue: list[str] = []  # slots still to judge in this round, popped from the end
+        self._worker_slice = 1
+        self._round_obs: list[det.WorkerObs] = []
+        self._round_rates: dict[str, float | None] = {}
 
     # ------------------------------------------------------------------------------ detect
 
@@ -47,25 +54,24 @@ class Recovery:
         return frozenset(self._busy_slots)
 
     def detect(self, now: float) -> None:
-        """Heartbeat judgements every tick; progress, hang and fail-slow judgements once a
-        second (their bounds are seconds long, and at thousands of workers they cost)."""
+        """Heartbeat judgements every tick; progress, hang and fail-slow judgements once a second
+        per worker (their bounds are seconds long), a slice of the workers each tick."""
         self._detect_nodes(now)
-        if now - self._last_worker_check >= WORKER_CHECK_INTERVAL_S:
-            self._last_worker_check = now
-            self._detect_workers(now)
+        self._detect_workers_slice(now)
 
     def _detect_nodes(self, now: float) -> None:
         model = self.c.model
-        quiet_floor = self.c.spec.fault_tolerance.min_silence_s
+        heard_after = now - self.c.spec.fault_tolerance.min_silence_s
+        skip_states = (NodeState.FAILED, NodeState.DRAINING, NodeState.RELEASED, NodeState.ALLOCATING,
+                       NodeState.STARTING)
+        in_grace = self.c.resume and now - self.c.resumed_at < RESUME_GRACE_S
         for node in list(model.nodes.values()):
-            if node.life.state in (NodeState.FAILED, NodeState.DRAINING, NodeState.RELEASED, NodeState.ALLOCATING):
-                continue
-            if node.life.state == NodeState.STARTING:
-                continue
-            recent = node.last_heartbeat_at is not None and now - node.last_heartbeat_at < quiet_floor
-            if recent and not node.gpus_lost:
+            beat = node.last_heartbeat_at
+            if beat is not None and beat > heard_after and not node.gpus_lost:
                 continue  # cheap pre-filter: no node is suspected before the acceptable pause
-            if self.c.resume and now - self.c.resumed_at < RESUME_GRACE_S and not self.c.hub.connected(node.name):
+            if node.life.state in skip_states:
+                continue
+            if in_grace and not self.c.hub.connected(node.name):
                 continue
             probe = self.c.probes.get(node.name)
             obs = det.NodeObs(
@@ -86,24 +92,43 @@ class Recovery:
                 continue
             self.handle(verdict)
 
-    def _detect_workers(self, now: float) -> None:
+    def _detect_workers_slice(self, now: float) -> None:
+        """Judge the next slice of this round's workers; the fail-slow comparison with role peers
+        runs when the round is complete. A new round starts once a second."""
         model = self.c.model
         if self.c.resume and now - self.c.resumed_at < RESUME_GRACE_S:
-            return  # workers blocked on requests while the controller was down are not hung
-        workers = []
-        for slot in model.slots.values():
-            if slot.node is None or slot.wid is None or slot.life is None or slot.life.state != WorkerState.RUNNING:
+            self._worker_queue.clear()  # workers blocked on requests while the controller was down are not hung
+            return
+        if not self._worker_queue:
+            if now - self._worker_round_started < WORKER_CHECK_INTERVAL_S:
+                return
+            self._worker_round_started = now
+            self._worker_queue = list(reversed(model.slots))
+            self._worker_slice = max(1, -(-len(self._worker_queue) // WORKER_CHECK_SLICES))
+            self._round_obs, self._round_rates = [], {}
+        detector, last_request_at, resumed_at = self.c.detector, self.c.ops.last_request_at, self.c.resumed_at
+        for _ in range(min(self._worker_slice, len(self._worker_queue))):
+            slot = model.slots.get(self._worker_queue.pop())
+            if slot is None or slot.node is None or slot.wid is None or slot.life is None \
+                    or slot.life.state != WorkerState.RUNNING:
                 continue
-            asked = self.c.ops.last_request_at.get(slot.wid)
-            since = max(asked or 0.0, slot.phase_since, self.c.resumed_at)
-            obs_w = det.WorkerObs(slot.slot, slot.wid, slot.role, slot.node, slot.phase, slot.progress,
-                                  max(0.0, now - slot.progress_at), request_age_s=max(0.0, now - since))
-            workers.append(obs_w)
-            verdict = self.c.detector.worker_verdict(obs_w, now)
+            asked = last_request_at.get(slot.wid)
+            since = max(asked or 0.0, slot.phase_since, resumed_at)
+            obs = det.WorkerObs(slot.slot, slot.wid, slot.role, slot.node, slot.phase, slot.progress,
+                                max(0.0, now - slot.progress_at), request_age_s=max(0.0, now - since))
+            self._round_obs.append(obs)
+            self._round_rates[slot.wid] = detector.rate(slot.wid, now)
+            verdict = detector.worker_verdict(obs, now)
             if verdict is not None:
                 self.handle(verdict)
-        for verdict in self.c.detector.slow_verdicts(workers, now):
+        if self._worker_queue:
+            return
+        # Workers replaced while the round ran are compared next round, under their new id.
+        current = [obs for obs in self._round_obs
+                   if (slot := model.slots.get(obs.slot)) is not None and slot.wid == obs.wid]
+        for verdict in detector.slow_verdicts(current, now, rates=self._round_rates):
             self.handle(verdict)
+        self._round_obs, self._round_rates = [], {}
 
     def detect_startup(self, now: float) -> None:
         """Nodes whose agent never registered are replaced too (a node can die while starting)."""

@@ -14,6 +14,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -222,13 +223,16 @@ class Detector:
         reason = f"{worker.role} {worker.slot} made no progress for {worker.progress_age_s:.1f}s in phase {worker.phase} (bound {bound:.0f}s)"
         return Verdict(worker.node, worker.slot, "failed", "worker-hang", "restart-worker", reason, now - worker.progress_age_s)
 
-    def slow_verdicts(self, workers: list[WorkerObs], now: float) -> list[Verdict]:
-        """Fail-slow: a worker far below its role peers' median throughput for a sustained window."""
+    def slow_verdicts(self, workers: list[WorkerObs], now: float,
+                      rates: Mapping[str, float | None] | None = None) -> list[Verdict]:
+        """Fail-slow: a worker far below its role peers' median throughput for a sustained window.
+        ``rates`` (wid -> ``rate()``) may carry rates taken a moment earlier, so that a caller can
+        spread their cost."""
         cfg = self.config
         out: list[Verdict] = []
         by_role: dict[str, list[tuple[WorkerObs, float]]] = {}
         for worker in workers:
-            rate = self._rate(worker.wid, now)
+            rate = rates.get(worker.wid) if rates is not None else self.rate(worker.wid, now)
             if worker.phase in THROUGHPUT_PHASES and rate is not None:
                 by_role.setdefault(worker.role, []).append((worker, rate))
         for role, rated in by_role.items():
@@ -254,7 +258,7 @@ class Detector:
                     track.slow_since = None
         return out
 
-    def _rate(self, wid: str, now: float) -> float | None:
+    def rate(self, wid: str, now: float) -> float | None:
         """Progress per second over the last ``slow_window_s`` (oldest sample in the window to newest)."""
         track = self._rates.get(wid)
         if track is None or len(track.samples) < 3:

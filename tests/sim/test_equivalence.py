@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rlctl.controller.recovery import Recovery
+from rlctl.controller.recovery import WORKER_CHECK_SLICES, Recovery
 from rlctl.controller.server import Controller
 from rlctl.core import detector as det
 from rlctl.core import policy
@@ -173,7 +173,8 @@ def test_frozen_progress_gives_the_same_hang_verdict(paired: tuple[Any, StubCont
         model.apply(event("WorkerPhase", stub.now - 60.0, slot=slot_name, wid=slot.wid, phase=phase, step=1))
         slot.progress_at = stub.now - 60.0
     stub.ops.last_request_at[stub.model.slots[slot_name].wid] = stub.now - 60.0
-    stub.recovery.detect(stub.now)
+    for _ in range(WORKER_CHECK_SLICES):  # one whole round of worker judgements
+        stub.recovery.detect(stub.now)
     slot = sim.model.slots[slot_name]
     obs = observe.worker_obs(slot, phase, slot.progress, 60.0, request_age_s=60.0)
     verdict = sim.detector.worker_verdict(obs, sim.now)
