@@ -4,7 +4,7 @@ Same job, same seed, same fault draws for both policies, in one run. Also a faul
 must raise zero verdicts. "10% failure injection" = at each RL step, probability 0.1 that a
 fault of a random kind hits one random node of the job (DESIGN.md).
 
-    python bench/chaos_ettr.py [--steps 120] [--rate 0.1] [--seed 0] [--sweep 0.05,0.1,0.2]
+    python bench/chaos_ettr.py [--steps 120] [--rate 0.1] [--seed 0] [--sweep 0.05,0.1,0.2] [--step-scale 1]
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -46,13 +46,13 @@ def rlctl(env: dict[str, str], *args: str) -> str:
     return result.stdout
 
 
-def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int) -> dict[str, Any]:
+def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int, step_scale: int = 1) -> dict[str, Any]:
     """Launch the job, soak it with `rlctl chaos` until it finishes, return its report."""
     env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"), UCX_NET_DEVICES="lo", UCXPY_PROGRESS_MODE="blocking",
                UCX_WARN_UNUSED_ENV_VARS="n")
     env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
     spec = write_job(workdir, name=f"bench-{policy}", steps=steps, spares=1, policy=policy, checkpoint_every=5,
-                     max_restarts=2)
+                     max_restarts=2, step_scale=step_scale)
     launched = json.loads(rlctl(env, "launch", str(spec), "--json").strip().splitlines()[-1])
     job = launched["job_id"]
     log(f"{policy}: launched {job} ({steps} steps, rate {rate})")
@@ -121,19 +121,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", default="", help="extra rates for role vs full-restart, e.g. 0.05,0.2")
     parser.add_argument("--clean-steps", type=int, default=40, help="steps of the fault-free run")
+    parser.add_argument("--step-scale", type=int, default=1,
+                        help="prompts per step times this (a step does that much more work; default 1: ~1 s steps)")
     args = parser.parse_args()
-    results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed,
+    results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed, "step_scale": args.step_scale,
                                "definition": "per RL step, probability `rate` that one random node gets a random fault",
                                "kinds": KINDS.split(",")}
     with tempfile.TemporaryDirectory(prefix="rlctl-chaos-") as tmp:
         base = Path(tmp)
-        clean = run_job(base / "clean", "role", args.clean_steps, 0.0, args.seed)
-        results["fault_free"] = {"verdicts": clean["verdicts"], "ettr": clean["ettr"], "steps": clean["steps"]}
+        clean = run_job(base / "clean", "role", args.clean_steps, 0.0, args.seed, args.step_scale)
+        results["fault_free"] = {"verdicts": clean["verdicts"], "ettr": clean["ettr"], "steps": clean["steps"],
+                                 "time_per_step_s": round(clean["wall_s"] / max(clean["steps"], 1), 3)}
         rates = [args.rate] + [float(r) for r in args.sweep.split(",") if r.strip()]
         runs: dict[str, Any] = {}
         for rate in rates:
             for policy in ("role", "full-restart"):
-                report = run_job(base / f"{policy}-{rate}", policy, args.steps, rate, args.seed)
+                report = run_job(base / f"{policy}-{rate}", policy, args.steps, rate, args.seed, args.step_scale)
                 runs[f"{policy}@{rate}"] = summarize(report)
         results["runs"] = runs
     main_role, main_full = runs[f"role@{args.rate}"], runs[f"full-restart@{args.rate}"]

@@ -38,9 +38,21 @@ from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample  # noqa: 
 from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint  # noqa: E402
 
 
+def family_mix(count_share: float | None) -> dict[str, float] | None:
+    """The task's family weights with ``count`` (the long answers) at ``count_share``; None: default."""
+    if count_share is None:
+        return None
+    rest = 1.0 - count_share
+    return {"add": round(0.4 * rest, 6), "spell": round(0.6 * rest, 6), "count": count_share}
+
+
+def rl_mix(args: argparse.Namespace) -> dict[str, float] | None:
+    return family_mix(args.count_share)
+
+
 def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, Any]:
     torch.manual_seed(args.seed)
-    dataset = make_dataset(args.dataset, args.seed)
+    dataset = make_dataset(args.dataset, args.seed, mix=rl_mix(args))
     prompts = {p.prompt_id: p for p in dataset}
     scheduler = RoundScheduler(
         SchedulerConfig(batch_prompts=args.batch, group_size=args.group, max_new_tokens=args.max_new,
@@ -128,13 +140,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmstart-steps", type=int, default=300,
                         help="supervised steps before RL; fewer leave a policy whose answers run long more often")
+    parser.add_argument("--count-share", type=float, default=None,
+                        help="share of the long-answer 'count' family in the RL prompts (default: the task's mix)")
+    parser.add_argument("--warmstart-count-share", type=float, default=None,
+                        help="share of the long-answer 'count' family in the warm-start data (default: the task's mix)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("RLCTL_TORCH_THREADS", "2")))
-    warm = WarmStartConfig(model=ModelConfig(), steps=args.warmstart_steps)
+    warm = WarmStartConfig(model=ModelConfig(), steps=args.warmstart_steps, mix=family_mix(args.warmstart_count_share))
     cache = Path(os.environ.get("RLCTL_CACHE", os.path.expanduser("~/.cache/rlctl")))
     cache.mkdir(parents=True, exist_ok=True)
     init_path = prepare_initial_checkpoint(cache / f"warmstart-{config_hash(args.seed, warm)[:16]}.pt", args.seed, warm)
-    stats = length_stats(make_dataset(args.dataset, args.seed))  # expected lengths; generated ones per arm below
+    stats = length_stats(make_dataset(args.dataset, args.seed, mix=rl_mix(args)))  # expected lengths; generated ones per arm below
     sync = run_arm(False, args, init_path)
     tail = run_arm(True, args, init_path)
     print(json.dumps({

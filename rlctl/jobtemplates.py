@@ -8,19 +8,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# The rollout and workload tables of the small reference job, shared with the lab's job (rlctl.lab.jobs).
-SMALL_WORKLOAD_TABLES = """[rollout]
-batch_prompts = 4
+def workload_tables(step_scale: int = 1) -> str:
+    """The rollout and workload tables of the small reference job, shared with the lab's job
+    (rlctl.lab.jobs). ``step_scale`` multiplies the prompts of a step (and the batches that carry
+    them): a step does ``step_scale`` times the work, as real RL steps do far more than this one."""
+    if step_scale < 1:
+        raise ValueError(f"step_scale must be at least 1, got {step_scale}")
+    return f"""[rollout]
+batch_prompts = {4 * step_scale}
 group_size = 4
 max_new_tokens = 48
-dataset_size = 128
-worker_batch = 16
+dataset_size = {128 * step_scale}
+worker_batch = {16 * step_scale}
 
 [rollout.tail_batching]
 enabled = true
 short_max_tokens = 16
 overprovision = 0.5
-long_batch = 4
+long_batch = {4 * step_scale}
 
 [workload]
 model_dim = 64
@@ -28,6 +33,9 @@ layers = 2
 heads = 2
 warmstart_steps = 60
 """
+
+
+SMALL_WORKLOAD_TABLES = workload_tables(1)
 
 SMALL_JOB = """
 [job]
@@ -42,7 +50,7 @@ backend = "local"
 nodes = 0
 
 [roles.trainer]
-nodes = 1
+nodes = {trainers}
 [roles.rollout]
 nodes = {rollouts}
 [roles.reward]
@@ -66,15 +74,16 @@ weight-sync = 8.0
 scoring = 6.0
 loading = 60.0
 
-""" + SMALL_WORKLOAD_TABLES
+"""
 
 
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
-              policy: str = "role", checkpoint_every: int = 3, max_restarts: int = 2) -> Path:
-    nodes = 1 + rollouts + 1 + spares
+              policy: str = "role", checkpoint_every: int = 3, max_restarts: int = 2, step_scale: int = 1,
+              trainers: int = 1) -> Path:
+    nodes = trainers + rollouts + 1 + spares
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{name}.toml"
-    path.write_text(SMALL_JOB.format(name=name, steps=steps, rollouts=rollouts, spares=spares, nodes=nodes,
+    path.write_text(SMALL_JOB.format(name=name, steps=steps, trainers=trainers, rollouts=rollouts, spares=spares, nodes=nodes,
                                      policy=policy, checkpoint_every=checkpoint_every,
-                                     max_restarts=max_restarts))
+                                     max_restarts=max_restarts) + workload_tables(step_scale))
     return path

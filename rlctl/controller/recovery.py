@@ -246,6 +246,8 @@ class Recovery:
                          reason="spare node re-used", fault_ids=[])
         elif step.kind == "request-node":
             await self._request_node(args["slot"], args["exclude_node"], fault_id)
+        elif step.kind == "request-spare":
+            await self._request_spare(args["exclude_node"])
         elif step.kind == "restart-agent":
             info = c.node_infos.get(args["node"])
             if info is not None:
@@ -333,6 +335,26 @@ class Recovery:
         c.record("NodeAllocated", node=fresh.name, host=fresh.host, role=slot.role, slot=slot_name,
                  backend_ref=fresh.backend_ref)
         c.record("ActionTaken", action="move-slot", node=fresh.name, slot=slot_name, reason="replacement node", fault_ids=[])
+        await c.start_agent(fresh)
+
+    async def _request_spare(self, exclude_node: str) -> None:
+        """A new node from the backend takes the place of the warm spare a fault used up; it gets a
+        standby worker once its agent registers. None left: the job goes on with fewer spares."""
+        c = self.c
+        exclude = frozenset(n.name for n in c.model.nodes.values() if n.excluded) | {exclude_node}
+        bad = c.node_infos.get(exclude_node) or NodeInfo(exclude_node, "", "")
+        try:
+            fresh = await c.backend.replace(bad, exclude)
+        except Exception as exc:
+            log.warning("backend could not provide a new spare: %s", exc)
+            fresh = None
+        if fresh is None:
+            log.info("no node for a new spare: the job continues with fewer spares")
+            return
+        c.node_infos[fresh.name] = fresh
+        c.record("NodeAllocated", node=fresh.name, host=fresh.host, role="spare",
+                 slot=f"standby-{fresh.name}" if c.spec.warm_spares else "", role_of_slot="trainer", standby=True,
+                 backend_ref=fresh.backend_ref)
         await c.start_agent(fresh)
 
     # ---------------------------------------------------------------------------- job state

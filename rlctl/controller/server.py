@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -342,7 +343,7 @@ class Controller:
             if progress != slot.progress or slot.progress_at < slot.phase_since:
                 slot.progress_at = max(slot.phase_since, now - age)
             slot.progress = progress
-            self.detector.progress(slot.wid or "", progress, now)
+            self.detector.progress(slot.wid or "", progress, now, busy=slot.phase in det.THROUGHPUT_PHASES)
         if record.life.state == NodeState.SUSPECT:
             self.record("NodeStateChanged", node=node, state=_restored_state(self.model, node).value,
                         reason="heartbeats resumed: suspicion refuted")
@@ -427,6 +428,7 @@ class Controller:
             ucx_defaults["UCX_NET_DEVICES"] = "lo"
         if slot.role == "trainer":
             ucx_defaults.update(self._trainer_nccl_env(slot))
+            ucx_defaults.update(self._trainer_group_env(slot))
         env = {
             **{k: v for k, v in ucx_defaults.items() if k not in os.environ},
             **role.env,
@@ -454,6 +456,19 @@ class Controller:
             return configured
         node = self.model.nodes.get(slot.node)
         return node.host if node is not None and node.host else configured
+
+    def _trainer_group_env(self, slot: SlotRecord) -> dict[str, str]:
+        """torch.distributed rendezvous for data-parallel trainers (one rank per trainer node):
+        rank = the slot's index, the store on trainer-0's node. Nothing for a single trainer."""
+        group = self.model.slots_of("trainer")
+        if len(group) < 2 or slot.standby:
+            return {}
+        first = self.model.slots.get("trainer-0")
+        master = first.node if first is not None else None
+        host = self.spec.weights_host if self.spec.backend == "local" or master is None else (
+            self.model.nodes[master].host or master)
+        return {"WORLD_SIZE": str(len(group)), "RANK": slot.slot.rsplit("-", 1)[1], "LOCAL_RANK": "0",
+                "MASTER_ADDR": host, "MASTER_PORT": str(trainer_rendezvous_port(self.model.job_id))}
 
     def _trainer_nccl_env(self, slot: SlotRecord) -> dict[str, str]:
         """PyTorch NCCL watchdog and flight-recorder settings sized from the job's phase bounds."""
@@ -674,6 +689,12 @@ def _percentiles(values: Any) -> dict[str, float | int]:
         return {"n": 0}
     return {"p50": ordered[len(ordered) // 2], "p99": ordered[int(len(ordered) * 0.99)], "max": ordered[-1],
             "n": len(ordered)}
+
+
+def trainer_rendezvous_port(job_id: str) -> int:
+    """The data-parallel trainers' store port: fixed per job (every restart of the group meets at the
+    same place) and spread over 20000-29999 so that jobs sharing a machine do not collide."""
+    return 20000 + int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16) % 10000
 
 
 def _restored_state(model: JobModel, node: str) -> NodeState:

@@ -10,6 +10,7 @@ notes/reliability.md. Pure: observations and time are parameters.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -135,7 +136,7 @@ class _HeartbeatHistory:
 
 @dataclass
 class _Throughput:
-    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    samples: deque[tuple[float, float, bool]] = field(default_factory=lambda: deque(maxlen=64))  # (at, value, busy)
     slow_since: float | None = None
 
 
@@ -163,8 +164,11 @@ class Detector:
         for history in self._beats.values():
             history.last_at = at
 
-    def progress(self, wid: str, value: float, at: float) -> None:
-        self._rates.setdefault(wid, _Throughput()).samples.append((at, value))
+    def progress(self, wid: str, value: float, at: float, busy: bool = True) -> None:
+        """A progress sample; ``busy``: the worker was in a throughput phase (e.g. generating)
+        when it was taken. Only time between two busy samples counts towards its rate, so a
+        worker that got less work than its peers is not judged slow for waiting."""
+        self._rates.setdefault(wid, _Throughput()).samples.append((at, value, busy))
 
     # --------------------------------------------------------------------------- judgements
 
@@ -259,7 +263,9 @@ class Detector:
         return out
 
     def rate(self, wid: str, now: float) -> float | None:
-        """Progress per second over the last ``slow_window_s`` (oldest sample in the window to newest)."""
+        """Progress per busy second over the last ``slow_window_s``: the progress made between
+        consecutive busy samples over the time between them. None while the window holds less
+        than a second of busy time (too little to judge)."""
         track = self._rates.get(wid)
         if track is None or len(track.samples) < 3:
             return None
@@ -267,10 +273,18 @@ class Detector:
         samples = track.samples
         while len(samples) > 3 and samples[0][0] < horizon:
             samples.popleft()
-        first, last = samples[0], samples[-1]
-        if first[0] < horizon or last[0] - first[0] < 1.0:
+        if samples[0][0] < horizon:
             return None  # too few recent samples to judge
-        return (last[1] - first[1]) / (last[0] - first[0])
+        busy_s = made = 0.0
+        previous = samples[0]
+        for sample in itertools.islice(samples, 1, None):
+            if previous[2] and sample[2] and sample[0] > previous[0]:
+                busy_s += sample[0] - previous[0]
+                made += sample[1] - previous[1]
+            previous = sample
+        if busy_s < 1.0:
+            return None
+        return made / busy_s
 
 
 def classify_signal(kind: str, code: int | None) -> tuple[str, str]:

@@ -32,25 +32,51 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
     if verdict.action == "restart-agent":
         return [Step("restart-agent", {"node": verdict.node})]
     if verdict.action == "restart-role":
-        # Only trainers form a collective group; a rollout or reward worker restarts alone.
+        # Only trainers form a collective group; a rollout or reward worker restarts alone, and so
+        # does a lone trainer (below: a warm standby takes over at once when one is ready).
         slot = model.slots.get(verdict.slot or "") or model.slot_on_node(verdict.node)
         if slot is not None and slot.role != "trainer":
             return [Step("restart-worker", {"slot": slot.slot})]
-        return [Step("restart-worker", {"slot": s.slot}) for s in model.slots_of("trainer") if s.node is not None]
+        if len(trainer_group(model)) > 1 or slot is None:
+            return [Step("restart-worker", {"slot": s.slot}) for s in trainer_group(model) if s.node is not None]
     slot = model.slots.get(verdict.slot) if verdict.slot else model.slot_on_node(verdict.node)
     node_bad = verdict.action in ("replace-node", "drain-replace")
     if slot is None:
         return _retire_node(verdict, drain=verdict.action == "drain-replace") if node_bad else []
+    if slot.role == "trainer" and not slot.standby and len(trainer_group(model)) > 1:
+        return _restart_trainer_group(model, verdict, slot, node_bad, max_restarts_per_slot)
     if _standbys(model, verdict.node):
         # A warm standby takes the role at once; a healthy old node becomes the new spare.
         steps = [Step("stop-worker", {"slot": slot.slot}), Step("activate-standby", {
             "slot": slot.slot, "standby_slot": _standbys(model, verdict.node)[0].slot})]
         if node_bad:
-            return _retire_node(verdict, drain=verdict.action == "drain-replace") + steps
+            # The pool of warm spares is refilled with a new node, so the next fault finds one too.
+            return (_retire_node(verdict, drain=verdict.action == "drain-replace") + steps
+                    + [Step("request-spare", {"exclude_node": verdict.node})])
         return steps + [Step("make-standby", {"node": verdict.node})]
     if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
         return [Step("restart-worker", {"slot": slot.slot})]
     return _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, slot, verdict.node)
+
+
+def trainer_group(model: JobModel) -> list[SlotRecord]:
+    """The trainer slots: data-parallel ranks of one collective group when there are several."""
+    return model.slots_of("trainer")
+
+
+def _restart_trainer_group(model: JobModel, verdict: Verdict, slot: SlotRecord, node_bad: bool,
+                           max_restarts_per_slot: int) -> list[Step]:
+    """Data-parallel trainers share one process group, which cannot take a new member: a failed
+    rank stalls the others in their next collective. So the failed rank is restarted (or moved off
+    a bad node) and every other rank restarts with it; they meet again at the rendezvous and
+    restore from the checkpoint plus the retained batches. A warm standby is not used here: it
+    would need the same group restart and it holds no rank."""
+    if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
+        steps = [Step("restart-worker", {"slot": slot.slot})]
+    else:
+        steps = _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, slot, verdict.node)
+    return steps + [Step("restart-worker", {"slot": s.slot}) for s in trainer_group(model)
+                    if s.slot != slot.slot and s.node is not None]
 
 
 def _standbys(model: JobModel, bad_node: str) -> list[SlotRecord]:

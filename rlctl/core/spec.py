@@ -50,7 +50,9 @@ def _non_empty_list(value: list[str]) -> str | None:
 
 def _role_fields(nodes_default: int, command: list[str], minimum_nodes: int) -> dict[str, Field]:
     return {
-        "nodes": Field("int", "Nodes that run this role, one worker per node.", nodes_default, minimum=minimum_nodes),
+        "nodes": Field("int", "Nodes that run this role, one worker per node. Several trainer nodes are the ranks of "
+                       "one data-parallel group (torch.distributed: gloo on CPU, NCCL on GPU; the store on the first "
+                       "trainer's node); a failed rank restarts the whole group.", nodes_default, minimum=minimum_nodes),
         "gpus_per_node": Field("int", "GPUs each node of this role uses (simulated on the local backend).", 1, minimum=0),
         "command": Field(
             "str-list",

@@ -4,6 +4,11 @@ Started normally it restores from the job's last checkpoint (if any) and retrain
 controller retained since then (no rollout replay), then trains step after step. Started as a
 warm standby (``RLCTL_STANDBY=1``, on a spare node) it loads everything and waits until the
 controller hands it the trainer role.
+
+With several trainer nodes the workers are the ranks of one data-parallel group (the controller
+sets ``WORLD_SIZE``/``RANK``/``MASTER_ADDR``/``MASTER_PORT``; gloo on CPU, NCCL on GPU): every
+rank trains its shard of the same batch and the gradients are all-reduced; rank 0 alone publishes
+weights, writes checkpoints and reports to the controller.
 """
 
 from __future__ import annotations
@@ -32,8 +37,11 @@ class TrainerRole:
             grpo=GRPOConfig(clip_eps=float(settings.get("clip_eps", 0.2)), kl_coef=float(settings.get("kl_coef", 0.0))),
         )
         self.trainer = Trainer.from_checkpoint(initial_weights(settings, w), config, device=device)
-        self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
-        self.server.start()
+        self.leader = self.trainer.dist.rank == 0
+        self.server: WeightServerThread | None = None
+        if self.leader:
+            self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
+            self.server.start()
         self.version = 0
         self.checkpoint_every = int(settings.get("checkpoint_every", 5))
 
@@ -61,8 +69,9 @@ class TrainerRole:
             self.train(batch)
             self.version = step + 1
             replayed.append(step)
-        self.publish(metrics=None)
-        self.w.request("trainer.restored", checkpoint_step=init.get("checkpoint_step"), replayed_steps=replayed)
+        if self.leader:
+            self.publish(metrics=None)
+            self.w.request("trainer.restored", checkpoint_step=init.get("checkpoint_step"), replayed_steps=replayed)
 
     def fetch_batch(self, step: int) -> list[Any] | None:
         from rlctl.workload.trainer import TrainSample
@@ -81,6 +90,8 @@ class TrainerRole:
         return metrics
 
     def publish(self, metrics: dict[str, float] | None) -> None:
+        if self.server is None:
+            return  # not rank 0
         descriptor = self.server.publish(self.version, self.trainer.state_dict_for_publish())
         args: dict[str, Any] = {"version": self.version, "source": descriptor}
         if metrics is not None:
@@ -88,6 +99,8 @@ class TrainerRole:
         self.w.request("trainer.publish", **args)
 
     def checkpoint(self) -> None:
+        if not self.leader:
+            return
         self.w.phase("checkpointing", self.version)
         path = self.settings.checkpoint_dir / f"step-{self.version:06d}.pt"
         self.trainer.save_checkpoint(path)
@@ -120,7 +133,8 @@ def main() -> int:
     try:
         return role.run()
     finally:
-        role.server.close()
+        if role.server is not None:
+            role.server.close()
 
 
 if __name__ == "__main__":

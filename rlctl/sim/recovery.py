@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 HANDLED_LINGER_S = 1.0
 KNOWN_STEPS = frozenset({"restart-worker", "fail-node", "move-slot", "stop-worker", "make-standby", "activate-standby",
-                         "retire-standby", "request-node", "restart-agent", "stop-all", "rollback", "start-all"})  # Recovery._run_plan sleeps 1 s before forgetting a handled key
+                         "retire-standby", "request-node", "request-spare", "restart-agent", "stop-all", "rollback", "start-all"})  # Recovery._run_plan sleeps 1 s before forgetting a handled key
 
 
 class SimRecovery:
@@ -166,6 +166,8 @@ class SimRecovery:
                          reason="spare node re-used", fault_ids=[])
         elif step.kind == "request-node":
             yield from self._request_node(args["slot"], args["exclude_node"])
+        elif step.kind == "request-spare":
+            yield from self._request_spare()
         elif step.kind == "restart-agent":
             sim.start_agent(args["node"], cost.detection.agent_restart_s)
         elif step.kind == "stop-all":
@@ -248,6 +250,16 @@ class SimRecovery:
         sim.emit("WorkerStarting", slot=slot_name, wid=wid, node=name, role="trainer", generation=1, standby=True)
         sim.start_worker_as(model.slots[slot_name], wid)
         yield 0.0
+
+    def _request_spare(self) -> Iterator[float]:
+        """Recovery._request_spare: a new node refills the warm spare pool."""
+        sim = self.sim
+        yield sim.cost.recovery.slurm_realloc_s
+        fresh = sim.new_node()
+        sim.emit("NodeAllocated", node=fresh, host=fresh, role="spare",
+                 slot=f"standby-{fresh}" if sim.spec.warm_spares else "", role_of_slot="trainer", standby=True,
+                 backend_ref=fresh)
+        sim.start_agent(fresh, sim.cost.init.agent_start_s)
 
     def _request_node(self, slot_name: str, exclude_node: str) -> Iterator[float]:
         sim, model = self.sim, self.sim.model

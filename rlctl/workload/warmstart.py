@@ -49,9 +49,13 @@ class WarmStartConfig:
     dataset_size: int = 8000
     max_expected_len: int | None = None
     torch_threads: int = 0  # 0: leave torch's default
+    mix: dict[str, float] | None = None  # task family weights of the warm-start data (None: the task's default)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["mix"] is None:
+            del data["mix"]  # recipes from before the field existed keep their cache hash
+        return data
 
 
 def config_hash(seed: int, config: WarmStartConfig) -> str:
@@ -91,7 +95,7 @@ def train_supervised(seed: int, config: WarmStartConfig) -> tuple[GPT, dict[str,
         torch.set_num_threads(config.torch_threads)
     started = time.perf_counter()
     model = build_model(config.model, seed=seed)
-    prompts = make_dataset(config.dataset_size, seed + WARMSTART_DATA_SEED_OFFSET,
+    prompts = make_dataset(config.dataset_size, seed + WARMSTART_DATA_SEED_OFFSET, mix=config.mix,
                            max_expected_len=config.max_expected_len)
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.01)

@@ -133,3 +133,24 @@ def test_exit_zero_is_not_a_crash() -> None:
     assert exit_verdict("n1", "reward-0", "reward", 0, None, 1.0) is None
     crash = exit_verdict("n1", "reward-0", "reward", None, "SIGKILL", 1.0)
     assert crash and crash.fault == "worker-crash" and "SIGKILL" in crash.reason
+
+
+def test_a_worker_that_waits_for_work_is_not_judged_slow() -> None:
+    """Peers share rounds unevenly: two generate all the time, one a fifth of the time. All three
+    make 100 tokens per busy second, so none is slow (its average over the window, 20/s, would
+    look it); one at a tenth of that speed still is."""
+    d = detector()
+    verdicts = []
+    made = {"busy.1": 0.0, "busy.2": 0.0, "fifth.1": 0.0, "slow.1": 0.0}
+    for tick in range(0, 120):
+        t = tick * 0.5
+        fifth_busy = tick % 10 < 3  # busy 1 s of every 5 s: three samples, two busy intervals
+        for wid in ("busy.1", "busy.2"):
+            made[wid] += 50.0
+        made["slow.1"] += 5.0
+        made["fifth.1"] += 50.0 if fifth_busy and tick % 10 else 0.0
+        for wid, value in made.items():
+            d.progress(wid, value, t, busy=fifth_busy if wid == "fifth.1" else True)
+        workers = [WorkerObs(f"rollout-{i}", w, "rollout", f"n{i}", "generating", 0, 0.0) for i, w in enumerate(made)]
+        verdicts += [v for v in d.slow_verdicts(workers, t)]
+    assert {v.slot for v in verdicts} == {"rollout-3"}, verdicts

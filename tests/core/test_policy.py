@@ -8,12 +8,13 @@ from rlctl.core.model import JobModel
 from rlctl.core.policy import plan
 
 
-def running_job(policy: str = "role", spares: int = 1) -> JobModel:
+def running_job(policy: str = "role", spares: int = 1, trainers: int = 1) -> JobModel:
     model = JobModel(job_id="j")
     t = 1.0
     model.apply(event("JobSubmitted", t, job_id="j", spec_file="x", backend="local", policy=policy, steps=10))
     layout = [("node01", "trainer", "trainer-0", False), ("node02", "rollout", "rollout-0", False),
               ("node03", "rollout", "rollout-1", False), ("node04", "reward", "reward-0", False)]
+    layout += [(f"node{20 + i:02d}", "trainer", f"trainer-{i}", False) for i in range(1, trainers)]
     layout += [(f"node{5 + i:02d}", "spare", f"standby-{i}", True) for i in range(spares)]
     for node, role, slot, standby in layout:
         model.apply(event("NodeAllocated", t, node=node, host="h", role=role, slot=slot, standby=standby,
@@ -62,10 +63,11 @@ def test_repeated_restarts_on_one_node_retire_it() -> None:
     assert kinds(steps) == ["fail-node", "request-node"]
 
 
-def test_node_loss_of_a_rollout_uses_the_standby() -> None:
+def test_node_loss_of_a_rollout_uses_the_standby_and_refills_the_spare_pool() -> None:
     steps = plan(running_job(), verdict("node03", None, "node-loss", "replace-node"), 2)
-    assert kinds(steps) == ["fail-node", "stop-worker", "activate-standby"]
+    assert kinds(steps) == ["fail-node", "stop-worker", "activate-standby", "request-spare"]
     assert steps[2].args == {"slot": "rollout-1", "standby_slot": "standby-0"}
+    assert steps[3].args == {"exclude_node": "node03"}
 
 
 def test_without_spares_a_new_node_is_requested_for_a_lost_node() -> None:
@@ -81,14 +83,14 @@ def test_trainer_failure_activates_the_warm_standby_and_keeps_the_healthy_node()
 
 def test_trainer_node_loss_activates_the_standby_and_retires_the_node() -> None:
     steps = plan(running_job(), verdict("node01", None, "gpu-lost", "replace-node"), 2)
-    assert kinds(steps) == ["fail-node", "stop-worker", "activate-standby"]
+    assert kinds(steps) == ["fail-node", "stop-worker", "activate-standby", "request-spare"]
 
 
 def test_nccl_timeout_restarts_only_the_trainer_group() -> None:
     steps = plan(running_job(), verdict("node02", "rollout-0", "nccl-timeout", "restart-role"), 2)
     assert kinds(steps) == ["restart-worker"] and steps[0].args == {"slot": "rollout-0"}
-    steps = plan(running_job(), verdict("node01", "trainer-0", "nccl-timeout", "restart-role"), 2)
-    assert [s.args["slot"] for s in steps] == ["trainer-0"]
+    steps = plan(running_job(spares=0), verdict("node01", "trainer-0", "nccl-timeout", "restart-role"), 2)
+    assert [(s.kind, s.args["slot"]) for s in steps] == [("restart-worker", "trainer-0")]
 
 
 def test_agent_loss_restarts_the_agent_only() -> None:
@@ -112,3 +114,25 @@ def test_full_restart_stops_everything_and_rolls_back() -> None:
 def test_full_restart_brings_a_lost_agent_back() -> None:
     steps = plan(running_job(policy="full-restart"), verdict("node01", None, "agent-lost", "restart-agent"), 2)
     assert kinds(steps) == ["stop-all", "restart-agent", "rollback", "start-all"]
+
+
+def test_a_failed_data_parallel_rank_restarts_the_whole_trainer_group() -> None:
+    model = running_job(trainers=2)
+    steps = plan(model, verdict("node20", "trainer-1", "worker-crash", "restart-worker"), 2)
+    assert [(s.kind, s.args.get("slot")) for s in steps] == [("restart-worker", "trainer-1"),
+                                                             ("restart-worker", "trainer-0")]
+    lost = plan(model, verdict("node01", "trainer-0", "node-loss", "replace-node"), 2)
+    assert kinds(lost)[0] == "fail-node" and "activate-standby" not in kinds(lost), "a standby holds no rank"
+    assert lost[-1].kind == "restart-worker" and lost[-1].args == {"slot": "trainer-1"}
+
+
+def test_a_single_trainer_still_hands_over_to_its_warm_standby() -> None:
+    steps = plan(running_job(), verdict("node01", "trainer-0", "worker-crash", "restart-worker"), 2)
+    assert kinds(steps) == ["stop-worker", "activate-standby", "make-standby"]
+
+
+def test_a_lone_trainer_collective_timeout_is_handed_to_the_warm_standby() -> None:
+    steps = plan(running_job(), verdict("node01", "trainer-0", "nccl-timeout", "restart-role"), 2)
+    assert kinds(steps) == ["stop-worker", "activate-standby", "make-standby"]
+    group = plan(running_job(trainers=2), verdict("node01", "trainer-0", "nccl-timeout", "restart-role"), 2)
+    assert [(s.kind, s.args["slot"]) for s in group] == [("restart-worker", "trainer-0"), ("restart-worker", "trainer-1")]

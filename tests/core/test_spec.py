@@ -72,3 +72,15 @@ def test_docs_job_spec_is_current() -> None:
     assert (ROOT / "docs" / "job-spec.md").read_text() == spec_reference_markdown(), (
         "docs/job-spec.md is stale: run `rlctl spec-doc > docs/job-spec.md`"
     )
+
+
+def test_reference_job_template_scales_the_work_of_a_step(tmp_path: Path) -> None:
+    from rlctl.jobtemplates import write_job
+
+    small = load_job_file(write_job(tmp_path / "a", name="small"))
+    large = load_job_file(write_job(tmp_path / "b", name="large", step_scale=8))
+    assert (large.rollout.batch_prompts, large.rollout.worker_batch) == (8 * small.rollout.batch_prompts,
+                                                                        8 * small.rollout.worker_batch)
+    assert large.rollout.group_size == small.rollout.group_size
+    with pytest.raises(ValueError, match="step_scale"):
+        write_job(tmp_path / "c", step_scale=0)

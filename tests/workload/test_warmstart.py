@@ -49,3 +49,11 @@ def test_batches_are_length_bucketed() -> None:
     spans = [max(len(p.tokens) + p.meta["expected_len"] for p in b) - min(len(p.tokens) + p.meta["expected_len"] for p in b)
              for b in batches]
     assert sum(len(b) for b in batches) == 200 and sorted(spans)[len(spans) // 2] <= 4
+
+
+def test_family_mix_is_part_of_the_recipe_and_default_recipes_keep_their_hash() -> None:
+    default = WarmStartConfig(steps=5)
+    assert "mix" not in default.to_dict()  # caches made before the field existed stay valid
+    counting = WarmStartConfig(steps=5, mix={"add": 0.2, "spell": 0.2, "count": 0.6})
+    assert config_hash(0, counting) != config_hash(0, default)
+    assert config_hash(0, counting) == config_hash(0, WarmStartConfig(steps=5, mix={"count": 0.6, "add": 0.2, "spell": 0.2}))
