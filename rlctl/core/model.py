@@ -514,7 +514,9 @@ class JobModel:
         self.ledger.reclassify(lost, "productive", "lost")
         slot = self.slots.get(ev.data["slot"])
         if slot is not None:
-            self._recover_slot(slot, ev.at)
+            # Rank 0 reports for the data-parallel group: every rank restored in lockstep with it.
+            for rank in [slot] + [s for s in self.slots_of("trainer") if s is not slot]:
+                self._recover_slot(rank, ev.at)
         self.trainer_restored_at = ev.at
 
     def _on_SchedulerRolledBack(self, ev: Event) -> None:
