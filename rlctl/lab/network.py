@@ -53,6 +53,10 @@ def ensure_node_netns(node: str) -> None:
     if netns_exists(ns):
         return
     run(["ip", "netns", "add", ns])
+    if link_exists(peer):
+        # A namespace deleted while a process still lived in it keeps its veth pair: drop the
+        # stale host end (its peer goes with it) instead of failing with "File exists".
+        run(["ip", "link", "del", peer])
     run(["ip", "link", "add", peer, "type", "veth", "peer", "name", "eth0", "netns", ns])
     run(["ip", "link", "set", peer, "master", c.BRIDGE, "up"])
     run(["ip", "-n", ns, "addr", "add", f"{c.node_ip(node)}/24", "dev", "eth0"])

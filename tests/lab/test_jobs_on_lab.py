@@ -9,8 +9,9 @@ node SIGKILLed; the node's link cut) through ``rlctl inject-fault`` and reads th
 
 * Slurm, no spares: a rollout node goes down, then the trainer node is partitioned; each is
   replaced by a new single-node allocation submitted with ``--exclude=<bad node>``.
-* SSH, one warm spare: the trainer node goes down and the warm standby takes the role at once;
-  then a rollout node is partitioned and replaced by the free inventory host.
+* SSH, one warm spare: the trainer node goes down and the warm standby takes the role at once,
+  and the free inventory host becomes the new warm spare; then a rollout node is partitioned and
+  that new standby takes the role.
 
 Both check: verdict ``node-loss`` within seconds, the expected actions, trajectories lost = 0,
 the job keeps training, the replacement serves the weights it pulled over UCX from its own
@@ -318,17 +319,24 @@ def test_ssh_job_takes_standby_for_lost_trainer_and_spare_host_for_partitioned_r
     published = weights_served_from(job.events(), "trainer-0", standby["host"], after)
     assert published["source"]["transport"] == "ucx", published
 
+    # The standby used up, the SSH backend refills the spare pool from the inventory: node06, the
+    # one host the job had not used, becomes the new warm standby.
+    assert actions_of(job.events(), first)[3:4] == ["request-spare"], actions_of(job.events(), first)
+    refill = wait_for(lambda: next((n for n in job.status()["nodes"] if n["name"] == "node06"
+                                    and n["role"] == "spare" and n["worker_state"] == "running"), None),
+                      120, "node06 to become the new warm standby", interval=1.0)
+
     rollout, _ = job.running_node("rollout")
     slot = next(n["slot"] for n in job.status()["nodes"] if n["name"] == rollout)
     second = job.inject(rollout, "partition")
     fault2 = job.recovered_fault(second)
     assert fault2["verdict"] == "node-loss" and fault2["detection_s"] <= DETECTION_BOUND_S, fault2
     events = job.events()
-    assert actions_of(events, second)[:2] == ["fail-node", "request-node"], actions_of(events, second)
-    new = replacement_for(events, slot, rollout)
-    assert new.data["node"] == "node06", new.data  # the one inventory host the job had not used
+    assert actions_of(events, second)[:3] == ["fail-node", "stop-worker", "activate-standby"], actions_of(events, second)
+    assert next(n for n in job.status()["nodes"] if n["name"] == "node06")["slot"] == slot
     job.keeps_training()
-    served = weights_served_from(job.events(), slot, new.data["host"], new.seq)
+    took_over = max(e.seq for e in job.events() if e.type == "ActionTaken" and e.data["action"] == "activate-standby")
+    served = weights_served_from(job.events(), slot, refill["host"], took_over)
     assert served["source"]["transport"] == "ucx" and served["version"] > 0, served
     check_no_loss(job.events(), [fault, fault2])
 
