@@ -101,11 +101,20 @@ def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
 
 
 def _move(model: JobModel, slot: SlotRecord, bad_node: str) -> list[Step]:
-    """Put ``slot`` on a healthy node without a standby worker: an idle spare, or a new node."""
-    idle = [n.name for n in model.nodes.values() if n.role == "spare" and n.name != bad_node and _usable(model, n.name)]
-    idle = [n for n in idle if model.slot_on_node(n) is None]
-    if idle:
-        return [Step("move-slot", {"slot": slot.slot, "node": idle[0]}), Step("restart-worker", {"slot": slot.slot})]
+    """Put ``slot`` on a healthy spare node: an idle one; else one whose standby worker (not ready
+    to take over, or not usable for this slot) is retired to make room; else a new node. A node
+    never runs two workers."""
+    spares = [n.name for n in model.nodes.values() if n.role == "spare" and n.name != bad_node and _usable(model, n.name)]
+    placed = [(name, model.slots_on_node(name)) for name in spares]
+    moved = [Step("move-slot", {"slot": slot.slot, "node": ""}), Step("restart-worker", {"slot": slot.slot})]
+    for name, slots in placed:
+        if not slots:
+            moved[0].args["node"] = name
+            return moved
+    for name, slots in placed:
+        if all(s.standby for s in slots):
+            moved[0].args["node"] = name
+            return [Step("retire-standby", {"standby_slot": s.slot}) for s in slots] + moved
     return [Step("request-node", {"slot": slot.slot, "exclude_node": bad_node})]
 
 

@@ -136,3 +136,13 @@ def test_a_lone_trainer_collective_timeout_is_handed_to_the_warm_standby() -> No
     assert kinds(steps) == ["stop-worker", "activate-standby", "make-standby"]
     group = plan(running_job(trainers=2), verdict("node01", "trainer-0", "nccl-timeout", "restart-role"), 2)
     assert [(s.kind, s.args["slot"]) for s in group] == [("restart-worker", "trainer-0"), ("restart-worker", "trainer-1")]
+
+
+def test_a_spare_whose_standby_is_not_ready_is_cleared_before_a_slot_moves_onto_it() -> None:
+    """A node never runs two workers: the standby still loading on the spare is retired first."""
+    model = running_job()
+    model.apply(event("WorkerPhase", 2.0, slot="standby-0", wid=model.slots["standby-0"].wid, phase="loading", step=0))
+    steps = plan(model, verdict("node02", None, "node-loss", "replace-node"), 2)
+    assert [(s.kind, s.args.get("slot") or s.args.get("standby_slot") or s.args.get("node")) for s in steps] == [
+        ("fail-node", "node02"), ("retire-standby", "standby-0"), ("move-slot", "rollout-0"), ("restart-worker", "rollout-0")]
+    assert steps[2].args["node"] == "node05"
