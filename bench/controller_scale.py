@@ -229,12 +229,13 @@ async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict
     await asyncio.sleep(seconds)
     cpu1, seq1, beats1, t1 = cpu_seconds(pid), journal.last_seq(), counter[0], time.monotonic()
     window = await asyncio.to_thread(diagnostics, job_dir, t0)
-    written = sum(event_bytes(e) for e in journal.read(after_seq=seq0) if e.seq <= seq1)
-    snap = await asyncio.to_thread(status, job_dir)
+    written = 0
     kinds: dict[str, int] = {}
     for ev in journal.read(after_seq=seq0):
         if ev.seq <= seq1:
+            written += event_bytes(ev)
             kinds[ev.type] = kinds.get(ev.type, 0) + 1
+    snap = await asyncio.to_thread(status, job_dir)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     elapsed = t1 - t0

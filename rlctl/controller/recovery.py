@@ -314,15 +314,21 @@ class Recovery:
         c.record("WorkerStarting", slot=slot_name, wid=wid, node=name, role="trainer", generation=1, standby=True)
         await c.start_worker_as(c.model.slots[slot_name], wid)
 
+    async def _new_node(self, bad_node: str) -> NodeInfo | None:
+        """A node from the backend in place of ``bad_node``, never an excluded one; None when it
+        has none (or failed to provide one)."""
+        c = self.c
+        exclude = frozenset(n.name for n in c.model.nodes.values() if n.excluded) | {bad_node}
+        bad = c.node_infos.get(bad_node) or NodeInfo(bad_node, "", "")
+        try:
+            return await c.backend.replace(bad, exclude)
+        except Exception as exc:
+            log.warning("backend could not replace %s: %s", bad_node, exc)
+            return None
+
     async def _request_node(self, slot_name: str, exclude_node: str, fault_id: str) -> None:
         c = self.c
-        exclude = frozenset(n.name for n in c.model.nodes.values() if n.excluded) | {exclude_node}
-        bad = c.node_infos.get(exclude_node) or NodeInfo(exclude_node, "", "")
-        try:
-            fresh = await c.backend.replace(bad, exclude)
-        except Exception as exc:
-            log.warning("backend could not replace %s: %s", exclude_node, exc)
-            fresh = None
+        fresh = await self._new_node(exclude_node)
         slot = c.model.slots[slot_name]
         if fresh is None:
             c.record("ActionTaken", action="vacate-slot", node=exclude_node, slot=slot_name,
@@ -341,13 +347,7 @@ class Recovery:
         """A new node from the backend takes the place of the warm spare a fault used up; it gets a
         standby worker once its agent registers. None left: the job goes on with fewer spares."""
         c = self.c
-        exclude = frozenset(n.name for n in c.model.nodes.values() if n.excluded) | {exclude_node}
-        bad = c.node_infos.get(exclude_node) or NodeInfo(exclude_node, "", "")
-        try:
-            fresh = await c.backend.replace(bad, exclude)
-        except Exception as exc:
-            log.warning("backend could not provide a new spare: %s", exc)
-            fresh = None
+        fresh = await self._new_node(exclude_node)
         if fresh is None:
             log.info("no node for a new spare: the job continues with fewer spares")
             return

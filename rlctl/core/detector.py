@@ -14,8 +14,8 @@ import itertools
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -51,6 +51,14 @@ def progress_rate(controller: ControllerStub, wid: str, window_s: float) -> floa
     return (controller.progress_of(wid) - first) / window_s
 
 
+def drop_first_request(attempts: list[str]) -> Callable[[str, dict[str, object]], object]:
+    """A stub request handler that loses the first request (no reply) and echoes every later one."""
+    def handle(op: str, args: dict[str, object]) -> object:
+        attempts.append(op)
+        return DROP if len(attempts) == 1 else {"op": op, "args": args}
+    return handle
+
+
 # ---- handshake and heartbeats ----------------------------------------------------------------
 
 def test_good_secret_is_welcomed_and_heartbeats_increase(controller: ControllerStub, spawn_agent: Spawn) -> None:
@@ -120,12 +128,7 @@ def test_stop_and_signal_worker(controller: ControllerStub, spawn_agent: Spawn) 
 
 def test_request_is_retried_with_the_same_id(controller: ControllerStub, spawn_agent: Spawn) -> None:
     attempts: list[str] = []
-
-    def drop_first(op: str, args: dict[str, object]) -> object:
-        attempts.append(op)
-        return DROP if len(attempts) == 1 else {"op": op, "args": args}
-
-    controller.request_handler = drop_first
+    controller.request_handler = drop_first_request(attempts)
     spawn_agent()
     controller.wait_type("hello")
     start_worker(controller, "w1", "--request", "--request-timeout", "0.5")
@@ -140,12 +143,7 @@ def test_controller_reconnect_resends_an_unanswered_request_at_once(controller: 
     """A request lost with a dying controller is re-sent on the next welcome, not after its
     (here 30 s) attempt timeout: a restarted controller must not make a healthy worker look hung."""
     attempts: list[str] = []
-
-    def drop_first(op: str, args: dict[str, object]) -> object:
-        attempts.append(op)
-        return DROP if len(attempts) == 1 else {"op": op, "args": args}
-
-    controller.request_handler = drop_first
+    controller.request_handler = drop_first_request(attempts)
     spawn_agent()
     controller.wait_type("hello")
     cmd_id = controller.send("start_worker", wid="w1", slot="rollout-w1", role="rollout",
