@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rlctl.controller.api import ApiClient
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from tests.integration.helpers import (
@@ -44,6 +45,9 @@ def test_launch_status_kill_resume_stop(tmp_path: Path, state_dir: Path) -> None
     assert {r["role"] for r in snap["roles"]} >= {"trainer", "rollout", "reward"}
     assert snap["round"]["kind"] in ("short", "long")
     assert 0 < snap["job"]["ettr"] <= 1
+    health = ApiClient(jobdir.api_socket).call("diagnostics", since_mono=0.0)["diagnostics"]
+    assert health["tick_lag_s"]["n"] > 0 and health["tick_s"]["p99"] < 5.0, health  # the loop's own stalls
+    assert "heartbeat_latency_s" not in health  # measured only when a benchmark asks for it
 
     worker_pids = {n["name"]: n for n in snap["nodes"]}
     controller_pid = int(jobdir.read_controller()["pid"])
