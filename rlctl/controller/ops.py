@@ -133,7 +133,11 @@ class DataOps:
         if self.c.model.life.state.terminal or self.c.stopping:
             return {"stop": True}
         if slot.standby:
-            return {"standby": True, "wait_s": 0.3}
+            reply: dict[str, Any] = {"standby": True, "wait_s": 0.3}
+            offer = self.c.model.live_trainer_state()
+            if offer is not None and offer.version > int(args.get("trainer_state_step", -1)):
+                reply["trainer_state"] = {"step": offer.version, "source": offer.source}
+            return reply
         return {"role": slot.role, "slot": slot.slot}
 
     def op_trainer_init(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
@@ -189,7 +193,10 @@ class DataOps:
         events: list[Event] = []
         if "metrics" in args and version - 1 not in self.c.model.step_metrics:
             events.append(event("StepTrained", now, step=version - 1, metrics=dict(args["metrics"])))
-        events.append(event("WeightsPublished", now, version=version, slot=slot.slot, source=dict(args["source"])))
+        published = event("WeightsPublished", now, version=version, slot=slot.slot, source=dict(args["source"]))
+        if isinstance(args.get("state_source"), dict):
+            published.data["state_source"] = dict(args["state_source"])
+        events.append(published)
         self.c.commit(events)
         self.c.on_weights_published(version, now)
         return {}
@@ -203,7 +210,8 @@ class DataOps:
         self._require(slot, "trainer")
         replayed = [int(s) for s in args.get("replayed_steps", [])]
         self.c.commit(
-            [event("TrainerRestored", now, slot=slot.slot, checkpoint_step=args.get("checkpoint_step"), replayed_steps=replayed)]
+            [event("TrainerRestored", now, slot=slot.slot, checkpoint_step=args.get("checkpoint_step"), replayed_steps=replayed,
+                   state_step=args.get("state_step"))]
         )
         return {}
 

@@ -417,6 +417,7 @@ class Controller:
             "seed": self.spec.seed,
             "steps": self.spec.steps,
             "checkpoint_every": self.spec.checkpoint_every,
+            "replicate_trainer_state": self.spec.replicate_trainer_state,
             "group_size": self.spec.rollout.group_size,
             "batch_prompts": self.spec.rollout.batch_prompts,
             "max_new_tokens": self.spec.rollout.max_new_tokens,

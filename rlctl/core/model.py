@@ -106,6 +106,16 @@ class FaultRecord:
         return self.recovered_at is None
 
 
+@dataclass(frozen=True)
+class TrainerStateOffer:
+    """The trainer's full state after ``version`` steps, served by worker ``wid`` for a warm standby to copy."""
+
+    version: int
+    slot: str
+    wid: str | None
+    source: dict[str, Any]
+
+
 @dataclass
 class JobModel:
     job_id: str
@@ -121,6 +131,7 @@ class JobModel:
     published_checksum: str = ""
     checkpoint_step: int = -1
     checkpoint_path: str = ""
+    trainer_state: TrainerStateOffer | None = None
     step_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
     training_seconds: dict[int, float] = field(default_factory=dict)
     productive_at_version: dict[int, float] = field(default_factory=dict)
@@ -476,6 +487,10 @@ class JobModel:
         if version > self.published_version:
             self.published_version = version
             self.published_checksum = str(ev.data["source"].get("checksum", ""))
+        state_source = ev.data.get("state_source")
+        publisher = self.slots.get(ev.data["slot"])
+        if isinstance(state_source, dict) and publisher is not None:
+            self.trainer_state = TrainerStateOffer(version, publisher.slot, publisher.wid, dict(state_source))
         self.productive_at_version.setdefault(version, self.ledger.seconds["productive"])
         for old in [v for v in self.weights_holders if v < version - 1]:
             del self.weights_holders[old]
@@ -507,6 +522,16 @@ class JobModel:
     def _on_Checkpointed(self, ev: Event) -> None:
         self.checkpoint_step = int(ev.data["step"])
         self.checkpoint_path = str(ev.data["path"])
+
+    def live_trainer_state(self) -> TrainerStateOffer | None:
+        """The newest trainer-state offer while the worker that made it still runs (else None)."""
+        offer = self.trainer_state
+        if offer is None:
+            return None
+        publisher = self.slots.get(offer.slot)
+        if publisher is None or publisher.wid != offer.wid or publisher.life is None:
+            return None
+        return offer if publisher.life.state is WorkerState.RUNNING else None
 
     def _on_TrainerRestored(self, ev: Event) -> None:
         replayed = [int(s) for s in ev.data["replayed_steps"]]

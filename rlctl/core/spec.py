@@ -176,6 +176,13 @@ JOB_SCHEMA: dict[str, Field] = {
             "command": Field(
                 "str-list", "Program a warm standby runs.", ["python", "-m", "rlctl.roles.standby"], check=_non_empty_list
             ),
+            "replicate_trainer_state": Field(
+                "bool",
+                "Warm standbys keep a copy of the trainer's full state (weights, optimizer, RNG, step) in memory, "
+                "refreshed after every step, so a standby that takes over the trainer resumes at the last step "
+                "instead of retraining the steps since the last checkpoint. Single-node trainers only.",
+                True,
+            ),
         },
     ),
     "fault_tolerance": Field(
@@ -346,6 +353,7 @@ class JobSpec:
     spare_nodes: int
     warm_spares: bool
     standby_command: tuple[str, ...]
+    replicate_trainer_state: bool
     fault_tolerance: FaultToleranceSpec
     rollout: RolloutSpec
     weights_transport: str
@@ -475,6 +483,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         spare_nodes=values["spares"]["nodes"],
         warm_spares=values["spares"]["warm"],
         standby_command=tuple(values["spares"]["command"]),
+        replicate_trainer_state=values["spares"]["replicate_trainer_state"],
         fault_tolerance=FaultToleranceSpec(**{**ft, "phase_timeout_s": dict(ft["phase_timeout_s"])}),
         rollout=RolloutSpec(
             **{k: v for k, v in rollout.items() if k != "tail_batching"},

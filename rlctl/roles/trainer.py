@@ -5,6 +5,10 @@ controller retained since then (no rollout replay), then trains step after step.
 warm standby (``RLCTL_STANDBY=1``, on a spare node) it loads everything and waits until the
 controller hands it the trainer role.
 
+After every step a single-node trainer also serves its full state (weights, optimizer, RNG,
+step; ``[spares] replicate_trainer_state``), and the warm standby keeps a copy in memory: a
+standby that takes over resumes at that step, with nothing to retrain.
+
 With several trainer nodes the workers are the ranks of one data-parallel group (the controller
 sets ``WORLD_SIZE``/``RANK``/``MASTER_ADDR``/``MASTER_PORT``; gloo on CPU, NCCL on GPU): every
 rank trains its shard of the same batch and the gradients are all-reduced; rank 0 alone publishes
@@ -19,6 +23,8 @@ from typing import Any
 
 from rlctl import worker
 from rlctl.roles.common import RoleSettings, initial_weights, setup_torch, wait_or_stop
+
+TRAINER_STATE_KEY = "trainer_state"  # the one uint8 tensor of a served trainer state
 
 
 class TrainerRole:
@@ -38,12 +44,16 @@ class TrainerRole:
         )
         self.trainer = Trainer.from_checkpoint(initial_weights(settings, w), config, device=device)
         self.leader = self.trainer.dist.rank == 0
-        self.server: WeightServerThread | None = None
+        self.server: WeightServerThread | None = None  # the weights rollouts pull
         if self.leader:
             self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
             self.server.start()
         self.version = 0
         self.checkpoint_every = int(settings.get("checkpoint_every", 5))
+        self.replicate_state = bool(settings.get("replicate_trainer_state", True)) and self.trainer.dist.world_size == 1
+        self.state_server: WeightServerThread | None = None
+        # (step, bytes): the previous trainer's full state, copied while this worker was a warm standby
+        self.held_state: tuple[int, bytes] | None = None
 
     def wait_until_active(self) -> dict[str, Any]:
         while True:
@@ -54,9 +64,11 @@ class TrainerRole:
             time.sleep(float((reply or {}).get("wait_s", 0.5)))
 
     def restore(self, init: dict[str, Any]) -> None:
-        """Checkpoint, then retrain retained batches up to the controller's published version."""
+        """The held in-memory state or the checkpoint, whichever is newer, then retrain retained
+        batches up to the controller's published version."""
         replayed: list[int] = []
-        if init.get("checkpoint"):
+        state_step = self.restore_held_state(init)
+        if state_step is None and init.get("checkpoint"):
             self.w.phase("loading")
             self.version = self.trainer.load_checkpoint(init["checkpoint"])
         for step in init.get("replay_batches", []):
@@ -71,7 +83,27 @@ class TrainerRole:
             replayed.append(step)
         if self.leader:
             self.publish(metrics=None)
-            self.w.request("trainer.restored", checkpoint_step=init.get("checkpoint_step"), replayed_steps=replayed)
+            self.w.request("trainer.restored", checkpoint_step=init.get("checkpoint_step"), replayed_steps=replayed,
+                           state_step=state_step)
+
+    def restore_held_state(self, init: dict[str, Any]) -> int | None:
+        """Resume from the state copied as a standby when it is newer than the checkpoint and not
+        past the published version (a rollback to the checkpoint makes it too new). Returns its step."""
+        if self.held_state is None:
+            return None
+        step, data = self.held_state
+        self.held_state = None
+        checkpoint_step = init.get("checkpoint_step")
+        if step > (checkpoint_step if checkpoint_step is not None else 0) and step <= int(init.get("target_version", 0)):
+            self.w.phase("loading", step)
+            try:
+                self.version = self.trainer.load_state_bytes(data)
+            except (ValueError, RuntimeError) as exc:
+                print(f"rlctl trainer: the held state of step {step} did not load ({exc}); using the checkpoint",
+                      file=sys.stderr, flush=True)
+                return None
+            return step
+        return None
 
     def fetch_batch(self, step: int) -> list[Any] | None:
         from rlctl.workload.trainer import TrainSample
@@ -94,9 +126,28 @@ class TrainerRole:
             return  # not rank 0
         descriptor = self.server.publish(self.version, self.trainer.state_dict_for_publish())
         args: dict[str, Any] = {"version": self.version, "source": descriptor}
+        if self.replicate_state:
+            args["state_source"] = self.offer_state()
         if metrics is not None:
             args["metrics"] = {"mean_reward": metrics["reward_mean"], **metrics}
         self.w.request("trainer.publish", **args)
+
+    def offer_state(self) -> dict[str, Any]:
+        """Serve the full trainer state of this version for the warm standby to copy; its descriptor."""
+        import torch
+
+        from rlctl.weights import WeightServerThread
+
+        if self.state_server is None:
+            self.state_server = WeightServerThread(self.settings.weights_transport, host=self.settings.weights_host)
+            self.state_server.start()
+        data = self.trainer.state_bytes()
+        return self.state_server.publish(self.version, {TRAINER_STATE_KEY: torch.frombuffer(bytearray(data), dtype=torch.uint8)})
+
+    def close(self) -> None:
+        for server in (self.server, self.state_server):
+            if server is not None:
+                server.close()
 
     def checkpoint(self) -> None:
         if not self.leader:
@@ -133,8 +184,7 @@ def main() -> int:
     try:
         return role.run()
     finally:
-        if role.server is not None:
-            role.server.close()
+        role.close()
 
 
 if __name__ == "__main__":

@@ -60,6 +60,12 @@ class WeightsCost:
     def sync_s(self) -> float:
         return self.overhead_s + self.bytes / self.bandwidth_bytes_per_s
 
+    @property
+    def state_copy_s(self) -> float:
+        """The trainer's full state to a warm standby: bf16 weights plus an fp32 master copy and two
+        fp32 Adam moments, 7x the weight bytes, over the same link."""
+        return self.overhead_s + 7 * self.bytes / self.bandwidth_bytes_per_s
+
 
 @dataclass(frozen=True)
 class InitCost:

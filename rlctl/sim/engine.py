@@ -371,14 +371,22 @@ class Simulation:
         if recovering is None:
             recovering = model.productive_since is not None
         seconds = 0.0
-        if checkpoint_step is not None:
+        state_step: int | None = None
+        if (checkpoint_step or 0) < worker.state_step <= target:
+            # TrainerRole.restore_held_state: the standby's in-memory copy is newer than the checkpoint
+            state_step = worker.state_step
+            replay = [s for s in replay if s >= state_step]
+            self.emit("WorkerPhase", slot=slot.slot, wid=wid, phase="loading", step=state_step)
+            seconds += self.cost.step.checkpoint_load_s
+        elif checkpoint_step is not None:
             self.emit("WorkerPhase", slot=slot.slot, wid=wid, phase="loading", step=checkpoint_step)
             seconds += self.cost.step.checkpoint_load_s
+        worker.state_step = -1
         seconds += sum(jittered(self.cost.step.train_s, self.cost.step.jitter, self.rng) for _ in replay)
-        self.q.after(seconds, self._trainer_restored, wid, target, checkpoint_step, replay, recovering)
+        self.q.after(seconds, self._trainer_restored, wid, target, checkpoint_step, replay, recovering, state_step)
 
     def _trainer_restored(self, wid: str, target: int, checkpoint_step: int | None, replay: list[int],
-                          recovering: bool) -> None:
+                          recovering: bool, state_step: int | None = None) -> None:
         current = self._current(wid)
         if current is None or current[0].hung_at is not None:
             return
@@ -392,7 +400,8 @@ class Simulation:
             # re-classifies a replayed step's training time as lost per report (docs/sim.md).
             fresh = [s for s in replay if s not in self._replay_reported]
             self._replay_reported.update(fresh)
-            self.emit("TrainerRestored", slot=slot.slot, checkpoint_step=checkpoint_step, replayed_steps=fresh)
+            self.emit("TrainerRestored", slot=slot.slot, checkpoint_step=checkpoint_step, replayed_steps=fresh,
+                      state_step=state_step)
         self.emit("WorkerPhase", slot=slot.slot, wid=wid, phase="waiting-for-batch", step=target)
         worker.ready = True
         if self.model.productive_since is not None:
@@ -695,6 +704,13 @@ class Simulation:
         self.emit("Checkpointed", step=version, path=f"sim://checkpoints/step-{version:06d}")
         self._publish(version)
 
+    def _state_copied(self, wid: str, version: int) -> None:
+        """roles/standby.TrainerStateReplica.copy finished: the standby holds the state of ``version``."""
+        worker = self.workers.get(wid)
+        slot = self.model.slots.get(worker.slot) if worker is not None else None
+        if worker is not None and worker.alive and slot is not None and slot.standby and slot.wid == wid:
+            worker.state_step = max(worker.state_step, version)
+
     def _publish(self, version: int) -> None:
         """DataOps.op_trainer_publish: StepTrained for the step, then WeightsPublished."""
         trainer = self.role_slots("trainer")[0]
@@ -702,6 +718,11 @@ class Simulation:
         self.emit("WeightsPublished", version=version, slot=trainer.slot, source={"transport": "sim", "checksum": f"v{version}"})
         self._trainer_phase("waiting-for-batch", version)
         self._replay_reported.clear()
+        if self.spec.replicate_trainer_state and self.layout.nodes["trainer"] == 1:
+            for worker in self.workers.values():
+                slot = self.model.slots.get(worker.slot)
+                if worker.alive and worker.loaded and slot is not None and slot.standby:
+                    self.q.after(self.cost.weights.state_copy_s, self._state_copied, worker.wid, version)
         self.stats.steps_trained += 1
         self.last_step_s = max(1.0, self.now - self.step_started_at)
         if version % HEARTBEAT_SUMMARY_EVERY_STEPS == 0:

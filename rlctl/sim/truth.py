@@ -41,6 +41,7 @@ class WorkerTruth:
     alive: bool = True
     hung_at: float | None = None
     slow: float = 1.0
+    state_step: int = -1  # a warm standby's copy of the trainer's full state (-1: none)
 
     @property
     def working(self) -> bool:

@@ -12,7 +12,8 @@ Contract:
 - ``save_checkpoint`` is atomic (temp file in the same folder, fsync, ``os.replace``, fsync of the
   folder) and holds model, optimizer, scheduler, reference model, step and the python/torch/numpy
   RNG states. ``load_checkpoint`` followed by ``train_step`` on the retained batches reproduces the
-  uninterrupted run's weights exactly (same process layout, same device).
+  uninterrupted run's weights exactly (same process layout, same device). ``state_bytes`` /
+  ``load_state_bytes`` are the same payload in memory, for a warm standby's replica.
 - Data parallel when ``WORLD_SIZE`` > 1 (env, ``torch.distributed``: gloo on CPU, nccl on CUDA):
   every rank receives the *whole* batch, computes the same advantages, trains on its shard
   (``samples[rank::world]``), and gradients are summed with one all-reduce after each rank scaled its
@@ -22,6 +23,7 @@ Contract:
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import random
@@ -309,6 +311,19 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rng_state(),
         }
+
+    def state_bytes(self) -> bytes:
+        """Everything ``save_checkpoint`` writes, serialized in memory (what a peer keeps to resume here)."""
+        buffer = io.BytesIO()
+        torch.save(self.checkpoint_payload(), buffer)
+        return buffer.getvalue()
+
+    def load_state_bytes(self, data: bytes | memoryview) -> int:
+        """Restore from ``state_bytes`` output; returns the restored step."""
+        payload = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+        if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError("the bytes are not an rlctl trainer state")
+        return self._restore(payload)
 
     def save_checkpoint(self, path: str | Path) -> Path | None:
         """Atomically write a full checkpoint (rank 0 only; other ranks return None)."""

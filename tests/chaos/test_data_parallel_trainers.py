@@ -47,6 +47,7 @@ def test_two_trainer_ranks_train_together_and_restart_together(tmp_path: Path) -
         steps = [e.data["step"] for e in events if e.type == "BatchFormed"]
         assert len(steps) == len(set(steps)), "a batch was generated twice (rollout replay)"
         assert {e.data["slot"] for e in events if e.type == "WeightsPublished"} == {"trainer-0"}
+        assert not [e for e in events if "state_source" in e.data], "a rank's state alone cannot resume the group"
         assert rlctl_json(state_dir, "report", job)["trajectories_lost"] == 0
     finally:
         rlctl(state_dir, "stop", job, check=False)

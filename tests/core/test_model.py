@@ -45,6 +45,19 @@ def test_retrained_steps_count_as_lost_after_a_trainer_restore() -> None:
     assert model.ledger.seconds["lost"] == pytest.approx(1.0)
 
 
+def test_the_trainer_state_is_offered_only_while_its_publisher_runs() -> None:
+    model = running_job()
+    trainer = model.slots["trainer-0"]
+    model.apply(event("WeightsPublished", 10.0, version=0, slot="trainer-0", source={"port": 1}))
+    assert model.live_trainer_state() is None  # no state_source: nothing to offer
+    model.apply(event("WeightsPublished", 11.0, version=1, slot="trainer-0", source={"port": 1},
+                      state_source={"port": 2, "version": 1}))
+    offer = model.live_trainer_state()
+    assert offer is not None and (offer.version, offer.wid, offer.source["port"]) == (1, trainer.wid, 2)
+    model.apply(event("WorkerExited", 12.0, slot="trainer-0", wid=trainer.wid, exit_code=None, signal="SIGKILL"))
+    assert model.live_trainer_state() is None  # its server died with it: a standby must not wait on it
+
+
 def test_a_fault_free_run_through_every_idle_phase_raises_no_verdict() -> None:
     bounds = {"generating": 2.0, "training": 2.0, "weight-sync": 5.0, "checkpointing": 5.0, "compiling": 5.0,
               "loading": 5.0, "waiting-for-work": 5.0, "waiting-for-batch": 5.0, "scoring": 2.0}

@@ -79,6 +79,59 @@ def test_checkpoint_replay_equals_uninterrupted_run(tmp_path: Path) -> None:
     assert [p.name for p in checkpoint.parent.iterdir()] == ["trainer.pt"]  # no temp file left
 
 
+def test_state_served_to_a_standby_replica_resumes_like_the_uninterrupted_run() -> None:
+    """The in-memory replica path end to end: state_bytes -> weight server (tcp) -> the standby's
+    TrainerStateReplica -> load_state_bytes, then the same batches give the same weights."""
+    from rlctl.roles.standby import TrainerStateReplica
+    from rlctl.roles.trainer import TRAINER_STATE_KEY
+    from rlctl.weights import WeightServerThread
+
+    batches = [synthetic_batch(seed) for seed in range(4)]
+    uninterrupted = _trainer(0)
+    for batch in batches[:2]:
+        uninterrupted.train_step(batch)
+    replica = TrainerStateReplica()
+    with WeightServerThread("tcp") as server:
+        data = uninterrupted.state_bytes()
+        source = server.publish(2, {TRAINER_STATE_KEY: torch.frombuffer(bytearray(data), dtype=torch.uint8)})
+        replica.copy({"step": 2, "source": source})
+        replica.copy({"step": 1, "source": source})  # older than what it holds: ignored
+    held = replica.held()
+    assert held is not None and held[0] == 2 and held[1] == data
+    draws_after = (random.random(), torch.rand(3))
+    restored = _trainer(seed=99)
+    assert restored.load_state_bytes(held[1]) == 2
+    assert random.random() == draws_after[0] and torch.equal(torch.rand(3), draws_after[1])
+    for batch in batches[2:]:
+        restored.train_step(batch)
+        uninterrupted.train_step(batch)
+    _assert_same_weights(restored.state_dict_for_publish(), uninterrupted.state_dict_for_publish())
+    with pytest.raises(ValueError, match="not an rlctl trainer state"):
+        restored.load_state_bytes(_model_only_bytes())
+
+
+def test_replica_skips_a_source_that_failed() -> None:
+    from rlctl.roles.standby import TrainerStateReplica
+
+    replica = TrainerStateReplica()
+    replica.FETCH_TIMEOUT_S = 2.0
+    with socket.socket() as sock:  # a port nobody serves on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dead = {"transport": "tcp", "host": "127.0.0.1", "port": port, "version": 3, "nbytes": 10, "checksum": "x"}
+    replica.copy({"step": 3, "source": dead})
+    assert replica.held() is None and replica.step == -1
+    assert replica._failed_step == 3
+
+
+def _model_only_bytes() -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"format": "something-else"}, buffer)
+    return buffer.getvalue()
+
+
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = _trainer(0)
     path = tmp_path / "trainer.pt"
