@@ -8,7 +8,11 @@ lasts as long as its longest row), the reward function scores them, the batch tr
 weights load. Measured per arm: rollout-phase seconds per step, total seconds to N steps, final
 reward (mean over the last steps), round kinds.
 
-    python bench/tail_batching.py [--steps 24] [--batch 8] [--group 4] [--max-new 160] [--short-cap 24]
+    python bench/tail_batching.py [--steps 24] [--batch 8] [--group 4] [--max-new 160] [--short-cap 24] [--device cuda]
+
+Besides seconds, each arm counts batched decode steps and generated tokens: on a GPU a decode
+step costs about the same at any batch size (memory-bound), so the longest row sets a round's
+time; on a CPU a step costs per live row (the engine drops finished rows), so total tokens do.
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -60,10 +64,13 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
                         long_batch=args.batch, seed=args.seed),
         [PromptRef(p.prompt_id, tuple(p.tokens), dict(p.meta)) for p in dataset],
     )
-    trainer = Trainer.from_checkpoint(init_path, TrainerConfig(lr=args.lr))
-    engine = TorchEngine(Trainer.from_checkpoint(init_path).model, SamplingConfig(temperature=1.0))
+    trainer = Trainer.from_checkpoint(init_path, TrainerConfig(lr=args.lr), device=args.device, distributed=False)
+    engine = TorchEngine(Trainer.from_checkpoint(init_path, distributed=False).model, SamplingConfig(temperature=1.0),
+                         device=args.device)
     engine.load_state_dict(trainer.state_dict_for_publish(), 0)
     rollout_s: list[float] = []
+    decode_steps = 0
+    generated_tokens = 0
     generated_lengths: list[int] = []
     rewards: list[float] = []
     kinds: list[str] = []
@@ -82,7 +89,11 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
                 t0 = time.perf_counter()
                 results = engine.generate(requests, rnd.max_new_tokens,
                                           should_cancel=lambda active: set(scheduler.cancelled_among(active)))
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
                 generating += time.perf_counter() - t0
+                decode_steps += engine.last_stats.decode_steps
+                generated_tokens += engine.last_stats.generated_tokens
                 generated_lengths.extend(len(r.response_tokens) for r in results)
                 scheduler.submit("r0", "r0.1", [{"item_id": r.item_id, "response_tokens": r.response_tokens,
                                                  "truncated": r.truncated, "weights_version": step} for r in results], now)
@@ -117,7 +128,28 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
         "first_reward": round(statistics.fmean(rewards[:last]), 4),
         "rounds": {k: kinds.count(k) for k in sorted(set(kinds))},
         "generated_length": _length_summary(generated_lengths),
+        "decode_steps_total": decode_steps,
+        "generated_tokens_total": generated_tokens,
     }
+
+
+def decode_cost_probe(init_path: Path, device: str, sizes: tuple[int, ...] = (1, 8, 32, 128),
+                      tokens: int = 32) -> dict[str, float]:
+    """Milliseconds per batched decode step at several batch sizes, rows never stopping early (best
+    of 3): whether this device pays per step (flat) or per live row (growing)."""
+    engine = TorchEngine(Trainer.from_checkpoint(init_path, distributed=False).model,
+                         SamplingConfig(temperature=1.0, eos_id=-1), device=device)
+    prompt = list(make_dataset(1, 0)[0].tokens)
+    engine.generate([GenRequest("warm", prompt, 0)], 4)
+    costs: dict[str, float] = {}
+    for size in sizes:
+        requests = [GenRequest(f"probe-{i}", prompt, i) for i in range(size)]
+        best = float("inf")
+        for _ in range(3):
+            engine.generate(requests, tokens)
+            best = min(best, engine.last_stats.seconds)
+        costs[str(size)] = round(best / tokens * 1000, 3)
+    return costs
 
 
 def _length_summary(lengths: list[int]) -> dict[str, float]:
@@ -138,6 +170,7 @@ def main() -> None:
     parser.add_argument("--dataset", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
     parser.add_argument("--warmstart-steps", type=int, default=300,
                         help="supervised steps before RL; fewer leave a policy whose answers run long more often")
     parser.add_argument("--count-share", type=float, default=None,
@@ -145,12 +178,16 @@ def main() -> None:
     parser.add_argument("--warmstart-count-share", type=float, default=None,
                         help="share of the long-answer 'count' family in the warm-start data (default: the task's mix)")
     args = parser.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(int(os.environ.get("RLCTL_TORCH_THREADS", "2")))
     warm = WarmStartConfig(model=ModelConfig(), steps=args.warmstart_steps, mix=family_mix(args.warmstart_count_share))
     cache = Path(os.environ.get("RLCTL_CACHE", os.path.expanduser("~/.cache/rlctl")))
     cache.mkdir(parents=True, exist_ok=True)
     init_path = prepare_initial_checkpoint(cache / f"warmstart-{config_hash(args.seed, warm)[:16]}.pt", args.seed, warm)
     stats = length_stats(make_dataset(args.dataset, args.seed, mix=rl_mix(args)))  # expected lengths; generated ones per arm below
+    decode_cost = decode_cost_probe(init_path, args.device)
+    print(f"[tail_batching] decode ms per step by batch size: {decode_cost}", file=sys.stderr, flush=True)
     sync = run_arm(False, args, init_path)
     tail = run_arm(True, args, init_path)
     print(json.dumps({
@@ -161,6 +198,13 @@ def main() -> None:
         "rollout_speedup": round(sync["rollout_s_total"] / max(tail["rollout_s_total"], 1e-9), 3),
         "end_to_end_speedup": round(sync["total_s"] / max(tail["total_s"], 1e-9), 3),
         "final_reward_delta": round(tail["final_reward"] - sync["final_reward"], 4),
+        # Batched decode steps set rollout time where a step costs about the same at any batch size
+        # (a GPU's memory-bound decode); generated tokens set it where a step costs per live row
+        # (this CPU). Both counted, not modelled.
+        "decode_step_ratio": round(sync["decode_steps_total"] / max(tail["decode_steps_total"], 1), 3),
+        "generated_token_ratio": round(sync["generated_tokens_total"] / max(tail["generated_tokens_total"], 1), 3),
+        "device": args.device,
+        "decode_ms_per_step_by_batch": decode_cost,
         "target": "rollout phase >= 2x faster, final reward within noise",
     }))
 

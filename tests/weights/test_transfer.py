@@ -264,3 +264,20 @@ def test_unreachable_holder_is_a_transfer_error() -> None:
               "checksum": "sha256:" + "0" * 64}
     with pytest.raises(WeightTransferError):
         fetch_sync(source, timeout=2.0)
+
+
+@pytest.mark.parametrize("transport", [pytest.param("ucx", marks=needs_ucxx), pytest.param("ucx-sm", marks=needs_ucxx)])
+def test_a_process_that_fetched_over_ucx_sleeps_when_idle(transport: str) -> None:
+    """ucxx 0.52's blocking progress spins a core forever after the first fetch; rlctl's
+    RearmingProgress re-arms the worker, so an idle rollout or standby costs nothing."""
+    holder = HolderProcess(transport)
+    try:
+        source = holder.wait_ready()
+        out = CTX.Queue()
+        joiner = CTX.Process(target=weights_procs.idle_cpu_after_fetch_main, args=(transport, source, 3, 2.0, out))
+        joiner.start()
+        idle_cpu_s = out.get(timeout=PROCESS_WAIT_S)
+        joiner.join(PROCESS_WAIT_S)
+    finally:
+        holder.stop()
+    assert idle_cpu_s < 0.3, f"the joiner used {idle_cpu_s:.2f} CPU-seconds in 2 idle seconds"

@@ -136,3 +136,19 @@ def joiner_main(transport: str, scenarios: list[Scenario], out: mp.Queue) -> Non
         return {name: result for (name, *_), result in zip(scenarios, results, strict=True)}
 
     out.put(asyncio.run(run_all()))
+
+
+def idle_cpu_after_fetch_main(transport: str, source: dict[str, Any], fetches: int, idle_s: float, out: mp.Queue) -> None:
+    """Fetch ``fetches`` times, then report the CPU seconds this process used while idle for ``idle_s``."""
+    import resource
+
+    set_env(transport)
+    from rlctl.weights import fetch_sync
+
+    for _ in range(fetches):
+        fetch_sync(source, timeout=30)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    before = usage.ru_utime + usage.ru_stime
+    time.sleep(idle_s)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out.put(usage.ru_utime + usage.ru_stime - before)
