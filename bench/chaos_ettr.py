@@ -111,6 +111,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         "detection_s": {k: percentiles(v) for k, v in sorted(detection.items())},
         "recovery_s": {k: percentiles(v) for k, v in sorted(recovery.items())},
         "time_per_step_s": round(report["wall_s"] / max(report["steps"], 1), 3),
+        "faults": [{k: fault[k] for k in ("kind", "node", "slot", "verdict", "action", "detection_s", "recovery_s")}
+                   for fault in report["faults"]],
     }
 
 

@@ -368,7 +368,7 @@ class JobModel:
             return
         if slot.life is not None and slot.life.state == WorkerState.STARTING:
             slot.life.move(WorkerState.RUNNING, ev.at, "reported a phase")
-        if slot.role == "reward" and phase in ("waiting-for-work", "scoring"):
+        if (slot.role == "reward" and phase in ("waiting-for-work", "scoring")) or (slot.standby and phase == "standby"):
             self._recover_slot(slot, ev.at)
 
     def _on_WorkerExited(self, ev: Event) -> None:
@@ -389,7 +389,7 @@ class JobModel:
 
     def _on_FaultInjected(self, ev: Event) -> None:
         d = ev.data
-        slot = self.slot_on_node(d["node"])
+        slot = self.slot_on_node(d["node"]) or next(iter(self.slots_on_node(d["node"])), None)
         self.faults[d["fault_id"]] = FaultRecord(
             fault_id=d["fault_id"],
             kind=d["kind"],

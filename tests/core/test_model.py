@@ -58,6 +58,22 @@ def test_the_trainer_state_is_offered_only_while_its_publisher_runs() -> None:
     assert model.live_trainer_state() is None  # its server died with it: a standby must not wait on it
 
 
+def test_a_crashed_warm_standby_is_recovered_once_its_restart_is_standing_by_again() -> None:
+    model = running_job()
+    standby = model.slots["standby-0"]
+    model.apply(event("FaultInjected", 20.0, fault_id="f1", node="node05", kind="crash", params={}))
+    assert model.faults["f1"].slot == "standby-0" and model.faults["f1"].impact == 0.0
+    model.apply(event("WorkerExited", 20.1, slot="standby-0", wid=standby.wid, exit_code=None, signal="SIGKILL"))
+    model.apply(event("Verdict", 20.2, node="node05", slot="standby-0", verdict="failed", fault="f1",
+                      fault_kind="worker-crash", action="restart-worker", reason="died", evidence_since=20.0))
+    wid = model.next_wid("standby-0")
+    model.apply(event("WorkerStarting", 20.3, slot="standby-0", wid=wid, node="node05", role="trainer", standby=True))
+    model.apply(event("WorkerPhase", 21.0, slot="standby-0", wid=wid, phase="loading", step=0))
+    assert model.faults["f1"].recovered_at is None
+    model.apply(event("WorkerPhase", 25.0, slot="standby-0", wid=wid, phase="standby", step=0))
+    assert model.faults["f1"].recovered_at == 25.0
+
+
 def test_a_fault_free_run_through_every_idle_phase_raises_no_verdict() -> None:
     bounds = {"generating": 2.0, "training": 2.0, "weight-sync": 5.0, "checkpointing": 5.0, "compiling": 5.0,
               "loading": 5.0, "waiting-for-work": 5.0, "waiting-for-batch": 5.0, "scoring": 2.0}
