@@ -65,6 +65,7 @@ class Recovery:
         skip_states = (NodeState.FAILED, NodeState.DRAINING, NodeState.RELEASED, NodeState.ALLOCATING,
                        NodeState.STARTING)
         in_grace = self.c.resume and now - self.c.resumed_at < RESUME_GRACE_S
+        candidates = []
         for node in list(model.nodes.values()):
             beat = node.last_heartbeat_at
             if beat is not None and beat > heard_after and not node.gpus_lost:
@@ -73,6 +74,12 @@ class Recovery:
                 continue
             if in_grace and not self.c.hub.connected(node.name):
                 continue
+            candidates.append(node)
+        judged = ({n.name: n.last_heartbeat_at for n in model.nodes.values()
+                   if n.last_heartbeat_at is not None and n.life.state not in skip_states} if candidates else {})
+        if self.c.detector.observer_stall(judged, now):
+            candidates = [n for n in candidates if n.gpus_lost]  # everyone quiet at once: not the nodes
+        for node in candidates:
             probe = self.c.probes.get(node.name)
             obs = det.NodeObs(
                 name=node.name,

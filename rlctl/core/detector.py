@@ -64,6 +64,8 @@ class DetectorConfig:
     slow_window_s: float
     lag_limit_s: float = 0.5
     poll_silence_s: float = 8.0
+    # every node quiet at once is blamed on the observer for at most this long (see observer_stall)
+    correlated_silence_hold_s: float = 5.0
 
 
 def config_from_spec(ft: "FaultToleranceSpec") -> DetectorConfig:
@@ -147,6 +149,7 @@ class Detector:
         self.config = config
         self._beats: dict[str, _HeartbeatHistory] = {}
         self._rates: dict[str, _Throughput] = {}
+        self._all_quiet_since: float | None = None
 
     # ------------------------------------------------------------------------------ inputs
 
@@ -182,6 +185,21 @@ class Detector:
         # Solve phi(t) = threshold for t: z = Φ^-1(1 - 10^-threshold).
         z = _inverse_upper_tail(10.0 ** (-cfg.phi_threshold))
         return max(cfg.min_silence_s, mean + z * std)
+
+    def observer_stall(self, last_heartbeats: Mapping[str, float], now: float) -> bool:
+        """True while every judged node (three or more) has been quiet at once, so that no node is
+        blamed: independent machines do not fall silent together; the observer does (its loop or
+        host paused, its own link down, the agents' shared host starved). Quiet: no heartbeat for
+        half the pause floor (at least 1.5 intervals). A silence that lasts past
+        ``correlated_silence_hold_s`` is judged node by node again (a real outage of everything)."""
+        cfg = self.config
+        quiet_s = max(1.5 * cfg.heartbeat_interval_s, 0.5 * cfg.min_silence_s)
+        if len(last_heartbeats) >= 3 and all(now - last >= quiet_s for last in last_heartbeats.values()):
+            if self._all_quiet_since is None:
+                self._all_quiet_since = now
+            return now - self._all_quiet_since < cfg.correlated_silence_hold_s
+        self._all_quiet_since = None
+        return False
 
     def heartbeat_verdict(self, node: NodeObs, now: float, controller_lag_s: float) -> Verdict | None:
         """Node loss, partition or a lost agent, from silence plus the second-path probe."""

@@ -154,3 +154,15 @@ def test_a_worker_that_waits_for_work_is_not_judged_slow() -> None:
         workers = [WorkerObs(f"rollout-{i}", w, "rollout", f"n{i}", "generating", 0, 0.0) for i, w in enumerate(made)]
         verdicts += [v for v in d.slow_verdicts(workers, t)]
     assert {v.slot for v in verdicts} == {"rollout-3"}, verdicts
+
+
+def test_every_node_quiet_at_once_is_blamed_on_the_observer_for_a_while() -> None:
+    d = detector(heartbeat_interval_s=0.5, min_silence_s=1.5, correlated_silence_hold_s=5.0)
+    beats = {"node01": 100.0, "node02": 100.1, "node03": 100.2}
+    assert not d.observer_stall(beats, 100.5)  # heard lately: nothing to explain
+    assert d.observer_stall(beats, 101.6)  # all quiet >= 0.75 s at once: the observer stalled
+    assert d.observer_stall(beats, 105.0)
+    assert not d.observer_stall(beats, 106.7)  # quiet past the hold: judged node by node again
+    assert not d.observer_stall({**beats, "node03": 106.6}, 106.8)  # one node heard: the others are silent themselves
+    assert not d.observer_stall({"node01": 100.0, "node02": 100.0}, 103.0)  # two nodes tell nothing
+    assert d.observer_stall(beats, 110.0)  # a new stall starts a new hold
