@@ -45,6 +45,7 @@ class Recovery:
         self._worker_slice = 1
         self._round_obs: list[det.WorkerObs] = []
         self._round_rates: dict[str, float | None] = {}
+        self._observer_stalled = False
 
     # ------------------------------------------------------------------------------ detect
 
@@ -77,7 +78,15 @@ class Recovery:
             candidates.append(node)
         judged = ({n.name: n.last_heartbeat_at for n in model.nodes.values()
                    if n.last_heartbeat_at is not None and n.life.state not in skip_states} if candidates else {})
-        if self.c.detector.observer_stall(judged, now):
+        stalled = self.c.detector.observer_stall(judged, now)
+        if stalled != self._observer_stalled:
+            self._observer_stalled = stalled
+            if stalled:
+                log.warning("all %d nodes went quiet at once: holding node verdicts (the controller's host or link "
+                            "is the likelier fault)", len(judged))
+            else:
+                log.warning("node heartbeats are judged one by one again")
+        if stalled:
             candidates = [n for n in candidates if n.gpus_lost]  # everyone quiet at once: not the nodes
         for node in candidates:
             probe = self.c.probes.get(node.name)

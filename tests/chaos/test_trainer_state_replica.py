@@ -20,15 +20,17 @@ def test_standby_resumes_the_trainer_from_its_in_memory_copy(tmp_path: Path) -> 
     launched = rlctl_json(state_dir, "launch", str(write_job(tmp_path, name="replica", checkpoint_every=1000)))
     job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
     try:
-        def copied() -> dict | None:
+        def standing_by() -> dict | None:
             s = status(state_dir, job)
-            if not s or s["job"]["step"] < 4:
-                return None
-            events = list(Journal(jobdir.journal, readonly=True).read())
-            offered = [e.data["version"] for e in events if e.type == "WeightsPublished" and "state_source" in e.data]
-            return s if offered else None
+            ready = s and s["job"]["step"] >= 4 and any(n["phase"] == "standby" for n in s["nodes"])
+            return s if ready else None
 
-        snap = wait_for(copied, 240, "four steps with the trainer state offered")
+        # The standby copies each offer within a poll (0.3 s) once it has loaded: two more steps.
+        ready_at = wait_for(standing_by, 240, "four steps and a loaded warm standby")["job"]["step"]
+        snap = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["step"] >= ready_at + 2 and s, 120,
+                        "two more steps with the standby loaded")
+        events = list(Journal(jobdir.journal, readonly=True).read())
+        assert [e for e in events if e.type == "WeightsPublished" and "state_source" in e.data], "no state offered"
         trainer = next(n["name"] for n in snap["nodes"] if n["role"] == "trainer")
         step_at_fault = snap["job"]["step"]
         fault = rlctl_json(state_dir, "inject-fault", trainer, "--job", job, "--kind", "crash")
