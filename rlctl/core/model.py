@@ -488,8 +488,7 @@ class JobModel:
             self.published_version = version
             self.published_checksum = str(ev.data["source"].get("checksum", ""))
         state_source = ev.data.get("state_source")
-        publisher = self.slots.get(ev.data["slot"])
-        if isinstance(state_source, dict) and publisher is not None:
+        if isinstance(state_source, dict) and (publisher := self.slots.get(ev.data["slot"])) is not None:
             self.trainer_state = TrainerStateOffer(version, publisher.slot, publisher.wid, dict(state_source))
         self.productive_at_version.setdefault(version, self.ledger.seconds["productive"])
         for old in [v for v in self.weights_holders if v < version - 1]:

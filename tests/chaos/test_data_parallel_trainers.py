@@ -10,7 +10,15 @@ import pytest
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, status, wait_for, write_job
+from tests.integration.helpers import (
+    kill_everything_under,
+    rlctl,
+    rlctl_json,
+    status,
+    wait_for,
+    wait_recovered,
+    write_job,
+)
 
 
 @pytest.mark.slow
@@ -32,12 +40,8 @@ def test_two_trainer_ranks_train_together_and_restart_together(tmp_path: Path) -
         fault = rlctl_json(state_dir, "inject-fault", trainers["trainer-1"], "--job", job, "--kind", "crash")
         step_at_fault = snap["job"]["step"]
 
-        def recovered() -> dict | None:
-            s = status(state_dir, job)
-            done = any(f["fault_id"] == fault["fault_id"] and f.get("recovered_at") for f in s["faults"])
-            return s if done and s["job"]["step"] >= step_at_fault + 3 else None
-
-        wait_for(recovered, 240, "the trainer group restarted and three more steps")
+        wait_recovered(state_dir, job, [fault["fault_id"]], step_at_fault + 3, 240,
+                       "the trainer group restarted and three more steps")
         events = list(Journal(jobdir.journal, readonly=True).read())
         verdict = next(e for e in events if e.type == "Verdict" and e.data.get("slot") == "trainer-1")
         restarted = [e.data["slot"] for e in events[events.index(verdict):]

@@ -9,7 +9,15 @@ import pytest
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, status, wait_for, write_job
+from tests.integration.helpers import (
+    kill_everything_under,
+    rlctl,
+    rlctl_json,
+    status,
+    wait_for,
+    wait_recovered,
+    write_job,
+)
 
 
 @pytest.mark.slow
@@ -25,13 +33,8 @@ def test_trainer_and_rollout_fail_together(tmp_path: Path) -> None:
         second = rlctl_json(state_dir, "inject-fault", rollout, "--job", job, "--kind", "node-down")
         step_at_fault = snap["job"]["step"]
 
-        def both_recovered() -> dict | None:
-            s = status(state_dir, job)
-            faults = {f["fault_id"]: f for f in s["faults"]}
-            done = all(faults.get(i, {}).get("recovered_at") for i in (first["fault_id"], second["fault_id"]))
-            return s if done and s["job"]["step"] >= step_at_fault + 3 else None
-
-        final = wait_for(both_recovered, 120, "both faults recovered and three more steps")
+        final = wait_recovered(state_dir, job, [first["fault_id"], second["fault_id"]], step_at_fault + 3, 120,
+                               "both faults recovered and three more steps")
         assert final["job"]["state"] in ("running", "recovering")
         events = list(Journal(jobdir.journal, readonly=True).read())
         assert not [e for e in events if e.type == "SchedulerRolledBack"]

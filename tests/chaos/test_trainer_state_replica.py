@@ -10,7 +10,15 @@ import pytest
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, status, wait_for, write_job
+from tests.integration.helpers import (
+    kill_everything_under,
+    rlctl,
+    rlctl_json,
+    status,
+    wait_for,
+    wait_recovered,
+    write_job,
+)
 
 
 @pytest.mark.slow
@@ -35,12 +43,8 @@ def test_standby_resumes_the_trainer_from_its_in_memory_copy(tmp_path: Path) -> 
         step_at_fault = snap["job"]["step"]
         fault = rlctl_json(state_dir, "inject-fault", trainer, "--job", job, "--kind", "crash")
 
-        def recovered() -> dict | None:
-            s = status(state_dir, job)
-            done = any(f["fault_id"] == fault["fault_id"] and f.get("recovered_at") for f in s["faults"])
-            return s if done and s["job"]["step"] >= step_at_fault + 3 else None
-
-        wait_for(recovered, 180, "the standby took over and three more steps")
+        wait_recovered(state_dir, job, [fault["fault_id"]], step_at_fault + 3, 180,
+                       "the standby took over and three more steps")
         events = list(Journal(jobdir.journal, readonly=True).read())
         assert not [e for e in events if e.type == "Checkpointed"]
         verdict = next(e for e in events if e.type == "Verdict" and e.data.get("slot") == "trainer-0")

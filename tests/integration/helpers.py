@@ -50,6 +50,18 @@ def status(state_dir: Path, job: str) -> dict[str, Any]:
     return rlctl_json(state_dir, "status", job)
 
 
+def wait_recovered(state_dir: Path, job: str, fault_ids: list[str], min_step: int, timeout: float,
+                   what: str) -> dict[str, Any]:
+    """The job's status once every fault in ``fault_ids`` is recovered and it reached ``min_step``."""
+    def done() -> dict[str, Any] | None:
+        snap = status(state_dir, job)
+        faults = {f["fault_id"]: f for f in snap["faults"]}
+        recovered = all(faults.get(i, {}).get("recovered_at") for i in fault_ids)
+        return snap if recovered and snap["job"]["step"] >= min_step else None
+
+    return wait_for(done, timeout, what)
+
+
 def processes_under(path: Path) -> list[int]:
     """PIDs whose working directory or command line is inside ``path`` (what a job leaves behind)."""
     found = []
