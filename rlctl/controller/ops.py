@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlctl.core.events import Event, event
 from rlctl.core.model import SlotRecord
+from rlctl.core.states import WorkerState
 
 if TYPE_CHECKING:
     from rlctl.controller.server import Controller
@@ -50,7 +51,7 @@ class DataOps:
         rnd = scheduler.round
         if self.c.model.life.state.terminal or self.c.stopping:
             return {"stop": True}
-        if rnd is None or rnd.closed or slot.slot in self.c.routed_away:
+        if rnd is None or rnd.closed or slot.slot in self.c.routed_away or not self._takes_work(slot):
             return {"wait_s": WAIT_S}
         held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "inflight"]
         if not held:
@@ -97,7 +98,7 @@ class DataOps:
         rnd = scheduler.round
         if self.c.model.life.state.terminal or self.c.stopping:
             return {"stop": True}
-        if rnd is None or rnd.closed:
+        if rnd is None or rnd.closed or not self._takes_work(slot):
             return {"wait_s": WAIT_S}
         held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "scoring"]
         if not held:
@@ -193,10 +194,8 @@ class DataOps:
         events: list[Event] = []
         if "metrics" in args and version - 1 not in self.c.model.step_metrics:
             events.append(event("StepTrained", now, step=version - 1, metrics=dict(args["metrics"])))
-        published = event("WeightsPublished", now, version=version, slot=slot.slot, source=dict(args["source"]))
-        if isinstance(args.get("state_source"), dict):
-            published.data["state_source"] = dict(args["state_source"])
-        events.append(published)
+        state = {"state_source": dict(args["state_source"])} if isinstance(args.get("state_source"), dict) else {}
+        events.append(event("WeightsPublished", now, version=version, slot=slot.slot, source=dict(args["source"]), **state))
         self.c.commit(events)
         self.c.on_weights_published(version, now)
         return {}
@@ -233,6 +232,12 @@ class DataOps:
     def op_job_info(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         model = self.c.model
         return {"step": model.step, "total_steps": model.total_steps, "state": model.life.state.value}
+
+    @staticmethod
+    def _takes_work(slot: SlotRecord) -> bool:
+        """A worker being stopped, failed or gone gets no new items: its items were released when
+        the recovery stopped it, and any given now would stay in flight with a wid nobody holds."""
+        return slot.life is None or slot.life.state not in (WorkerState.STOPPING, WorkerState.FAILED, WorkerState.EXITED)
 
     @staticmethod
     def _require(slot: SlotRecord, role: str) -> None:
