@@ -79,7 +79,12 @@ class DataOps:
         }
 
     def op_rollout_poll(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """Between decode chunks: store the samples that finished (``results``, optional), then
+        say which of the still-running ``item_ids`` to cancel."""
         self._require(slot, "rollout")
+        results = list(args.get("results", []))
+        if results:
+            self.c.commit_decided(self.c.scheduler.submit(slot.slot, slot.wid or "", results, now))
         return {"cancel": self.c.scheduler.cancelled_among([str(i) for i in args.get("item_ids", [])])}
 
     def op_rollout_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:

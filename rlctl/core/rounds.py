@@ -166,6 +166,13 @@ class RoundScheduler:
         chosen = list(self.pool)[:count]
         return self._emit(out, self._round_event(step, kind, chosen, at))
 
+    def start_long_round(self, step: int, at: float) -> list[Event]:
+        """Open a long round now with what the long queue holds (up to ``long_batch``), full or
+        not: settles deferred prompts at the end of a run. Nothing when the queue is empty."""
+        if not self.long_queue:
+            return []
+        return self._emit([], self._round_event(step, "long", self.long_queue[: self.config.long_batch], at))
+
     def dispatch(self, slot: str, wid: str, capacity: int, at: float) -> list[Event]:
         """Hand up to ``capacity`` pending samples of the open round to rollout worker ``wid``."""
         rnd = self.round

@@ -2,7 +2,8 @@
 
 It holds the newest weights it received (so it can serve any joiner: a new rollout or a
 restored trainer), generates the items the controller hands it with their per-sample seeds,
-checks for cancellations between decode chunks, and reports tokens generated as progress.
+and between decode chunks sends the samples that finished and asks which running ones to cancel
+(a short round closes as soon as its batch is full). It reports tokens generated as progress.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 from rlctl import worker
 from rlctl.roles.common import RoleSettings, model_config, setup_torch, wait_or_stop
 
-CHUNK_TOKENS = 8
+# Decode steps between a worker's polls: each poll is one request to the controller.
+CHUNK_TOKENS = 4
 FETCH_ATTEMPTS = 5
 # A holder may die mid-transfer without the transport noticing: bound each attempt by the bytes
 # it moves at a pessimistic rate, then ask the controller for another holder.
@@ -86,27 +88,33 @@ class Rollout:
         self.w.notify("weights.held", version=got, source=descriptor)
 
     def generate(self, work: dict[str, Any]) -> list[dict[str, Any]]:
-        from rlctl.workload.engine import GenRequest
+        """Generate ``work``'s items. Finished samples go to the controller with each cancellation
+        poll, so it can score them and close the round while the rest still decode; returns the
+        ones not yet sent."""
+        from rlctl.workload.engine import GenRequest, GenResult
 
         self.w.phase("generating", self.step)
         requests = [GenRequest(i["item_id"], list(i["prompt_tokens"]), int(i["seed"])) for i in work["items"]]
+        version = int(work["weights_version"])
         base = self.tokens_generated
+        unsent: list[dict[str, Any]] = []
+
+        def on_finished(results: list[GenResult]) -> None:
+            unsent.extend({"item_id": r.item_id, "response_tokens": r.response_tokens, "truncated": r.truncated,
+                           "weights_version": version} for r in results)
 
         def should_cancel(active: list[str]) -> set[str]:
             stats = self.engine.last_stats
-            self.w.progress(base + stats.decode_steps * max(len(active), 1))
-            reply = self.w.request("rollout.poll", item_ids=active)
+            self.w.progress(base + stats.generated_tokens)
+            reply = self.w.request("rollout.poll", item_ids=active, results=list(unsent))
+            unsent.clear()
             return set(reply.get("cancel", [])) if reply else set()
 
         results = self.engine.generate(requests, int(work["max_new_tokens"]), should_cancel=should_cancel,
-                                       chunk_tokens=CHUNK_TOKENS)
+                                       chunk_tokens=CHUNK_TOKENS, on_finished=on_finished)
         self.tokens_generated = base + sum(len(r.response_tokens) for r in results)
         self.w.progress(self.tokens_generated)
-        return [
-            {"item_id": r.item_id, "response_tokens": r.response_tokens, "truncated": r.truncated,
-             "weights_version": int(work["weights_version"])}
-            for r in results
-        ]
+        return list(unsent)
 
     def run(self) -> int:
         capacity = int(self.settings.get("worker_batch", 16))

@@ -5,6 +5,11 @@ holds one engine, loads each published weights version into it and generates in 
 controller may cancel items between decode chunks (tail batching stops a round when its batch is
 full and sends in-flight extras back to the pool).
 
+Finished rows are reported as they finish, not only when the call returns: ``on_finished`` is
+called at every chunk boundary with the results that finished since the last call (and once more
+at the end), so a rollout worker can hand samples to the controller while the rest of its batch
+is still decoding. That is what lets a short round close the moment its batch is full.
+
 ``TorchEngine`` is a plain batched decoder: left padding plus an attention mask, a KV cache, and
 rows that finish (EOS, length cap, cancellation) are removed from the batch so they stop costing
 compute. The batch still runs until its longest row is done, so one long response holds the
@@ -25,6 +30,7 @@ from rlctl.workload.model import CausalLM, positions_from_mask
 from rlctl.workload.task import EOS_ID, PAD_ID
 
 CancelCheck = Callable[[list[str]], set[str]]
+FinishedSink = Callable[[list["GenResult"]], None]
 
 
 @dataclass(frozen=True)
@@ -77,11 +83,35 @@ class GenerationEngine(Protocol):
     def load_state_dict(self, state: dict[str, Tensor], version: int) -> None: ...
 
     def generate(self, requests: list[GenRequest], max_new_tokens: int,
-                 should_cancel: CancelCheck | None = None, chunk_tokens: int = 16) -> list[GenResult]: ...
+                 should_cancel: CancelCheck | None = None, chunk_tokens: int = 16,
+                 on_finished: FinishedSink | None = None) -> list[GenResult]: ...
 
 
-def sample_rows(logits: Tensor, generators: list[torch.Generator], config: SamplingConfig) -> Tensor:
-    """One token per row, row ``i`` drawn with ``generators[i]`` (on CPU, in float32)."""
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2**32). The low 32
+    bits of an int64 product are exact even where the product wraps, and masking keeps every
+    value non-negative, so the shifts are logical."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def sample_uniforms(seeds: Tensor, step: int) -> Tensor:
+    """One uniform in (0, 1) per row, a pure function of the row's seed and the decode step
+    (counter-based, so a row's stream does not depend on the other rows or on any state)."""
+    counter = _mix32(torch.full_like(seeds, (step * 0x9E3779B9 + 0x7F4A7C15) & _MASK32))
+    bits = _mix32(_mix32(seeds & _MASK32) ^ counter)
+    return (bits.to(torch.float64) + 0.5) / 2.0**32
+
+
+def sample_rows(logits: Tensor, seeds: Tensor, step: int, config: SamplingConfig) -> Tensor:
+    """One token per row, row ``i`` drawn with uniform ``sample_uniforms(seeds, step)[i]`` by
+    inverting its CDF; on CPU, in float32 probabilities, whatever device made the logits."""
     logits = logits.detach().to("cpu", torch.float32)
     if config.temperature <= 0:
         return logits.argmax(dim=-1)
@@ -89,8 +119,12 @@ def sample_rows(logits: Tensor, generators: list[torch.Generator], config: Sampl
     if 0 < config.top_k < logits.shape[-1]:
         threshold = logits.topk(config.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+    cdf = torch.softmax(logits, dim=-1).to(torch.float64).cumsum(dim=-1)
+    uniforms = sample_uniforms(seeds, step).unsqueeze(1) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, uniforms, right=True).squeeze(1)
+    # A uniform in the rounding gap above the last nonzero CDF step would land on a zero-probability tail.
+    last_possible = (cdf < cdf[:, -1:]).sum(dim=-1)
+    return torch.minimum(tokens, last_possible)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -111,7 +145,7 @@ class _Batch:
     def __init__(self, requests: list[GenRequest], mask: Tensor, cache: object) -> None:
         self.requests = list(requests)
         self.responses: list[list[int]] = [[] for _ in requests]
-        self.generators = [torch.Generator().manual_seed(r.seed) for r in requests]
+        self.seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
         self.mask = mask
         self.next_position = mask.sum(dim=-1)
         self.cache = cache
@@ -120,7 +154,7 @@ class _Batch:
         index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
         self.requests = [self.requests[i] for i in rows]
         self.responses = [self.responses[i] for i in rows]
-        self.generators = [self.generators[i] for i in rows]
+        self.seeds = self.seeds.index_select(0, index.cpu())
         self.mask = self.mask.index_select(0, index)
         self.next_position = self.next_position.index_select(0, index)
         self.cache.select(index)  # type: ignore[attr-defined]
@@ -129,9 +163,10 @@ class _Batch:
 class TorchEngine:
     """Batched KV-cache sampling from a torch ``CausalLM`` with per-sample seeds.
 
-    Reproducibility contract: each row samples from its own ``torch.Generator`` seeded with its
-    request's ``seed``, on CPU, so the random stream of a sample does not depend on the other
-    rows, on the device, or on which worker runs it. Guaranteed: the same request, in the same
+    Reproducibility contract: row ``i``'s token at decode step ``t`` is drawn with a uniform that
+    is a hash of its request's ``seed`` and ``t`` (``sample_uniforms``), on CPU, so the random
+    stream of a sample does not depend on the other rows, on the device, or on which worker runs
+    it, and a whole batch is sampled in a few tensor operations. Guaranteed: the same request, in the same
     batch composition (same requests in the same order), with the same weights, sampling config
     and ``max_new_tokens``, gives identical tokens, on any engine instance. In a different
     batch composition the random stream is the same but logits may differ in the last bits
@@ -160,11 +195,14 @@ class TorchEngine:
 
     @torch.inference_mode()
     def generate(self, requests: list[GenRequest], max_new_tokens: int,
-                 should_cancel: CancelCheck | None = None, chunk_tokens: int = 16) -> list[GenResult]:
+                 should_cancel: CancelCheck | None = None, chunk_tokens: int = 16,
+                 on_finished: FinishedSink | None = None) -> list[GenResult]:
         """Sample a response for every request; results keep request order, cancelled ones are left out.
 
-        Blocking. ``should_cancel(active_item_ids)`` is called every ``chunk_tokens`` decode steps
-        with the items still running; those it returns are dropped at once.
+        Blocking. Every ``chunk_tokens`` decode steps, ``on_finished(results)`` gets the rows that
+        finished since its last call, then ``should_cancel(active_item_ids)`` is asked about the
+        rows still running; those it returns are dropped at once. ``on_finished`` sees every
+        returned result exactly once (the last ones just before the call returns).
         """
         started = time.perf_counter()
         self.last_stats = GenerationStats(batch_size=len(requests))
@@ -173,19 +211,26 @@ class TorchEngine:
         if len({r.item_id for r in requests}) != len(requests):
             raise ValueError("item_id values must be unique within a generate call")
         finished: dict[str, GenResult] = {}
+        unreported: list[GenResult] = []
         batch, logits = self._prefill(requests, max_new_tokens)
         for step in range(1, max_new_tokens + 1):
-            tokens = sample_rows(logits, batch.generators, self.sampling)
+            tokens = sample_rows(logits, batch.seeds, step, self.sampling)
             self.last_stats.decode_steps = step
-            keep = self._record(batch, tokens.tolist(), step == max_new_tokens, finished)
-            if keep and should_cancel is not None and step % chunk_tokens == 0:
-                keep = self._apply_cancel(batch, keep, should_cancel)
+            keep = self._record(batch, tokens.tolist(), step == max_new_tokens, finished, unreported)
+            if keep and step % max(1, chunk_tokens) == 0:
+                if on_finished is not None and unreported:
+                    on_finished(unreported)
+                    unreported = []
+                if should_cancel is not None:
+                    keep = self._apply_cancel(batch, keep, should_cancel)
             if not keep:
                 break
             if len(keep) < len(batch.requests):
                 tokens = tokens[keep]
                 batch.keep(keep)
             logits = self._decode_step(batch, tokens)
+        if on_finished is not None and unreported:
+            on_finished(unreported)
         self.last_stats.seconds = time.perf_counter() - started
         return [finished[r.item_id] for r in requests if r.item_id in finished]
 
@@ -206,7 +251,8 @@ class TorchEngine:
                             position_ids=positions, cache=batch.cache)
         return logits[:, -1]
 
-    def _record(self, batch: _Batch, tokens: list[int], last_step: bool, finished: dict[str, GenResult]) -> list[int]:
+    def _record(self, batch: _Batch, tokens: list[int], last_step: bool, finished: dict[str, GenResult],
+                unreported: list[GenResult]) -> list[int]:
         """Append each row's token; move rows that ended to ``finished``; return rows to keep."""
         keep: list[int] = []
         for row, token in enumerate(tokens):
@@ -215,7 +261,9 @@ class TorchEngine:
             self.last_stats.generated_tokens += 1
             if token == self.sampling.eos_id or last_step:
                 item_id = batch.requests[row].item_id
-                finished[item_id] = GenResult(item_id, response, truncated=token != self.sampling.eos_id)
+                result = GenResult(item_id, response, truncated=token != self.sampling.eos_id)
+                finished[item_id] = result
+                unreported.append(result)
                 self.last_stats.row_lengths.append(len(response))
             else:
                 keep.append(row)

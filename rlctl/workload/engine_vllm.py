@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlctl.workload.engine import CancelCheck, GenerationStats, GenRequest, GenResult, SamplingConfig
+from rlctl.workload.engine import CancelCheck, FinishedSink, GenerationStats, GenRequest, GenResult, SamplingConfig
 from rlctl.workload.model import GPT, ModelConfig
 
 ARCHITECTURE = "RlctlGPTForCausalLM"
@@ -374,8 +374,12 @@ class VllmEngine:
             raise ValueError(f"state dict does not match {ARCHITECTURE}: missing {missing[:3]}, unknown {unknown[:3]}")
 
     def generate(self, requests: list[GenRequest], max_new_tokens: int,
-                 should_cancel: CancelCheck | None = None, chunk_tokens: int = 16) -> list[GenResult]:
-        """Sample a response per request with its own seed; see the module docstring. Blocking."""
+                 should_cancel: CancelCheck | None = None, chunk_tokens: int = 16,
+                 on_finished: FinishedSink | None = None) -> list[GenResult]:
+        """Sample a response per request with its own seed; see the module docstring. Blocking.
+
+        ``on_finished`` and ``should_cancel`` are called every ``chunk_tokens`` engine steps, as in
+        ``TorchEngine.generate``."""
         started = time.perf_counter()
         self.last_stats = GenerationStats(batch_size=len(requests))
         if not requests or max_new_tokens <= 0:
@@ -385,12 +389,12 @@ class VllmEngine:
         if self._asleep:
             raise RuntimeError("the engine is asleep: call wake_up() first")
         self._phase("generating")
-        finished = self._run(requests, max_new_tokens, should_cancel, max(1, chunk_tokens))
+        finished = self._run(requests, max_new_tokens, should_cancel, max(1, chunk_tokens), on_finished)
         self.last_stats.seconds = time.perf_counter() - started
         return [finished[r.item_id] for r in requests if r.item_id in finished]
 
     def _run(self, requests: list[GenRequest], max_new_tokens: int, should_cancel: CancelCheck | None,
-             chunk_tokens: int) -> dict[str, GenResult]:
+             chunk_tokens: int, on_finished: FinishedSink | None) -> dict[str, GenResult]:
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
@@ -399,6 +403,7 @@ class VllmEngine:
                                _sampling_params(self.sampling, request, max_new_tokens))
         active = {r.item_id for r in requests}
         finished: dict[str, GenResult] = {}
+        reported = 0
         step = 0
         while engine.has_unfinished_requests():
             for output in engine.step():
@@ -406,8 +411,14 @@ class VllmEngine:
                     self._finish(output, active, finished)
             step += 1
             self.last_stats.decode_steps = step
-            if should_cancel is not None and active and step % chunk_tokens == 0:
-                self._cancel(engine, active, should_cancel)
+            if active and step % chunk_tokens == 0:
+                if on_finished is not None and len(finished) > reported:
+                    on_finished(list(finished.values())[reported:])
+                    reported = len(finished)
+                if should_cancel is not None:
+                    self._cancel(engine, active, should_cancel)
+        if on_finished is not None and len(finished) > reported:
+            on_finished(list(finished.values())[reported:])
         return finished
 
     def _finish(self, output: Any, active: set[str], finished: dict[str, GenResult]) -> None:

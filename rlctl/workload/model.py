@@ -74,8 +74,9 @@ class KVCache:
     def __init__(self, n_layers: int, batch_size: int, n_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (n_layers, batch_size, n_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialised: only positions below ``length`` are ever read, and each is written first.
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
         self.n_layers = n_layers
         self.max_len = max_len
         self.length = 0
@@ -91,8 +92,17 @@ class KVCache:
         return self.keys[layer, :, :, :new_len], self.values[layer, :, :, :new_len]
 
     def select(self, rows: Tensor) -> None:
-        self.keys = self.keys.index_select(1, rows)
-        self.values = self.values.index_select(1, rows)
+        """Keep ``rows``; copies only the filled prefix (a batch drops rows while most of
+        ``max_len`` is still empty)."""
+        self.keys = self._select(self.keys, rows)
+        self.values = self._select(self.values, rows)
+
+    def _select(self, buffer: Tensor, rows: Tensor) -> Tensor:
+        shape = list(buffer.shape)
+        shape[1] = rows.numel()
+        kept = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
+        kept[:, :, :, : self.length] = buffer[:, :, :, : self.length].index_select(1, rows)
+        return kept
 
 
 class CausalLM(Protocol):

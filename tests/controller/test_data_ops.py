@@ -12,9 +12,9 @@ from tests.core.test_policy import running_job
 from tests.core.test_rounds import make_scheduler
 
 
-def _ops() -> tuple[DataOps, SimpleNamespace]:
+def _ops(tail: bool = False) -> tuple[DataOps, SimpleNamespace]:
     model = running_job()
-    scheduler = make_scheduler(tail=False)
+    scheduler = make_scheduler(tail=tail)
     committed: list[Event] = []
     controller = SimpleNamespace(model=model, scheduler=scheduler, stopping=False, routed_away=set(),
                                  commit_decided=committed.extend, weights_source=lambda version, exclude_slot: None)
@@ -30,3 +30,24 @@ def test_a_running_rollout_gets_items_and_a_stopping_one_does_not() -> None:
     assert ops.op_rollout_get_work(rollout_1, {"capacity": 2}, 2.1) == {"wait_s": 0.2}
     assert not [s for s in c.scheduler.round.samples.values() if s.wid == rollout_1.wid]
 
+
+
+def test_samples_sent_with_a_poll_close_a_full_short_round_and_the_rest_are_cancelled() -> None:
+    ops, c = _ops(tail=True)
+    rollout, reward = c.model.slots["rollout-0"], c.model.slots["reward-0"]
+    rnd = c.scheduler.round
+    assert rnd.kind == "short" and rnd.target_groups == 4 and len(rnd.prompt_ids) == 6  # 4 prompts x 1.5
+    items = ops.op_rollout_get_work(rollout, {"capacity": 64}, 2.0)["items"]
+    finished_prompts = rnd.prompt_ids[:4]
+    finished = [{"item_id": i["item_id"], "response_tokens": [5, 2], "truncated": False, "weights_version": 0}
+                for i in items if i["prompt_id"] in finished_prompts]
+    running = [i["item_id"] for i in items if i["prompt_id"] not in finished_prompts]
+    reply = ops.op_rollout_poll(rollout, {"item_ids": running, "results": finished}, 2.1)
+    assert reply == {"cancel": []}  # stored, but not scored yet: the batch is not full
+    to_score = ops.op_reward_get_work(reward, {"capacity": 64}, 2.2)["items"]
+    assert {i["item_id"] for i in to_score} == {r["item_id"] for r in finished}
+    ops.op_reward_submit(reward, {"scores": [{"item_id": i["item_id"], "reward": 1.0, "correct": True}
+                                             for i in to_score]}, 2.3)
+    assert rnd.closed and c.scheduler.batch_for(0).prompt_ids == finished_prompts
+    assert sorted(ops.op_rollout_poll(rollout, {"item_ids": running}, 2.4)["cancel"]) == sorted(running)
+    assert list(c.scheduler.pool)[:2] == rnd.prompt_ids[4:]  # the in-flight extras went back to the pool

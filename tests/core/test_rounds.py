@@ -139,3 +139,14 @@ def test_rollback_returns_prompts_so_none_is_lost() -> None:
     scheduler.rollback(2, 100.0)
     assert set(scheduler.batches) == {0, 1}
     check_invariants(scheduler, set(scheduler.prompts))
+
+
+def test_start_long_round_settles_a_part_full_long_queue() -> None:
+    scheduler = make_scheduler(tail=True, long_batch=4)
+    assert scheduler.start_long_round(0, 1.0) == []  # nothing deferred, nothing to open
+    scheduler.long_queue = ["p000", "p001"]  # as if two prompts had been deferred by short rounds
+    events = scheduler.start_long_round(0, 1.0)
+    rnd = scheduler.round
+    assert [e.type for e in events] == ["RoundStarted"]
+    assert rnd is not None and rnd.kind == "long" and rnd.prompt_ids == ["p000", "p001"]
+    assert rnd.target_groups == 2 and rnd.max_new_tokens == 64 and scheduler.long_queue == []

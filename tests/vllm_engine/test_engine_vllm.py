@@ -168,6 +168,17 @@ def test_cancel_between_chunks(engine: Any) -> None:
 
 
 @pytest.mark.vllm
+def test_finished_requests_are_reported_each_once_at_chunk_boundaries(engine: Any) -> None:
+    reports: list[tuple[int, list[str]]] = []
+    results = engine.generate(requests(8, seed_base=40), 48, chunk_tokens=4,
+                              on_finished=lambda done: reports.append((engine.last_stats.decode_steps,
+                                                                       [r.item_id for r in done])))
+    reported = [item for _, items in reports for item in items]
+    assert sorted(reported) == sorted(r.item_id for r in results) and len(reported) == len(set(reported))
+    assert all(step % 4 == 0 for step, _ in reports[:-1])
+
+
+@pytest.mark.vllm
 def test_sleep_is_refused_on_cpu(engine: Any) -> None:
     if engine.can_sleep:
         engine.sleep()

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlctl.workload.engine import GenerationEngine, GenRequest, SamplingConfig, TorchEngine
+from rlctl.workload.engine import (
+    GenerationEngine,
+    GenRequest,
+    GenResult,
+    SamplingConfig,
+    TorchEngine,
+    sample_rows,
+    sample_uniforms,
+)
 from rlctl.workload.model import GPT, ModelConfig, build_model, load_model, save_model
 from rlctl.workload.task import make_dataset
 
@@ -132,3 +140,42 @@ def test_top_k_one_is_greedy() -> None:
     greedy = TorchEngine(model, SamplingConfig(temperature=0.0)).generate(requests, 10)
     top1 = TorchEngine(model, SamplingConfig(temperature=1.0, top_k=1)).generate(requests, 10)
     assert greedy == top1
+
+
+def test_finished_rows_are_reported_while_the_batch_still_decodes() -> None:
+    engine = TorchEngine(build_model(SMALL, seed=6), SamplingConfig(eos_id=20))
+    requests = _requests(8)
+    reports: list[tuple[int, list[GenResult]]] = []
+    results = engine.generate(requests, 60, chunk_tokens=4,
+                              on_finished=lambda done: reports.append((engine.last_stats.decode_steps, list(done))))
+    reported = [r for _, batch in reports for r in batch]
+    assert sorted(reported, key=lambda r: r.item_id) == sorted(results, key=lambda r: r.item_id)  # each exactly once
+    assert len(reports) > 1 and reports[0][0] < engine.last_stats.decode_steps  # not only at the end
+    assert all(step % 4 == 0 for step, _ in reports[:-1])
+    assert results == engine.generate(requests, 60)  # streaming changes nothing in what is sampled
+
+
+def test_sample_uniforms_depend_only_on_the_seed_and_the_step() -> None:
+    seeds = torch.tensor([7, 2**32 - 1, 123456789, 0])
+    first = sample_uniforms(seeds, 5)
+    assert torch.equal(sample_uniforms(seeds.flip(0), 5), first.flip(0))  # not on the other rows
+    assert torch.equal(sample_uniforms(seeds[1:3], 5), first[1:3])
+    assert not torch.equal(sample_uniforms(seeds, 6), first)
+    assert bool(((first > 0) & (first < 1)).all())
+
+
+def test_the_sampler_draws_from_the_model_distribution() -> None:
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(12) * 1.5, dim=0)
+    probs[3] = 0.0  # a token the model gives no mass must never come out
+    probs /= probs.sum()
+    rows = 40_000
+    logits = probs.log().expand(rows, -1)
+    tokens = sample_rows(logits, torch.arange(rows, dtype=torch.int64) * 7919 + 11, 2, SamplingConfig())
+    freq = torch.bincount(tokens, minlength=12).double() / rows
+    assert freq[3] == 0
+    # 4 standard errors of a binomial proportion for each token
+    tolerance = 4 * (probs.double() * (1 - probs.double()) / rows).sqrt() + 1e-9
+    assert bool(((freq - probs.double()).abs() <= tolerance).all()), (freq, probs)
+    top2 = sample_rows(logits, torch.arange(rows, dtype=torch.int64), 2, SamplingConfig(top_k=2))
+    assert set(top2.tolist()) == set(probs.topk(2).indices.tolist())
