@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ class AgentConfig:
     sim_gpus: int = 0
     heartbeat_interval_s: float = 1.0
     secret: bytes = field(default=b"", repr=False)
+    tls_cert_pem: str = ""  # the controller's certificate, pinned; empty: plain TCP
 
     @property
     def logs_dir(self) -> Path:
@@ -122,6 +124,12 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> AgentConfig:
         raise ConfigError(f"agent config {source}: controller_port {port} is out of range")
     if sim_gpus < 0 or interval <= 0:
         raise ConfigError(f"agent config {source}: sim_gpus must be >= 0 and heartbeat_interval_s > 0")
+    tls_cert_pem = str(raw.get("tls_cert_pem", ""))
+    if tls_cert_pem:
+        try:
+            ssl.PEM_cert_to_DER_cert(tls_cert_pem)
+        except ValueError:
+            raise ConfigError(f"agent config {source}: tls_cert_pem is not a PEM certificate") from None
     return AgentConfig(
         job_id=str(raw["job_id"]),
         node=str(raw["node"]),
@@ -132,4 +140,5 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> AgentConfig:
         sim_gpus=sim_gpus,
         heartbeat_interval_s=interval,
         secret=secret,
+        tls_cert_pem=tls_cert_pem,
     )

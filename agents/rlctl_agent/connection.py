@@ -9,6 +9,10 @@ jitter (0.1 s doubling up to 5 s). Two kinds of outgoing traffic:
 - live state (``send_live``: heartbeats) is dropped while disconnected, the next one supersedes it.
 
 A malformed message from the controller closes the connection; the agent re-authenticates.
+
+With ``tls_cert_pem`` in its config the link is TLS: the agent trusts that one certificate (the
+job's, made by its controller) and checks the peer presents exactly it, so a machine that is not
+this job's controller cannot read or answer the agent even on a shared network.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import collections
 import logging
 import random
 import socket
+import ssl
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -28,12 +33,24 @@ log = logging.getLogger("rlctl_agent.connection")
 
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 HANDSHAKE_TIMEOUT_S = 10.0
 OUTBOX_LIMIT = 10_000
 COMMAND_TYPES = frozenset({"start_worker", "stop_worker", "signal_worker", "inject", "to_worker", "shutdown"})
 
 HelloBuilder = Callable[[], dict[str, Any]]
 CommandHandler = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]
+
+
+def pinned_tls_context(cert_pem: str) -> ssl.SSLContext:
+    """A client context that trusts only ``cert_pem`` (self-signed); no host name check, the
+    certificate itself is the identity."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=cert_pem)
+    return context
 
 
 class Rejected(Exception):
@@ -54,6 +71,7 @@ class ControllerLink:
     def __init__(self, config: AgentConfig, incarnation: int, hello_facts: HelloBuilder,
                  on_command: CommandHandler, on_welcome: Callable[[Any], None] | None = None) -> None:
         self._config = config
+        self._tls = pinned_tls_context(config.tls_cert_pem) if config.tls_cert_pem else None
         self._on_welcome = on_welcome
         self._incarnation = incarnation
         self._hello_facts = hello_facts
@@ -113,7 +131,14 @@ class ControllerLink:
         while True:
             try:
                 reader, writer = await asyncio.open_connection(
-                    self._config.controller_host, self._config.controller_port, limit=protocol.MAX_MESSAGE_BYTES + 1)
+                    self._config.controller_host, self._config.controller_port, limit=protocol.MAX_MESSAGE_BYTES + 1,
+                    ssl=self._tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self._tls else None)
+                self._check_pinned(writer)
+            except ssl.SSLError as exc:
+                log.error("controller %s:%d failed the TLS check (not this job's controller?): %s",
+                          self._config.controller_host, self._config.controller_port, exc)
+                await asyncio.sleep(next(delays))
+                continue
             except OSError as exc:
                 log.debug("controller %s:%d unreachable: %s", self._config.controller_host,
                           self._config.controller_port, exc)
@@ -130,6 +155,16 @@ class ControllerLink:
             finally:
                 self._disconnect(writer)
             await asyncio.sleep(next(delays))
+
+    def _check_pinned(self, writer: asyncio.StreamWriter) -> None:
+        """With TLS, the peer's certificate must be the pinned one, byte for byte."""
+        if self._tls is None:
+            return
+        ssl_object = writer.get_extra_info("ssl_object")
+        presented = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        if presented != ssl.PEM_cert_to_DER_cert(self._config.tls_cert_pem):
+            writer.close()
+            raise ssl.SSLError("the controller presented a certificate other than the pinned one")
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _enable_keepalive(writer)

@@ -36,6 +36,24 @@ class AgentLaunch:
     sim_gpus: int
     agent_zipapp: Path
     agent_zipapp_sha256: str
+    tls_cert_pem: str = ""  # the job's certificate the agent pins; empty: a plain TCP link
+
+    def agent_config(self, node: str, workdir: str) -> dict[str, Any]:
+        """The agent's JSON config for ``node`` (holds the secret: write it 0600 only)."""
+        config: dict[str, Any] = {
+            "job_id": self.job_id,
+            "node": node,
+            "controller_host": self.controller_host,
+            "controller_port": self.controller_port,
+            "secret_hex": self.secret_hex,
+            "workdir": workdir,
+            "gpu_provider": self.gpu_provider,
+            "sim_gpus": self.sim_gpus,
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+        }
+        if self.tls_cert_pem:
+            config["tls_cert_pem"] = self.tls_cert_pem
+        return config
 
 
 @dataclass(frozen=True)

@@ -79,17 +79,7 @@ class LocalBackend:
         if pid is not None and _pid_alive(pid):
             return
         config_path = workdir / "agent.json"
-        config = {
-            "job_id": launch.job_id,
-            "node": node.name,
-            "controller_host": launch.controller_host,
-            "controller_port": launch.controller_port,
-            "secret_hex": launch.secret_hex,
-            "workdir": str(workdir),
-            "gpu_provider": launch.gpu_provider,
-            "sim_gpus": launch.sim_gpus,
-            "heartbeat_interval_s": launch.heartbeat_interval_s,
-        }
+        config = launch.agent_config(node.name, str(workdir))
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(config, handle)

@@ -429,17 +429,8 @@ class SlurmBackend:
         return self.slurm_dir / "agents" / f"{node.name}-{node.backend_ref}.status"
 
     def agent_config(self, node: NodeInfo, launch: AgentLaunch) -> bytes:
-        cfg = {
-            "job_id": launch.job_id,
-            "node": node.name,
-            "controller_host": launch.controller_host,
-            "controller_port": launch.controller_port,
-            "secret_hex": launch.secret_hex,
-            "workdir": self.node_workdir.format(job_id=launch.job_id, node=node.name, job_dir=self.job_dir),
-            "gpu_provider": launch.gpu_provider,
-            "sim_gpus": launch.sim_gpus,
-            "heartbeat_interval_s": launch.heartbeat_interval_s,
-        }
+        cfg = launch.agent_config(
+            node.name, self.node_workdir.format(job_id=launch.job_id, node=node.name, job_dir=self.job_dir))
         return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
     def _ship_zipapp(self, launch: AgentLaunch) -> bool:

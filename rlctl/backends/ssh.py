@@ -386,17 +386,7 @@ class SshBackend:
 
     def agent_config(self, node: NodeInfo, launch: AgentLaunch) -> bytes:
         """The agent's JSON config for ``node`` (holds the secret; shipped 0600 only)."""
-        cfg = {
-            "job_id": launch.job_id,
-            "node": node.name,
-            "controller_host": launch.controller_host,
-            "controller_port": launch.controller_port,
-            "secret_hex": launch.secret_hex,
-            "workdir": self.paths(node, launch.job_id).workdir,
-            "gpu_provider": launch.gpu_provider,
-            "sim_gpus": launch.sim_gpus,
-            "heartbeat_interval_s": launch.heartbeat_interval_s,
-        }
+        cfg = launch.agent_config(node.name, self.paths(node, launch.job_id).workdir)
         return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
     async def start_agent(self, node: NodeInfo, launch: AgentLaunch) -> None:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import ssl
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from rlctl_agent import protocol
+
+from rlctl.controller.tls import TLS_HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger("rlctl.controller.agents")
 
@@ -64,11 +67,13 @@ class AgentHub:
         self._hello_tasks: set[asyncio.Task[None]] = set()
         self.epoch = 0
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind (``port`` 0 picks one; a resumed controller passes its old port). Returns the port."""
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Bind (``port`` 0 picks one; a resumed controller passes its old port). Returns the port.
+        With ``tls``, agents must complete a TLS handshake before the challenge is sent."""
         # A large accept backlog: thousands of agents reconnect at once after a controller restart.
         self._server = await asyncio.start_server(
-            self._serve, host, port, limit=protocol.MAX_MESSAGE_BYTES + 1, reuse_address=True, backlog=ACCEPT_BACKLOG
+            self._serve, host, port, limit=protocol.MAX_MESSAGE_BYTES + 1, reuse_address=True, backlog=ACCEPT_BACKLOG,
+            ssl=tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if tls is not None else None,
         )
         return int(self._server.sockets[0].getsockname()[1])
 

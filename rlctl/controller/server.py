@@ -30,6 +30,7 @@ from rlctl.controller.jobdir import JobDir
 from rlctl.controller.ops import DataOps, OpError
 from rlctl.controller.recovery import Recovery
 from rlctl.controller.store import Journal
+from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
 from rlctl.core import detector as det
 from rlctl.core.events import Event, event
 from rlctl.core.model import GpuSummary, JobModel, SlotRecord
@@ -213,7 +214,10 @@ class Controller:
 
     async def _bind(self, port: int) -> None:
         host = self._controller_bind_host()
-        self.agent_port = await self.hub.start(host, port)
+        certificate = None
+        if tls_enabled(str(self.spec.raw["cluster"]["agent_tls"]), self.spec.backend):
+            certificate = ensure_job_certificate(self.jobdir.path, self.jobdir.job_id)
+        self.agent_port = await self.hub.start(host, port, server_context(certificate) if certificate else None)
         bundle_dir = self.jobdir.path / "agent"
         bundle = build_agent_zipapp(bundle_dir)
         self.launch = AgentLaunch(
@@ -226,6 +230,7 @@ class Controller:
             sim_gpus=int(self.spec.cluster.get("gpus_per_node", 1)),
             agent_zipapp=bundle.path,
             agent_zipapp_sha256=bundle.sha256,
+            tls_cert_pem=certificate.cert_pem if certificate else "",
         )
         await self.api.start()
         self.jobdir.write_controller(

@@ -87,6 +87,13 @@ JOB_SCHEMA: dict[str, Field] = {
         "Where the nodes come from.",
         fields={
             "backend": Field("choice", "Which backend allocates nodes.", "local", choices=("local", "ssh", "slurm")),
+            "agent_tls": Field(
+                "choice",
+                "TLS on the agent link, with a per-job self-signed certificate every agent pins. `auto`: on for "
+                "ssh and slurm (agents cross a network), off for local (loopback only).",
+                "auto",
+                choices=("auto", "on", "off"),
+            ),
             "local": Field(
                 "table",
                 "The embedded local backend: virtual nodes that are processes on this machine.",

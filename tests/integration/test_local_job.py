@@ -3,6 +3,7 @@ no event lost while workers keep running, stop with no process left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -30,13 +31,16 @@ def state_dir(tmp_path: Path):
 
 
 def test_launch_status_kill_resume_stop(tmp_path: Path, state_dir: Path) -> None:
-    job_file = write_job(tmp_path)
+    job_file = write_job(tmp_path, agent_tls="on")  # the agent link over TLS, across the controller's restart too
     launched = rlctl_json(state_dir, "launch", str(job_file))
     job = launched["job_id"]
     jobdir = JobDir(Path(launched["job_dir"]))
 
     snap = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["step"] >= 2 and s, 180, "two RL steps")
     assert snap["job"]["state"] in ("running", "recovering")
+    pinned = (jobdir.path / "agent-tls.crt").read_text()
+    agent_configs = list((jobdir.path / "nodes").glob("*/agent.json"))
+    assert len(agent_configs) == 5 and all(json.loads(c.read_text())["tls_cert_pem"] == pinned for c in agent_configs)
     assert {"id", "state", "step", "ettr"} <= set(snap["job"])
     assert len(snap["nodes"]) == 5
     for node in snap["nodes"]:

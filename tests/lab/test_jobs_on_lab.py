@@ -295,6 +295,9 @@ def test_slurm_job_replaces_lost_rollout_and_partitioned_trainer(lab6: lab.LabSt
     events = job.events()
     assert any(e.type == "TrainerRestored" and e.data["checkpoint_step"] is not None for e in events)
     check_no_loss(events, faults)
+    pinned = (job.jobdir.path / "agent-tls.crt").read_text()  # agents cross a network: TLS by default
+    configs = list((job.jobdir.path / "slurm" / "agents").glob("*.json"))
+    assert configs and all(json.loads(c.read_text()).get("tls_cert_pem") == pinned for c in configs)
     _repair(lab6, wait_idle=False)  # the partitioned node's Slurm state settles once it is back
     job.stop()
     assert_nothing_left(job, lab6.slurm_conf)
