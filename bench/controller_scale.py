@@ -6,9 +6,11 @@ challenge-response authentication, heartbeats carrying a worker entry and a GPU 
 controller runs as its own process with a backend that allocates the swarm's nodes, so its CPU
 is measured alone (utime+stime from /proc). Baseline in the same run: the journal growth that
 journaling every heartbeat would cause (measured by writing heartbeat events to a scratch
-journal) against the aggregated summaries rlctl journals.
+journal) against the aggregated summaries rlctl journals. With ``--agent-tls both`` every node count
+runs twice, plain TCP (the baseline) and TLS with the job's pinned certificate, as the ssh and
+slurm backends use by default.
 
-    python bench/controller_scale.py [--nodes 256,1024,4096] [--seconds 20]
+    python bench/controller_scale.py [--nodes 256,1024,4096] [--seconds 20] [--agent-tls off|on|both]
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -21,6 +23,7 @@ import json
 import os
 import resource
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -31,11 +34,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rlctl_agent import protocol  # noqa: E402
+from rlctl_agent.connection import pinned_tls_context  # noqa: E402
+
 from rlctl.backends.base import AgentLaunch, AllocationRequest, NodeInfo, ProbeResult  # noqa: E402
 from rlctl.controller.jobdir import JobDir  # noqa: E402
 from rlctl.controller.store import Journal  # noqa: E402
 from rlctl.core.events import event  # noqa: E402
-from rlctl_agent import protocol  # noqa: E402
 
 JOB = """
 [job]
@@ -43,6 +48,7 @@ name = "scale"
 steps = 1000000
 [cluster]
 backend = "local"
+agent_tls = "{tls}"
 [roles.trainer]
 nodes = 1
 [roles.rollout]
@@ -118,13 +124,14 @@ def serve(job_dir: Path) -> None:
     asyncio.run(Controller(jobdir, spec, SwarmBackend()).run())
 
 
-async def connect(node: str, secret: bytes, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect(node: str, secret: bytes, port: int,
+                  tls: ssl.SSLContext | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Authenticate like a real agent, retrying with backoff while the controller is busy."""
     delay = 0.1
     while True:
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", port, limit=protocol.MAX_MESSAGE_BYTES), 10.0)
+                asyncio.open_connection("127.0.0.1", port, limit=protocol.MAX_MESSAGE_BYTES, ssl=tls), 10.0)
             challenge = protocol.decode(await asyncio.wait_for(reader.readline(), 10.0), protocol.CONTROLLER_TO_AGENT)
             writer.write(protocol.encode("hello", job_id="scale", node=node, incarnation=1,
                                          auth=protocol.auth_digest(secret, challenge["nonce"], node),
@@ -141,8 +148,8 @@ async def connect(node: str, secret: bytes, port: int) -> tuple[asyncio.StreamRe
 
 
 async def agent(node: str, secret: bytes, port: int, stop: asyncio.Event, ready: asyncio.Event,
-                counter: list[int]) -> None:
-    reader, writer = await connect(node, secret, port)
+                counter: list[int], tls: ssl.SSLContext | None) -> None:
+    reader, writer = await connect(node, secret, port, tls)
     ready.set()
 
     worker: dict[str, str] = {}
@@ -208,12 +215,14 @@ async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict
     await asyncio.sleep(0.5)
     port = int(jobdir.read_controller()["agent_port"])
     secret = jobdir.secret()
+    certificate = jobdir.path / "agent-tls.crt"
+    tls = pinned_tls_context(certificate.read_text()) if certificate.exists() else None
     stop = asyncio.Event()
     counter = [0]
     readies = [asyncio.Event() for _ in range(nodes)]
     tasks = []
     for index, ready in enumerate(readies):
-        tasks.append(asyncio.create_task(agent(f"node{index + 1:05d}", secret, port, stop, ready, counter)))
+        tasks.append(asyncio.create_task(agent(f"node{index + 1:05d}", secret, port, stop, ready, counter, tls)))
         if index % 64 == 63:
             await asyncio.sleep(0.01)
     await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 600)
@@ -244,6 +253,7 @@ async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict
     ticks = window.get("tick_s", {})
     return {
         "nodes": nodes,
+        "agent_tls": tls is not None,
         "beats_per_s": round((beats1 - beats0) / elapsed, 1),
         "controller_cores": round((cpu1 - cpu0) / elapsed, 3),
         "heartbeat_to_state_p50_ms": round(latency.get("p50", float("nan")) * 1000, 3),
@@ -281,11 +291,11 @@ def _raise_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def measure(nodes: int, seconds: float, tmp: Path) -> dict[str, Any]:
-    root = tmp / f"n{nodes}"
+def measure(nodes: int, seconds: float, tmp: Path, tls: bool) -> dict[str, Any]:
+    root = tmp / f"n{nodes}-{'tls' if tls else 'tcp'}"
     root.mkdir()
     jobdir = JobDir(root / "scale-job")
-    jobdir.create(JOB.format(rollouts=nodes - 2))
+    jobdir.create(JOB.format(rollouts=nodes - 2, tls="on" if tls else "off"))
     env = dict(os.environ, RLCTL_MEASURE_HEARTBEAT_LATENCY="1")
     child = subprocess.Popen([sys.executable, __file__, "--serve", str(jobdir.path)], env=env)
     try:
@@ -307,6 +317,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="256,1024,4096")
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--agent-tls", choices=("off", "on", "both"), default="off",
+                        help="the agent link: plain TCP, TLS, or both (plain is then the baseline)")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -316,19 +328,29 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="rlctl-scale-") as tmp:
         naive = naive_bytes_per_heartbeat()
+        links = {"off": [False], "on": [True], "both": [False, True]}[args.agent_tls]
         for nodes in [int(n) for n in args.nodes.split(",")]:
-            print(f"[controller_scale] {nodes} agents for {args.seconds:.0f}s ...", file=sys.stderr, flush=True)
-            row = measure(nodes, args.seconds, Path(tmp))
-            row["baseline_journal_bytes_per_hour_if_every_beat"] = int(naive * nodes * 3600)
-            print(f"[controller_scale] {row}", file=sys.stderr, flush=True)
-            results.append(row)
+            for tls in links:
+                print(f"[controller_scale] {nodes} agents ({'TLS' if tls else 'TCP'}) for {args.seconds:.0f}s ...",
+                      file=sys.stderr, flush=True)
+                row = measure(nodes, args.seconds, Path(tmp), tls)
+                row["baseline_journal_bytes_per_hour_if_every_beat"] = int(naive * nodes * 3600)
+                print(f"[controller_scale] {row}", file=sys.stderr, flush=True)
+                results.append(row)
     biggest = results[-1]
+    tls_cost = [
+        {"nodes": plain["nodes"],
+         "controller_cores_tcp_to_tls": [plain["controller_cores"], secure["controller_cores"]],
+         "heartbeat_p99_ms_tcp_to_tls": [plain["heartbeat_to_state_p99_ms"], secure["heartbeat_to_state_p99_ms"]]}
+        for plain, secure in zip(results[::2], results[1::2])
+    ] if args.agent_tls == "both" else []
     print(json.dumps({
         "results": results,
         "target": "4096 agents at 1 Hz on under one core, p99 under 50 ms",
         "meets_target": biggest["nodes"] < 4096 or (biggest["controller_cores"] < 1.0
                                                     and biggest["heartbeat_to_state_p99_ms"] < 50.0),
         "naive_bytes_per_heartbeat": round(naive, 1),
+        "tls_cost": tls_cost,
     }))
 
 
