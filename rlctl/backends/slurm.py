@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +44,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SPARE_ROLE = "spare"
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
 ROLE_TEMPLATE = "slurm_role.sbatch.j2"
 TASK_TEMPLATE = "slurm_agent_task.sh.j2"
+
+
+def template_dir_candidates() -> list[Path]:
+    """Where the sbatch templates are: ``templates/`` of a source checkout, then the copy a wheel
+    installs under ``<prefix>/share/rlctl/templates`` (pyproject's data-files)."""
+    return [Path(__file__).resolve().parents[2] / "templates", Path(sys.prefix) / "share" / "rlctl" / "templates"]
+
+
+def find_template_dir(candidates: list[Path] | None = None) -> Path:
+    """The first candidate folder that holds both templates; a ``BackendError`` naming every
+    folder tried when none does."""
+    candidates = template_dir_candidates() if candidates is None else candidates
+    for candidate in candidates:
+        if (candidate / ROLE_TEMPLATE).is_file() and (candidate / TASK_TEMPLATE).is_file():
+            return candidate
+    raise BackendError("the sbatch templates are missing: looked for "
+                       f"{ROLE_TEMPLATE} and {TASK_TEMPLATE} in {', '.join(map(str, candidates))}")
 POLL_S = 0.5
 DEFAULT_SLURMD_PORT = 6818
 
@@ -139,7 +156,7 @@ class SlurmBackend:
         replace_timeout_s: float = 60.0,
         agent_start_timeout_s: float = 30.0,
         command_timeout_s: float = 30.0,
-        template_dir: Path = TEMPLATE_DIR,
+        template_dir: Path | None = None,
         lab_dir: Path | None = None,
         probe_timeout_s: float = 2.0,
     ) -> None:
@@ -167,7 +184,7 @@ class SlurmBackend:
 
             self._lab = LabFaultInjector(lab_dir)
         self._env = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(str(template_dir)),
+            loader=jinja2.FileSystemLoader(str(template_dir or find_template_dir())),
             undefined=jinja2.StrictUndefined,
             keep_trailing_newline=True,
             autoescape=False,
