@@ -1,0 +1,75 @@
+"""The rollout role sends samples as they finish, with its cancellation polls, and drops what the
+controller cancels; what its batch still holds at the end goes in the final submit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlctl.roles.rollout import CHUNK_TOKENS, Rollout
+from rlctl.workload.engine import SamplingConfig, TorchEngine
+from rlctl.workload.model import ModelConfig, build_model
+from rlctl.workload.task import make_dataset
+
+
+class RecordingWorker:
+    """The worker SDK's calls the role makes while generating; ``cancel`` answers the polls."""
+
+    def __init__(self, cancel: set[str]) -> None:
+        self.cancel = cancel
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+
+    def phase(self, name: str, step: int | None = None) -> None:
+        return None
+
+    def progress(self, value: float) -> None:
+        return None
+
+    def request(self, op: str, **args: Any) -> dict[str, Any]:
+        self.requests.append((op, args))
+        return {"cancel": sorted(self.cancel & set(args.get("item_ids", [])))}
+
+
+def _rollout(worker: RecordingWorker) -> Rollout:
+    rollout = Rollout.__new__(Rollout)  # the role's generate step only: no weight server, no agent
+    rollout.w = worker  # type: ignore[assignment]
+    rollout.step = 3
+    rollout.tokens_generated = 0
+    # A random model with EOS = token 20: rows end at scattered steps.
+    rollout.engine = TorchEngine(build_model(ModelConfig(d_model=64, n_layers=2, n_heads=2, max_seq_len=128), seed=6),
+                                 SamplingConfig(eos_id=20))
+    return rollout
+
+
+def _work() -> dict[str, Any]:
+    items = [{"item_id": f"s3/{p.prompt_id}/0", "prompt_tokens": p.tokens, "seed": i} for i, p in enumerate(make_dataset(8, 5))]
+    return {"items": items, "max_new_tokens": 60, "weights_version": 3}
+
+
+def test_finished_samples_travel_with_the_polls_and_the_rest_with_the_final_submit() -> None:
+    worker = RecordingWorker(cancel=set())
+    rollout = _rollout(worker)
+    left = rollout.generate(_work())
+    polls = [args for op, args in worker.requests if op == "rollout.poll"]
+    streamed = [r for poll in polls for r in poll["results"]]
+    assert streamed and left  # some went early, the batch's last ones at the end
+    ids = [r["item_id"] for r in streamed + left]
+    assert sorted(ids) == sorted(i["item_id"] for i in _work()["items"])  # each exactly once
+    assert all(r["weights_version"] == 3 for r in streamed + left)
+    for poll in polls:  # a sample is reported once it finished, never while the poll still lists it as running
+        assert not {r["item_id"] for r in poll["results"]} & set(poll["item_ids"])
+    assert len(polls) == (max(len(r["response_tokens"]) for r in streamed + left) - 1) // CHUNK_TOKENS
+
+
+def test_running_samples_the_controller_cancels_are_dropped_and_never_sent() -> None:
+    work = _work()
+    first = RecordingWorker(cancel=set())
+    left = _rollout(first).generate(work)
+    results = [r for _, args in first.requests for r in args.get("results", [])] + left
+    longest = sorted(results, key=lambda r: len(r["response_tokens"]))[-2:]
+    assert all(len(r["response_tokens"]) > CHUNK_TOKENS for r in longest)  # still running at the first poll
+    cancelled = {r["item_id"] for r in longest}
+    worker = RecordingWorker(cancel=cancelled)
+    left = _rollout(worker).generate(work)
+    sent = [r["item_id"] for op, args in worker.requests if op == "rollout.poll" for r in args["results"]]
+    sent += [r["item_id"] for r in left]
+    assert not cancelled & set(sent)
