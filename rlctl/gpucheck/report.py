@@ -41,7 +41,7 @@ def run_part(name: str, part: Callable[[], Figures]) -> dict[str, Any]:
 
 
 def _parts() -> dict[str, Callable[[], Figures]]:
-    from rlctl.gpucheck import nccl_part, nvml_part, torch_parts, ucx_part, vllm_part
+    from rlctl.gpucheck import dp_part, nccl_part, nvml_part, torch_parts, ucx_part, vllm_part
 
     return {
         "nvml": nvml_part.check_provider,
@@ -50,12 +50,13 @@ def _parts() -> dict[str, Callable[[], Figures]]:
         "torch_train_step": torch_parts.train_step,
         "ucx_cuda": ucx_part.cuda_transfer,
         "nccl_watchdog": nccl_part.stalled_collective,
+        "nccl_data_parallel": dp_part.data_parallel,
         "vllm_engine": vllm_part.engine,
     }
 
 
 PART_NAMES = ("nvml", "nvml_sample_cost", "torch_rollout", "torch_train_step", "ucx_cuda", "nccl_watchdog",
-              "vllm_engine")
+              "nccl_data_parallel", "vllm_engine")
 
 
 def environment() -> dict[str, Any]:

@@ -120,3 +120,13 @@ def test_nccl_stall_program_parses_its_arguments() -> None:
 
     args = parse_args(["--rank", "1", "--world", "2", "--port", "29500", "--timeout-s", "5", "--mode", "peer-absent"])
     assert (args.rank, args.world, args.mode, args.hold_s) == (1, 2, "peer-absent", 120.0)
+
+
+@pytest.mark.timeout(300)
+def test_the_data_parallel_part_compares_a_real_group_with_a_single_run_on_cpu() -> None:
+    from rlctl.gpucheck.dp_part import compare_group_with_single
+
+    # The same code the GPU check runs over NCCL, here over gloo: ranks bit-identical, close to one process.
+    figures = compare_group_with_single("cpu")
+    assert figures["rank_weight_gap"] == 0.0 and figures["worst_gap_vs_single"] <= 0.05, figures
+    assert [len(pair) for pair in figures["losses_group_vs_single"]] == [2, 2]

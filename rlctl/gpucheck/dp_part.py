@@ -1,0 +1,91 @@
+"""GPU-check part for data-parallel training over NCCL: two trainer ranks on two GPUs against one.
+
+What it proves: ``Trainer`` joins an NCCL process group from the environment the controller sets
+(``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), broadcasts rank 0's
+weights (the ranks start from different ones), all-reduces gradients, and ends two GRPO steps
+with bit-identical weights on both ranks that match a single-GPU run of the same batches up to
+float noise. Figures: wall seconds per run, the largest weight gap between ranks and against the
+single run. NCCL refuses two ranks on one GPU, so the part needs two GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rlctl.gpucheck.report import CheckFailed, Figures, Skip
+from rlctl.gpucheck.torch_parts import require_cuda
+
+RUN_TIMEOUT_S = 300.0
+RELATIVE_GAP = 0.05  # of the weight's own update: Adam magnifies float-level gradient differences
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _run(ranks: int, out_dir: Path, device: str) -> tuple[list[dict[str, Any]], float]:
+    port = str(_free_port())
+    procs = []
+    started = time.perf_counter()
+    for rank in range(ranks):
+        env = {**os.environ, "WORLD_SIZE": str(ranks), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, "-m", "rlctl.gpucheck.dp_rank", str(out_dir / f"rank{rank}.pt"),
+                                       device], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    for proc in procs:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise CheckFailed(f"a rank exited {proc.returncode}: {output.decode(errors='replace')[-1500:]}")
+    seconds = time.perf_counter() - started
+    import torch
+
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(ranks)], seconds
+
+
+def data_parallel() -> Figures:
+    torch = require_cuda()
+    if torch.cuda.device_count() < 2:
+        raise Skip(f"needs 2 GPUs for a 2-rank NCCL group (NCCL refuses two ranks on one GPU); "
+                   f"this machine has {torch.cuda.device_count()}")
+    return compare_group_with_single("cuda")
+
+
+def compare_group_with_single(device: str) -> Figures:
+    """Two ranks on ``device`` (NCCL on cuda, gloo on cpu) against one; raises ``CheckFailed``."""
+    expected_backend = "nccl" if device == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory(prefix="rlctl-gpucheck-dp-") as tmp:
+        (Path(tmp) / "dp").mkdir()
+        (Path(tmp) / "single").mkdir()
+        group, group_s = _run(2, Path(tmp) / "dp", device)
+        single, single_s = _run(1, Path(tmp) / "single", device)
+    first, second, alone = group[0], group[1], single[0]
+    if [first["backend"], first["world"], alone["world"]] != [expected_backend, 2, 1]:
+        raise CheckFailed(f"expected a {expected_backend} group of 2 and a single run, got {first['backend']}, "
+                          f"{first['world']}, {alone['world']}")
+    rank_gap = max((first["state"][k] - second["state"][k]).abs().max().item() for k in first["state"])
+    if rank_gap != 0.0:
+        raise CheckFailed(f"the ranks' weights differ by up to {rank_gap}")
+    from rlctl.gpucheck.dp_rank import SHAPE
+    from rlctl.workload.model import build_model
+
+    initial = build_model(SHAPE, seed=11).state_dict()  # rank 0's start, which the group broadcasts
+    worst = 0.0
+    for key, value in alone["state"].items():
+        moved = (value - initial[key]).abs().max().item()
+        gap = (first["state"][key] - value).abs().max().item()
+        if gap > max(1e-5, RELATIVE_GAP * moved):
+            raise CheckFailed(f"{key}: the NCCL group's weights differ from the single run by {gap} "
+                              f"(the update moved it by {moved})")
+        worst = max(worst, gap / moved if moved > 0 else 0.0)
+    losses = [(a["loss"], b["loss"]) for a, b in zip(first["metrics"], alone["metrics"])]
+    return {"group_s": round(group_s, 2), "single_s": round(single_s, 2), "rank_weight_gap": rank_gap,
+            "worst_gap_vs_single": round(worst, 5), "losses_group_vs_single": losses}

@@ -1,0 +1,37 @@
+"""One rank of the GPU check's data-parallel run: two GRPO steps through ``Trainer``'s own
+``torch.distributed`` path (NCCL on CUDA), weights and metrics saved for comparison.
+
+    python -m rlctl.gpucheck.dp_rank OUT_FILE [DEVICE]   (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+    from the env; DEVICE cuda by default, cpu runs the same code over gloo)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from rlctl.gpucheck.fixtures import synthetic_samples
+from rlctl.workload.model import ModelConfig, build_model
+from rlctl.workload.trainer import Trainer, TrainerConfig
+
+SHAPE = ModelConfig(d_model=128, n_layers=4, n_heads=4)
+STEPS = (1, 2)
+
+
+def main(out: str, device: str = "cuda") -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    model = build_model(SHAPE, seed=11 + rank)  # ranks start different: the first broadcast must fix it
+    trainer = Trainer(model, TrainerConfig(lr=1e-3), device=device)
+    metrics = [trainer.train_step(synthetic_samples(seed)) for seed in STEPS]
+    backend = torch.distributed.get_backend() if trainer.dist.enabled else "none"
+    state = {k: v.detach().to("cpu") for k, v in trainer.state_dict_for_publish().items()}
+    torch.save({"state": state, "metrics": metrics, "world": trainer.dist.world_size, "backend": backend}, out)
+    if trainer.dist.enabled:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
