@@ -17,7 +17,8 @@ from rlctl.core.spec import JobSpec, SpecError, parse_spec
 class HasPath(Protocol):
     """A job directory, or anything with the ``path`` a backend keeps its state under."""
 
-    path: Path
+    @property
+    def path(self) -> Path: ...
 
 
 def load_job_file(path: Path) -> JobSpec:

@@ -12,7 +12,7 @@ import itertools
 import logging
 import ssl
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from rlctl_agent import protocol
 
@@ -21,7 +21,7 @@ from rlctl.controller.tls import TLS_HANDSHAKE_TIMEOUT_S
 log = logging.getLogger("rlctl.controller.agents")
 
 MessageHandler = Callable[[str, dict[str, Any]], Awaitable[None]]
-HelloHandler = Callable[[str, dict[str, Any]], Awaitable[None]]
+HelloHandler = Callable[[str, dict[str, Any]], Coroutine[Any, Any, None]]
 GoneHandler = Callable[[str, str], Awaitable[None]]
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -136,7 +136,7 @@ class AgentHub:
                 old.writer.close()
             self._links[node] = link
             # Run the hello handler beside the read loop: it sends commands whose acks this loop reads.
-            hello_task = asyncio.get_running_loop().create_task(self._on_hello(node, hello))
+            hello_task: asyncio.Task[None] = asyncio.get_running_loop().create_task(self._on_hello(node, hello))
             self._hello_tasks.add(hello_task)
             hello_task.add_done_callback(self._hello_tasks.discard)
             while True:

@@ -123,7 +123,7 @@ class ApiServer:
 
 
 def _backend_supports(controller: "Controller", kind: str) -> bool:
-    supported = getattr(controller.backend, "supported_faults", frozenset())
+    supported: frozenset[str] = getattr(controller.backend, "supported_faults", frozenset())
     return kind in supported
 
 

@@ -250,9 +250,9 @@ class Recovery:
         elif step.kind == "make-standby":
             await self._make_standby(args["node"])
         elif step.kind == "activate-standby":
-            node = model.slots[args["slot"]].node  # the ActionTaken above moved the role onto the standby's node
-            if node is not None and model.nodes[node].life.can_move(NodeState.ACTIVE):
-                c.record("NodeStateChanged", node=node, state=NodeState.ACTIVE.value,
+            standby_node = model.slots[args["slot"]].node  # the ActionTaken above moved the role onto the standby's node
+            if standby_node is not None and model.nodes[standby_node].life.can_move(NodeState.ACTIVE):
+                c.record("NodeStateChanged", node=standby_node, state=NodeState.ACTIVE.value,
                          reason=f"warm standby takes over {args['slot']}", role=model.slots[args["slot"]].role)
         elif step.kind == "retire-standby":
             standby = model.slots.get(args["standby_slot"])

@@ -171,9 +171,9 @@ class JobModel:
             self._node_slots = index
         found = []
         for name in self._node_slots.get(node, ()):
-            slot = self.slots.get(name)
-            if slot is not None and slot.node == node:
-                found.append(slot)
+            record = self.slots.get(name)
+            if record is not None and record.node == node:
+                found.append(record)
         return found
 
     def slot_on_node(self, node: str) -> SlotRecord | None:

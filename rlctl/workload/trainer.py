@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -147,7 +147,7 @@ def collate(samples: Sequence[TrainSample], pad_id: int = PAD_ID) -> tuple[Tenso
 
 def capture_rng_state() -> dict[str, Any]:
     """python/torch/numpy (and CUDA when present) RNG states, in a ``weights_only``-loadable form."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy tuple (name, keys, pos, ...)
     state: dict[str, Any] = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
