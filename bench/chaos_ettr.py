@@ -26,10 +26,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlctl.controller.jobdir import JobDir  # noqa: E402
-from rlctl.controller.reporting import build_report  # noqa: E402
-from rlctl.controller.store import Journal  # noqa: E402
-from rlctl.jobtemplates import write_job  # noqa: E402
+from rlctl.controller.jobdir import JobDir
+from rlctl.controller.reporting import build_report
+from rlctl.controller.store import Journal
+from rlctl.jobtemplates import write_job
 
 KINDS = "crash,hang,node-down,agent-kill,xid,nccl-timeout"
 
@@ -40,7 +40,7 @@ def log(message: str) -> None:
 
 def rlctl(env: dict[str, str], *args: str) -> str:
     result = subprocess.run([sys.executable, "-m", "rlctl.cli", *args], env=env, capture_output=True, text=True,
-                            timeout=600)
+                            timeout=600, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"rlctl {' '.join(args)} failed: {result.stderr[-2000:]}")
     return result.stdout
@@ -85,7 +85,7 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p95": None, "n": 0}
     ordered = sorted(values)
-    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
     return {"p50": round(statistics.median(ordered), 3), "p95": round(p95, 3), "n": len(ordered)}
 
 

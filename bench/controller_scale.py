@@ -34,13 +34,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlctl_agent import protocol  # noqa: E402
-from rlctl_agent.connection import pinned_tls_context  # noqa: E402
+from rlctl_agent import protocol
+from rlctl_agent.connection import pinned_tls_context
 
-from rlctl.backends.base import AgentLaunch, AllocationRequest, NodeInfo, ProbeResult  # noqa: E402
-from rlctl.controller.jobdir import JobDir  # noqa: E402
-from rlctl.controller.store import Journal  # noqa: E402
-from rlctl.core.events import event  # noqa: E402
+from rlctl.backends.base import AgentLaunch, AllocationRequest, NodeInfo, ProbeResult
+from rlctl.controller.jobdir import JobDir
+from rlctl.controller.store import Journal
+from rlctl.core.events import event
 
 JOB = """
 [job]
@@ -141,7 +141,7 @@ async def connect(node: str, secret: bytes, port: int,
             if welcome["type"] == "welcome":
                 return reader, writer
             writer.close()
-        except (OSError, protocol.ProtocolError, ValueError, asyncio.TimeoutError):
+        except (TimeoutError, OSError, protocol.ProtocolError, ValueError):
             pass
         await asyncio.sleep(delay)
         delay = min(delay * 2, 5.0)
@@ -287,7 +287,7 @@ def naive_bytes_per_heartbeat() -> float:
 
 
 def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 

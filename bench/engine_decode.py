@@ -28,10 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from rlctl.workload.engine import SamplingConfig, sample_rows  # noqa: E402
-from rlctl.workload.model import KVCache, ModelConfig  # noqa: E402
+from rlctl.workload.engine import SamplingConfig, sample_rows
+from rlctl.workload.model import KVCache, ModelConfig
 
 
 def best_us(call: Callable[[], object], repeats: int) -> float:
@@ -50,6 +50,27 @@ def per_row_multinomial(logits: torch.Tensor, generators: list[torch.Generator])
     return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
 
 
+def measure_rows(rows: int, filled: int, max_len: int) -> dict[str, float]:
+    """Both comparisons at ``rows`` live rows, ``filled`` of ``max_len`` cache positions used."""
+    shape = ModelConfig()
+    logits = torch.randn(rows, shape.vocab_size)
+    seeds = torch.arange(rows, dtype=torch.int64)
+    generators = [torch.Generator().manual_seed(i) for i in range(rows)]
+    cache = KVCache(shape.n_layers, rows, shape.n_heads, max_len, shape.head_dim, torch.float32, torch.device("cpu"))
+    cache.length = filled
+    kept = torch.arange(rows - 1)
+    sample_new = best_us(lambda: sample_rows(logits, seeds, 3, SamplingConfig()), 200)
+    sample_base = best_us(lambda: per_row_multinomial(logits, generators), 200)
+    select_new = best_us(lambda: (cache._select(cache.keys, kept), cache._select(cache.values, kept)), 50)
+    select_base = best_us(lambda: (cache.keys.index_select(1, kept), cache.values.index_select(1, kept)), 50)
+    return {
+        "sample_us": sample_new, "sample_baseline_us": sample_base,
+        "sample_speedup": round(sample_base / sample_new, 2),
+        "drop_row_us": select_new, "drop_row_baseline_us": select_base,
+        "drop_row_speedup": round(select_base / select_new, 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 48, 128])
@@ -57,26 +78,9 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=170, help="the cache's preallocated length (prompt + cap)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("RLCTL_TORCH_THREADS", "2")))
-    shape = ModelConfig()
     results: dict[str, dict[str, float]] = {}
     for rows in args.rows:
-        logits = torch.randn(rows, shape.vocab_size)
-        seeds = torch.arange(rows, dtype=torch.int64)
-        generators = [torch.Generator().manual_seed(i) for i in range(rows)]
-        cache = KVCache(shape.n_layers, rows, shape.n_heads, args.max_len, shape.head_dim, torch.float32,
-                        torch.device("cpu"))
-        cache.length = args.filled
-        kept = torch.arange(rows - 1)
-        sample_new = best_us(lambda: sample_rows(logits, seeds, 3, SamplingConfig()), 200)
-        sample_base = best_us(lambda: per_row_multinomial(logits, generators), 200)
-        select_new = best_us(lambda: (cache._select(cache.keys, kept), cache._select(cache.values, kept)), 50)
-        select_base = best_us(lambda: (cache.keys.index_select(1, kept), cache.values.index_select(1, kept)), 50)
-        results[str(rows)] = {
-            "sample_us": sample_new, "sample_baseline_us": sample_base,
-            "sample_speedup": round(sample_base / sample_new, 2),
-            "drop_row_us": select_new, "drop_row_baseline_us": select_base,
-            "drop_row_speedup": round(select_base / select_new, 2),
-        }
+        results[str(rows)] = measure_rows(rows, args.filled, args.max_len)
         print(f"[engine_decode] rows {rows}: {results[str(rows)]}", file=sys.stderr, flush=True)
     print(json.dumps({"config": vars(args), "threads": torch.get_num_threads(), "by_rows": results}))
 

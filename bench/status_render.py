@@ -24,13 +24,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402
+from rich.console import Console
 
-from rlctl.cli import render  # noqa: E402
-from rlctl.core.events import event  # noqa: E402
-from rlctl.core.model import GpuSummary, JobModel  # noqa: E402
-from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig  # noqa: E402
-from rlctl.core.snapshot import snapshot  # noqa: E402
+from rlctl.cli import render
+from rlctl.core.events import event
+from rlctl.core.model import GpuSummary, JobModel
+from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig
+from rlctl.core.snapshot import snapshot
 
 
 def build_model(nodes: int) -> JobModel:

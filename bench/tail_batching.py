@@ -41,15 +41,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig  # noqa: E402
-from rlctl.roles.rollout import CHUNK_TOKENS  # noqa: E402
-from rlctl.workload.engine import GenRequest, GenResult, SamplingConfig, TorchEngine  # noqa: E402
-from rlctl.workload.model import ModelConfig  # noqa: E402
-from rlctl.workload.task import derive_seed, length_stats, make_dataset, score  # noqa: E402
-from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample  # noqa: E402
-from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint  # noqa: E402
+from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig
+from rlctl.roles.rollout import CHUNK_TOKENS
+from rlctl.workload.engine import GenRequest, GenResult, SamplingConfig, TorchEngine
+from rlctl.workload.model import ModelConfig
+from rlctl.workload.task import derive_seed, length_stats, make_dataset, score
+from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample
+from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint
 
 
 def family_mix(count_share: float | None) -> dict[str, float] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+
 def workload_tables(step_scale: int = 1) -> str:
     """The rollout and workload tables of the small reference job, shared with the lab's job
     (rlctl.lab.jobs). ``step_scale`` multiplies the prompts of a step (and the batches that carry

@@ -84,8 +84,9 @@ class LocalBackend:
         with os.fdopen(fd, "w") as handle:
             json.dump(config, handle)
         os.chmod(config_path, 0o600)
-        with open(workdir / "agent.log", "ab") as log:
-            process = subprocess.Popen(
+        # Opening a local file and spawning a process return at once: no thread needed.
+        with open(workdir / "agent.log", "ab") as log:  # noqa: ASYNC230
+            process = subprocess.Popen(  # noqa: ASYNC220
                 [self.python, str(launch.agent_zipapp), "--config", str(config_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

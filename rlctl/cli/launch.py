@@ -82,10 +82,11 @@ def _plan_text(spec: JobSpec) -> str:
     backend = make_backend(spec, _Scratch())
     lines = [
         f"job {spec.name}: {spec.steps} steps, policy {spec.fault_tolerance.policy}, backend {spec.backend}",
-        "roles: " + ", ".join(f"{n} x{r.nodes} ({r.gpus_per_node} GPU/node): {' '.join(r.command)}" for n, r in spec.roles.items()),
+        "roles: " + ", ".join(f"{n} x{r.nodes} ({r.gpus_per_node} GPU/node): {' '.join(r.command)}"
+                              for n, r in spec.roles.items()),
         f"spares: {spec.spare_nodes} ({'warm trainer standby' if spec.warm_spares else 'cold'})",
-        f"rollout: batch {spec.rollout.batch_prompts} prompts x {spec.rollout.group_size} samples, "
-        f"tail batching {'on' if spec.rollout.tail_batching.enabled else 'off'}",
+        (f"rollout: batch {spec.rollout.batch_prompts} prompts x {spec.rollout.group_size} samples, "
+         f"tail batching {'on' if spec.rollout.tail_batching.enabled else 'off'}"),
         backend.plan_text(request),
     ]
     return "\n".join(lines)

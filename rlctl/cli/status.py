@@ -65,7 +65,7 @@ def jobs(json_out: bool = typer.Option(False, "--json"), state_dir: str = STATE_
     for jobdir in list_jobs(state_root(state_dir)):
         try:
             snap = job_status(jobdir)["job"]
-        except Exception as exc:  # a broken job dir must not hide the others
+        except Exception as exc:  # noqa: BLE001 - a broken job dir must not hide the others
             snap = {"id": jobdir.job_id, "state": f"unreadable: {exc}", "step": 0, "total_steps": 0, "ettr": 0.0, "elapsed_s": 0}
         rows.append(snap)
     if json_out:

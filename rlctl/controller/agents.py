@@ -11,8 +11,9 @@ import asyncio
 import itertools
 import logging
 import ssl
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine
+from typing import Any
 
 from rlctl_agent import protocol
 
@@ -106,7 +107,7 @@ class AgentHub:
             return {"ok": True, "sent": True}
         try:
             return await asyncio.wait_for(future, wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         finally:
             link.pending.pop(cmd_id, None)
@@ -152,7 +153,7 @@ class AgentHub:
                 await self._on_message(node, message)
         except protocol.ProtocolError as exc:
             log.warning("agent %s (%s) sent a bad message, closing: %s", node or "?", peer, exc)
-        except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
             log.info("agent %s (%s) connection ended: %s", node or "?", peer, exc)
         finally:
             writer.close()

@@ -32,7 +32,7 @@ class ApiError(RuntimeError):
 
 
 class ApiServer:
-    def __init__(self, controller: "Controller") -> None:
+    def __init__(self, controller: Controller) -> None:
         self.c = controller
         self._server: asyncio.base_events.Server | None = None
 
@@ -60,7 +60,7 @@ class ApiServer:
             line = await asyncio.wait_for(reader.readline(), 10.0)
             request = json.loads(line)
             response = await self.dispatch(request)
-        except (ValueError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ValueError) as exc:
             response = {"ok": False, "error": f"bad request: {exc}"}
         writer.write(json.dumps(response).encode() + b"\n")
         try:
@@ -122,7 +122,7 @@ class ApiServer:
             log.warning("agent on %s refused %s: %s", node, kind, ack.get("error"))
 
 
-def _backend_supports(controller: "Controller", kind: str) -> bool:
+def _backend_supports(controller: Controller, kind: str) -> bool:
     supported: frozenset[str] = getattr(controller.backend, "supported_faults", frozenset())
     return kind in supported
 

@@ -23,7 +23,7 @@ class OpError(ValueError):
 
 
 class DataOps:
-    def __init__(self, controller: "Controller") -> None:
+    def __init__(self, controller: Controller) -> None:
         self.c = controller
         self._replies: dict[tuple[str, str], dict[str, Any]] = {}
         self.last_request_at: dict[str, float] = {}

@@ -34,7 +34,7 @@ REJUDGE_AFTER_S = 20.0
 
 
 class Recovery:
-    def __init__(self, controller: "Controller") -> None:
+    def __init__(self, controller: Controller) -> None:
         self.c = controller
         self._handled: set[tuple[str, str, str]] = set()
         self._busy_slots: set[str] = set()
@@ -305,7 +305,7 @@ class Recovery:
         info = c.node_infos.get(name) or NodeInfo(name, node.host, node.backend_ref)
         try:
             await asyncio.wait_for(c.backend.release([info]), 15.0)
-        except Exception as exc:  # a dead node may not answer; it stays excluded either way
+        except Exception as exc:  # noqa: BLE001 - a dead node may not answer; it stays excluded either way
             log.warning("releasing failed node %s: %s", name, exc)
         for slot in c.model.slots.values():
             if slot.node == name and slot.standby:
@@ -338,7 +338,7 @@ class Recovery:
         bad = c.node_infos.get(bad_node) or NodeInfo(bad_node, "", "")
         try:
             return await c.backend.replace(bad, exclude)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any backend failure means no replacement this time
             log.warning("backend could not replace %s: %s", bad_node, exc)
             return None
 
@@ -377,10 +377,10 @@ class Recovery:
 
     def update_job_state(self, now: float) -> None:
         model = self.c.model
-        if model.life.state == JobState.RECOVERING and not model.open_faults() and not self._busy_slots:
-            if all(s.life is not None and s.life.state == WorkerState.RUNNING for s in model.slots.values()
-                   if s.node is not None and not s.standby):
-                self.c.record("JobStateChanged", state=JobState.RUNNING.value, reason="recovered")
+        if (model.life.state == JobState.RECOVERING and not model.open_faults() and not self._busy_slots
+                and all(s.life is not None and s.life.state == WorkerState.RUNNING for s in model.slots.values()
+                        if s.node is not None and not s.standby)):
+            self.c.record("JobStateChanged", state=JobState.RUNNING.value, reason="recovered")
 
     def _suspect(self, name: str, reason: str) -> None:
         node = self.c.model.nodes[name]
@@ -399,7 +399,7 @@ class Recovery:
                     return
                 result = await asyncio.wait_for(self.c.backend.probe(info), 10.0)
                 self.c.probes[name] = (result.reachable, result.detail, time.time())
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a probe that fails is an unreachable node
                 self.c.probes[name] = (False, f"probe error: {exc}", time.time())
             finally:
                 self.c.probing.discard(name)

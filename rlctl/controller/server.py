@@ -248,7 +248,7 @@ class Controller:
         assert self.launch is not None
         try:
             await self.backend.start_agent(node, self.launch)
-        except Exception as exc:  # one node's failure must not stop the others
+        except Exception as exc:  # noqa: BLE001 - one node's failure must not stop the others
             log.warning("starting the agent on %s failed: %s", node.name, exc)
             self.record("FaultSignal", node=node.name, kind="agent-start-failed", detail=str(exc)[:300])
 
@@ -646,7 +646,7 @@ class Controller:
             if slot.life is not None and slot.life.state in (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT):
                 try:
                     await asyncio.wait_for(self.stop_worker(slot), 10.0)
-                except (asyncio.TimeoutError, ConnectionError):
+                except (TimeoutError, ConnectionError):
                     pass
         for node in list(self.model.nodes.values()):
             if self.hub.connected(node.name):

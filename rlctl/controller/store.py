@@ -6,8 +6,8 @@ Single writer (the controller); any number of readers (`status`, `report`, tests
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from rlctl.core.events import Event
 

@@ -68,7 +68,7 @@ class DetectorConfig:
     correlated_silence_hold_s: float = 5.0
 
 
-def config_from_spec(ft: "FaultToleranceSpec") -> DetectorConfig:
+def config_from_spec(ft: FaultToleranceSpec) -> DetectorConfig:
     """The detector configuration of a job's ``[fault_tolerance]`` table (controller and simulator alike)."""
     return DetectorConfig(
         heartbeat_interval_s=ft.heartbeat_interval_s,

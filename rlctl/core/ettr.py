@@ -55,7 +55,7 @@ class EttrLedger:
         wall = self.wall
         return self.seconds["productive"] / wall if wall > 0 else 0.0
 
-    def projected(self, now: float, weights: dict[str, float]) -> "EttrLedger":
+    def projected(self, now: float, weights: dict[str, float]) -> EttrLedger:
         """A copy advanced to ``now`` (for live display) without changing this ledger."""
         copy = EttrLedger(started_at=self.started_at, last_at=self.last_at, seconds=dict(self.seconds))
         copy.advance(now, weights)

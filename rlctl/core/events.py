@@ -76,7 +76,7 @@ class Event:
         return json.dumps({"v": EVENT_SCHEMA_VERSION, "data": self.data}, separators=(",", ":"))
 
     @classmethod
-    def from_row(cls, seq: int, type_: str, at: float, payload: str) -> "Event":
+    def from_row(cls, seq: int, type_: str, at: float, payload: str) -> Event:
         body = json.loads(payload)
         if body.get("v") != EVENT_SCHEMA_VERSION:
             raise EventError(f"event {seq} has schema version {body.get('v')!r}, expected {EVENT_SCHEMA_VERSION}")

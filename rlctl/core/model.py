@@ -34,7 +34,7 @@ class GpuSummary:
     mem_total: float
 
     @classmethod
-    def of(cls, gpus: list[dict[str, Any]]) -> "GpuSummary | None":
+    def of(cls, gpus: list[dict[str, Any]]) -> GpuSummary | None:
         if not gpus:
             return None
         utils = [float(g["util"]) for g in gpus if g.get("util") is not None]
@@ -57,7 +57,7 @@ class NodeRecord:
     facts: dict[str, Any] = field(default_factory=dict)
     connected: bool = False
     last_heartbeat_at: float | None = None
-    gpu_summary: "GpuSummary | None" = None
+    gpu_summary: GpuSummary | None = None
     last_signal: str = ""
     excluded: bool = False
     backend_ref: str = ""
@@ -358,9 +358,8 @@ class JobModel:
         if slot is None:
             return
         phase, step = ev.data["phase"], int(ev.data["step"])
-        if slot.role == "trainer" and not slot.standby:
-            if phase == "training":
-                self.training_seconds.setdefault(step, -ev.at)
+        if slot.role == "trainer" and not slot.standby and phase == "training":
+            self.training_seconds.setdefault(step, -ev.at)
         slot.phase, slot.phase_step, slot.phase_since, slot.progress_at = phase, step, ev.at, ev.at
         if phase == "stopping":
             if slot.life is not None and slot.life.can_move(WorkerState.STOPPING):

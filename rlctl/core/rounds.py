@@ -106,7 +106,7 @@ class Batch:
     samples: list[Sample]
 
 
-def config_from_spec(spec: "JobSpec") -> SchedulerConfig:
+def config_from_spec(spec: JobSpec) -> SchedulerConfig:
     tail = spec.rollout.tail_batching
     return SchedulerConfig(
         batch_prompts=spec.rollout.batch_prompts,

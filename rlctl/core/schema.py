@@ -7,8 +7,9 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 Validator = Callable[[Any], str | None]
 
@@ -25,7 +26,7 @@ class Field:
     minimum: float | None = None
     maximum: float | None = None
     check: Validator | None = None
-    fields: dict[str, "Field"] = field(default_factory=dict)  # for kind == "table"
+    fields: dict[str, Field] = field(default_factory=dict)  # for kind == "table"
 
     def expected(self) -> str:
         """What a valid value looks like, for error messages and docs."""

@@ -175,7 +175,7 @@ class Lifecycle(Generic[S]):
     history: list[Transition[S]] = field(default_factory=list)
 
     @classmethod
-    def begin(cls, state: S, at: float, reason: str) -> "Lifecycle[S]":
+    def begin(cls, state: S, at: float, reason: str) -> Lifecycle[S]:
         return cls(state=state, since=at, history=[Transition(state, at, reason)])
 
     def can_move(self, new: S) -> bool:

@@ -24,7 +24,7 @@ class RoleSettings:
     standby: bool
 
     @classmethod
-    def from_env(cls) -> "RoleSettings":
+    def from_env(cls) -> RoleSettings:
         raw = json.loads(os.environ.get("RLCTL_WORKLOAD", "{}"))
         return cls(
             raw=raw,

@@ -9,6 +9,7 @@ and compares the predicted ETTR with the journal's own ledger.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -153,7 +154,7 @@ def _fault_free_cycle(events: list[Event], model: JobModel) -> float | None:
     """Median time between consecutive weight publications whose interval no fault touched."""
     publishes = [e.at for e in events if e.type == "WeightsPublished" and e.data["slot"] and e.data["version"] > 0]
     windows = [(f.occurred_at, f.recovered_at or f.occurred_at) for f in model.faults.values()]
-    gaps = [b - a for a, b in zip(publishes, publishes[1:])
+    gaps = [b - a for a, b in itertools.pairwise(publishes)
             if b > a and not any(start < b and end > a for start, end in windows)]
     return statistics.median(gaps) if gaps else None
 

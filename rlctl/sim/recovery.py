@@ -41,9 +41,9 @@ class SimRecovery:
             return
         if exit_code == 0 and signal_name is None:
             return
-        if slot.life is not None and slot.life.state == WorkerState.EXITED and slot.slot not in self._busy_slots:
-            if any(h[1] == slot.slot for h in self._handled):
-                return
+        if (slot.life is not None and slot.life.state == WorkerState.EXITED and slot.slot not in self._busy_slots
+                and any(h[1] == slot.slot for h in self._handled)):
+            return
         verdict = observe.exit_verdict(slot, exit_code, signal_name, sim.now)
         if verdict is not None:
             self.handle(verdict)
@@ -184,9 +184,10 @@ class SimRecovery:
         elif step.kind == "start-all":
             yield cost.recovery.requeue_s
             for slot in list(model.slots.values()):
-                if slot.node is not None and model.nodes[slot.node].life.state not in (NodeState.FAILED, NodeState.RELEASED):
-                    if sim.agent_connected(slot.node):
-                        sim.start_worker(slot)
+                if (slot.node is not None
+                        and model.nodes[slot.node].life.state not in (NodeState.FAILED, NodeState.RELEASED)
+                        and sim.agent_connected(slot.node)):
+                    sim.start_worker(slot)
 
     def _release_items(self, step: policy.Step, verdict: det.Verdict) -> int:
         """Recovery._release_items: the failed worker's in-flight prompts go back to the scheduler."""

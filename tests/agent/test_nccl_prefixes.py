@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rlctl_agent.nccl import parse_line
 
 BODY = ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=4, NumelOut=4, "

@@ -73,7 +73,7 @@ def test_every_fault_kind_is_detected_and_recovered(job) -> None:
         step_before = snap["job"]["step"]
         injected = rlctl_json(state_dir, "inject-fault", node, "--job", job_id, *args)
         try:
-            fault = wait_for(lambda: recovered(state_dir, job_id, injected["fault_id"]), 90,
+            fault = wait_for(lambda: recovered(state_dir, job_id, injected["fault_id"]), 90,  # noqa: B023 (waited on here)
                              f"{args} on {role} {node} to be recovered")
         except AssertionError:
             snap = status(state_dir, job_id)
@@ -83,7 +83,7 @@ def test_every_fault_kind_is_detected_and_recovered(job) -> None:
         assert fault["trajectories_lost"] == 0
         actions = _actions_for(jobdir, injected["fault_id"])
         assert actions and actions[0] in action, (args, actions)
-        wait_for(lambda: status(state_dir, job_id)["job"]["step"] >= step_before + 1, 90,
+        wait_for(lambda: status(state_dir, job_id)["job"]["step"] >= step_before + 1, 90,  # noqa: B023 (waited on here)
                  f"training to continue after {args}")
     events = list(Journal(jobdir.journal, readonly=True).read())
     _check_no_loss_no_duplicates(events)

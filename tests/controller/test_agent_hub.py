@@ -7,9 +7,9 @@ import asyncio
 from typing import Any
 
 import pytest
+from rlctl_agent import protocol
 
 from rlctl.controller.agents import AgentHub
-from rlctl_agent import protocol
 
 SECRET = bytes.fromhex("11" * 32)
 
@@ -42,7 +42,7 @@ def test_good_secret_is_welcomed_and_messages_flow() -> None:
     async def scenario() -> None:
         received: list = []
         hub, port = await start_hub(received, [])
-        reader, writer, answer = await handshake(port, "node01", SECRET)
+        _, writer, answer = await handshake(port, "node01", SECRET)
         assert answer["type"] == "welcome"
         writer.write(protocol.encode("heartbeat", seq=1, mono=0.0, workers=[], gpus=[]))
         await writer.drain()

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rlctl_agent.config import ConfigError, parse_config
 
 from rlctl.controller.agents import AgentHub
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
-from rlctl_agent.config import ConfigError, parse_config
 
 pytestmark = pytest.mark.timeout(60)
 

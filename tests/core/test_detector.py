@@ -22,8 +22,9 @@ BOUNDS = {"generating": 8.0, "training": 30.0, "scoring": 8.0, "weight-sync": 12
 
 
 def detector(**overrides: object) -> Detector:
-    config = dict(heartbeat_interval_s=1.0, phi_threshold=8.0, min_silence_s=2.0, confirm_with_probe=True,
-                  phase_timeout_s=BOUNDS, slow_ratio=0.35, slow_window_s=10.0)
+    config: dict[str, object] = {"heartbeat_interval_s": 1.0, "phi_threshold": 8.0, "min_silence_s": 2.0,
+                                 "confirm_with_probe": True, "phase_timeout_s": BOUNDS, "slow_ratio": 0.35,
+                                 "slow_window_s": 10.0}
     config.update(overrides)
     return Detector(DetectorConfig(**config))  # type: ignore[arg-type]
 
@@ -106,7 +107,7 @@ def test_hang_is_progress_frozen_beyond_the_phase_bound() -> None:
 def test_fail_slow_needs_a_sustained_gap_to_peers() -> None:
     d = detector()
     verdicts = []
-    for second in range(0, 30):
+    for second in range(30):
         t = float(second)
         d.progress("fast.1", 100.0 * second, t)
         d.progress("fast.2", 100.0 * second, t)
@@ -142,7 +143,7 @@ def test_a_worker_that_waits_for_work_is_not_judged_slow() -> None:
     d = detector()
     verdicts = []
     made = {"busy.1": 0.0, "busy.2": 0.0, "fifth.1": 0.0, "slow.1": 0.0}
-    for tick in range(0, 120):
+    for tick in range(120):
         t = tick * 0.5
         fifth_busy = tick % 10 < 3  # busy 1 s of every 5 s: three samples, two busy intervals
         for wid in ("busy.1", "busy.2"):

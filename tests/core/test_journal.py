@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def test_append_read_roundtrip_and_sequence(tmp_path: Path) -> None:
 def test_events_survive_reopen(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     Journal(path).append([event("Checkpointed", 3.0, step=5, path="/c")])
-    assert list(Journal(path).read())[0].data == {"step": 5, "path": "/c"}
+    assert next(iter(Journal(path).read())).data == {"step": 5, "path": "/c"}
 
 
 def test_malformed_events_are_refused() -> None:
@@ -39,5 +40,5 @@ def test_malformed_events_are_refused() -> None:
 def test_readonly_journal_cannot_write(tmp_path: Path) -> None:
     Journal(tmp_path / "j.db").append([event("Checkpointed", 3.0, step=5, path="/c")])
     reader = Journal(tmp_path / "j.db", readonly=True)
-    with pytest.raises(Exception):
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
         reader.append([event("Checkpointed", 4.0, step=6, path="/d")])

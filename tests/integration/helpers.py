@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rlctl.jobtemplates import write_job  # noqa: F401  (re-exported for the tests)
 
@@ -25,7 +26,7 @@ def env_for(state_dir: Path) -> dict[str, str]:
 
 def rlctl(state_dir: Path, *args: str, check: bool = True, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
     result = subprocess.run([sys.executable, "-m", "rlctl.cli", *args], env=env_for(state_dir), capture_output=True,
-                            text=True, timeout=timeout)
+                            text=True, timeout=timeout, check=False)
     if check and result.returncode != 0:
         raise AssertionError(f"rlctl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
     return result

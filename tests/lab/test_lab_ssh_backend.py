@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import LAB_NODES, LAB_DIR
+from conftest import LAB_DIR, LAB_NODES
 
 from rlctl import lab
 from rlctl.agent_bundle import build_agent_zipapp

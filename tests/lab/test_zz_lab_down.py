@@ -7,7 +7,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import LAB_NODES, LAB_DIR
+from conftest import LAB_DIR, LAB_NODES
 
 from rlctl import lab
 

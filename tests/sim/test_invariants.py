@@ -67,7 +67,7 @@ def test_the_same_seed_gives_the_same_run(quickstart: Any) -> None:
         first.pop(volatile), second.pop(volatile)
     assert first == second
     assert digest(sim_a) == digest(sim_b)
-    other, sim_c = run(quickstart, "role", 0.2, seed=8, record=True)
+    _, sim_c = run(quickstart, "role", 0.2, seed=8, record=True)
     assert digest(sim_c) != digest(sim_a)
 
 
