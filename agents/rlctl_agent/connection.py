@@ -72,6 +72,7 @@ class ControllerLink:
                  on_command: CommandHandler, on_welcome: Callable[[Any], None] | None = None) -> None:
         self._config = config
         self._tls = pinned_tls_context(config.tls_cert_pem) if config.tls_cert_pem else None
+        self._pinned_der = ssl.PEM_cert_to_DER_cert(config.tls_cert_pem) if config.tls_cert_pem else b""
         self._on_welcome = on_welcome
         self._incarnation = incarnation
         self._hello_facts = hello_facts
@@ -162,7 +163,7 @@ class ControllerLink:
             return
         ssl_object = writer.get_extra_info("ssl_object")
         presented = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
-        if presented != ssl.PEM_cert_to_DER_cert(self._config.tls_cert_pem):
+        if presented != self._pinned_der:
             writer.close()
             raise ssl.SSLError("the controller presented a certificate other than the pinned one")
 

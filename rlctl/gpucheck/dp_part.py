@@ -11,7 +11,6 @@ single run. NCCL refuses two ranks on one GPU, so the part needs two GPUs.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlctl.gpucheck.nccl_part import free_port
 from rlctl.gpucheck.report import CheckFailed, Figures, Skip
 from rlctl.gpucheck.torch_parts import require_cuda
 
@@ -26,14 +26,8 @@ RUN_TIMEOUT_S = 300.0
 RELATIVE_GAP = 0.05  # of the weight's own update: Adam magnifies float-level gradient differences
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run(ranks: int, out_dir: Path, device: str) -> tuple[list[dict[str, Any]], float]:
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     started = time.perf_counter()
     for rank in range(ranks):

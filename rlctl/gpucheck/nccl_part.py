@@ -31,7 +31,8 @@ EXIT_GRACE_S = 120.0
 _STALL_START = re.compile(r"gpucheck-nccl stall-start (?P<t>[\d.]+) rank=0")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now, for a process group's rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -75,7 +76,7 @@ def _log_excerpt(log: Path, limit: int = 12) -> list[str]:
 
 def _run_group(world: int, mode: str, settings: NcclSettings, workdir: Path) -> dict[str, Any]:
     env = merged_env(dict(os.environ), settings, override=True)
-    port, logs = _free_port(), [workdir / f"rank{r}.log" for r in range(world)]
+    port, logs = free_port(), [workdir / f"rank{r}.log" for r in range(world)]
     procs = [_spawn(r, world, port, mode, env, logs[r]) for r in range(world)]
     try:
         procs[0].wait(timeout=PG_TIMEOUT_S + DUMP_WAIT_S + EXIT_GRACE_S)

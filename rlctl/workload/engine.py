@@ -104,7 +104,7 @@ def _mix32(x: Tensor) -> Tensor:
 def sample_uniforms(seeds: Tensor, step: int) -> Tensor:
     """One uniform in (0, 1) per row, a pure function of the row's seed and the decode step
     (counter-based, so a row's stream does not depend on the other rows or on any state)."""
-    counter = _mix32(torch.full_like(seeds, (step * 0x9E3779B9 + 0x7F4A7C15) & _MASK32))
+    counter = _mix32(torch.tensor((step * 0x9E3779B9 + 0x7F4A7C15) & _MASK32, dtype=torch.int64))  # same for every row
     bits = _mix32(_mix32(seeds & _MASK32) ^ counter)
     return (bits.to(torch.float64) + 0.5) / 2.0**32
 
