@@ -17,7 +17,14 @@ reward (mean over the last steps of the first N), round kinds, and the reward of
 policy on held-out prompts (same prompts and seeds for both arms and for the initial model; the
 difference is paired per prompt, with its standard error).
 
-    python bench/tail_batching.py [--steps 24] [--batch 8] [--group 4] [--max-new 160] [--short-cap 24] [--device cuda]
+    python bench/tail_batching.py [--seed 0] [--steps 16] [--batch 32] [--group 4] [--max-new 160] [--short-cap 24] [--device cuda]
+
+The defaults are the headline configuration (docs/figures.md): 32 prompts x 4 samples a step, the
+long answers from the ``down`` family (60% of prompts; a Pareto number of terms, expected length
+p50 6, p99 140 tokens), and a 1,500-step warm-start that saw enough long answers to write them
+out in full (``--warmstart-length-alpha 0.2``), so the generated lengths keep the task's tail.
+Earlier tables used ``--long-family count``: a short warm-start does not teach the small policy
+where a count stops, so it mostly stops early and what it generates has little tail.
 
 Besides seconds, each arm counts batched decode steps and generated tokens: on a GPU a decode
 step costs about the same at any batch size (memory-bound), so the longest row sets a round's
@@ -52,16 +59,17 @@ from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample
 from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint
 
 
-def family_mix(count_share: float | None) -> dict[str, float] | None:
-    """The task's family weights with ``count`` (the long answers) at ``count_share``; None: default."""
-    if count_share is None:
-        return None
-    rest = 1.0 - count_share
-    return {"add": round(0.4 * rest, 6), "spell": round(0.6 * rest, 6), "count": count_share}
+def family_mix(long_share: float | None, long_family: str = "count") -> dict[str, float] | None:
+    """The task's family weights with ``long_family`` (the long answers) at ``long_share``; None
+    keeps the task's default mix (``count`` as its long family)."""
+    if long_share is None:
+        return None if long_family == "count" else {"add": 0.25, "spell": 0.45, long_family: 0.30}
+    rest = 1.0 - long_share
+    return {"add": round(0.4 * rest, 6), "spell": round(0.6 * rest, 6), long_family: long_share}
 
 
 def rl_mix(args: argparse.Namespace) -> dict[str, float] | None:
-    return family_mix(args.count_share)
+    return family_mix(args.count_share, args.long_family)
 
 
 def score_done(scheduler: RoundScheduler, prompts: dict[str, Any], at: float) -> None:
@@ -235,10 +243,10 @@ def _length_summary(lengths: list[int]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--worker-batch", type=int, default=32)
+    parser.add_argument("--worker-batch", type=int, default=192)
     parser.add_argument("--max-new", type=int, default=160)
     parser.add_argument("--short-cap", type=int, default=24)
     parser.add_argument("--overprovision", type=float, default=0.5)
@@ -251,17 +259,34 @@ def main() -> None:
     parser.add_argument("--no-drain", dest="drain", action="store_false",
                         help="stop the tail arm after --steps even with prompts left in its long queue")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
-    parser.add_argument("--warmstart-steps", type=int, default=300,
+    parser.add_argument("--warmstart-steps", type=int, default=1500,
                         help="supervised steps before RL; fewer leave a policy whose answers run long more often")
-    parser.add_argument("--count-share", type=float, default=None,
-                        help="share of the long-answer 'count' family in the RL prompts (default: the task's mix)")
-    parser.add_argument("--warmstart-count-share", type=float, default=None,
-                        help="share of the long-answer 'count' family in the warm-start data (default: the task's mix)")
+    parser.add_argument("--long-family", choices=("count", "down"), default="down",
+                        help="the task family that supplies the long answers: 'count' (the policy must learn "
+                             "where to stop, and a short warm-start stops early) or 'down' (stops at 0, so the "
+                             "policy writes the task's long tail)")
+    parser.add_argument("--count-share", type=float, default=0.6,
+                        help="share of the long-answer family in the RL prompts (negative: the task's mix)")
+    parser.add_argument("--warmstart-count-share", type=float, default=0.6,
+                        help="share of the long-answer family in the warm-start data (negative: the task's mix)")
+    parser.add_argument("--warmstart-length-alpha", type=float, default=0.2,
+                        help="Pareto shape of the long answers in the warm-start data (smaller: more long "
+                             "examples to learn from; 0: the task's)")
     args = parser.parse_args()
+    for share in ("count_share", "warmstart_count_share"):
+        if getattr(args, share) < 0:
+            setattr(args, share, None)
+        elif getattr(args, share) > 1:
+            parser.error(f"--{share.replace('_', '-')} must be at most 1, got {getattr(args, share)}")
+    if args.warmstart_length_alpha < 0:
+        parser.error(f"--warmstart-length-alpha must be >= 0, got {args.warmstart_length_alpha}")
+    args.warmstart_length_alpha = args.warmstart_length_alpha or None
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(int(os.environ.get("RLCTL_TORCH_THREADS", "2")))
-    warm = WarmStartConfig(model=ModelConfig(), steps=args.warmstart_steps, mix=family_mix(args.warmstart_count_share))
+    warm = WarmStartConfig(model=ModelConfig(), steps=args.warmstart_steps,
+                           mix=family_mix(args.warmstart_count_share, args.long_family),
+                           length_alpha=args.warmstart_length_alpha)
     cache = Path(os.environ.get("RLCTL_CACHE", os.path.expanduser("~/.cache/rlctl")))
     cache.mkdir(parents=True, exist_ok=True)
     init_path = prepare_initial_checkpoint(cache / f"warmstart-{config_hash(args.seed, warm)[:16]}.pt", args.seed, warm)

@@ -292,6 +292,9 @@ JOB_SCHEMA: dict[str, Field] = {
             "temperature": Field("float", "Sampling temperature.", 1.0, minimum=0.0),
             "kl_coef": Field("float", "KL penalty to the initial policy (0 disables).", 0.0, minimum=0.0),
             "clip_eps": Field("float", "PPO ratio clip ε.", 0.2, minimum=0.0),
+            "micro_batch_tokens": Field("int", "Padded tokens per trainer forward pass: a step's samples are "
+                                        "sorted by length and cut into micro-batches whose gradients "
+                                        "accumulate (0: the whole batch in one pass).", 4096, minimum=0),
             "warmstart_steps": Field("int", "Supervised warm-start steps before RL (0: random init).", 600, minimum=0),
             "init_checkpoint": Field("str", "Start from this checkpoint instead of the warm-start.", ""),
             "device": Field("str", "torch device for trainer and rollouts (`cpu`, `cuda`, `auto`).", "auto"),

@@ -41,6 +41,7 @@ class TrainerRole:
             betas=(0.9, 0.99),
             warmup_steps=int(settings.get("lr_warmup_steps", 5)),
             grpo=GRPOConfig(clip_eps=float(settings.get("clip_eps", 0.2)), kl_coef=float(settings.get("kl_coef", 0.0))),
+            micro_batch_tokens=int(settings.get("micro_batch_tokens", TrainerConfig.micro_batch_tokens)),
         )
         self.trainer = Trainer.from_checkpoint(initial_weights(settings, w), config, device=device)
         self.leader = self.trainer.dist.rank == 0

@@ -11,6 +11,11 @@ Three task families, each with a checkable answer:
 - ``count``: ``"count 12 19="`` -> ``"12 13 14 15 16 17 18 19"``. The number of terms is drawn from a
   Pareto distribution (shape ``COUNT_PARETO_ALPHA``), so a few answers are much longer than the
   rest. This family makes the long tail that tail batching exploits.
+- ``down``: ``"down 7="`` -> ``"7 6 5 4 3 2 1 0"``, the same Pareto number of terms. Not in the
+  default mix. Where ``count`` must learn when to stop (compare what it wrote with the prompt's
+  last number, which the small CPU model does not learn in a short warm-start: it stops early),
+  ``down`` stops at ``0``, so a small model writes its answers at their full length and the
+  generated lengths keep the task's long tail (``bench/tail_batching.py --long-family down``).
 
 With the default mix, expected response lengths (answer characters + EOS) have p50 ≈ 10 tokens
 and p99 ≈ 130 tokens (checked in ``tests/workload/test_task.py``).
@@ -34,7 +39,7 @@ EOS_ID = 2
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +=-"
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-FAMILIES = ("add", "spell", "count")
+FAMILIES = ("add", "spell", "count", "down")
 DEFAULT_MIX: dict[str, float] = {"add": 0.25, "spell": 0.45, "count": 0.30}
 COUNT_PARETO_ALPHA = 0.9
 COUNT_MAX_TERMS = 50
@@ -120,8 +125,8 @@ def pareto_terms(rng: random.Random, alpha: float, cap: int) -> int:
     return min(cap, 1 + math.floor(u ** (-1.0 / alpha)))
 
 
-def _make_count(rng: random.Random) -> _Problem:
-    terms = pareto_terms(rng, COUNT_PARETO_ALPHA, COUNT_MAX_TERMS)
+def _make_count(rng: random.Random, alpha: float) -> _Problem:
+    terms = pareto_terms(rng, alpha, COUNT_MAX_TERMS)
     start = rng.randint(0, COUNT_MAX_START)
     stop = start + terms - 1
     answer = " ".join(str(i) for i in range(start, stop + 1))
@@ -129,7 +134,20 @@ def _make_count(rng: random.Random) -> _Problem:
     return _Problem("count", f"count {start} {stop}=", answer, difficulty)
 
 
-_MAKERS = {"add": _make_add, "spell": _make_spell, "count": _make_count}
+def _make_down(rng: random.Random, alpha: float) -> _Problem:
+    terms = pareto_terms(rng, alpha, COUNT_MAX_TERMS)
+    answer = " ".join(str(i) for i in range(terms - 1, -1, -1))
+    return _Problem("down", f"down {terms - 1}=", answer, 2 + min(3, int(math.log2(terms))))
+
+
+def _make_problem(family: str, rng: random.Random, length_alpha: float) -> _Problem:
+    if family == "add":
+        return _make_add(rng)
+    if family == "spell":
+        return _make_spell(rng)
+    if family == "count":
+        return _make_count(rng, length_alpha)
+    return _make_down(rng, length_alpha)
 
 
 def _choose_family(rng: random.Random, mix: Mapping[str, float]) -> str:
@@ -158,13 +176,19 @@ def make_dataset(
     seed: int,
     mix: Mapping[str, float] | None = None,
     max_expected_len: int | None = None,
+    length_alpha: float | None = None,
 ) -> list[Prompt]:
     """``n`` prompts, deterministic for ``seed``.
 
     ``mix`` weights the families (default ``DEFAULT_MIX``); ``max_expected_len`` rejects and redraws
-    problems whose reference response is longer (used by quick tests and the learning check).
-    Prompt ids are ``"s{seed}-{index}"``.
+    problems whose reference response is longer (used by quick tests and the learning check);
+    ``length_alpha`` is the Pareto shape of the ``count`` and ``down`` term counts (default
+    ``COUNT_PARETO_ALPHA``; smaller means more long answers, which a warm-start uses to see
+    enough of them). Prompt ids are ``"s{seed}-{index}"``.
     """
+    alpha = COUNT_PARETO_ALPHA if length_alpha is None else length_alpha
+    if alpha <= 0:
+        raise ValueError(f"length_alpha must be > 0, got {alpha}")
     mix = dict(DEFAULT_MIX if mix is None else mix)
     unknown = set(mix) - set(FAMILIES)
     if unknown or not any(w > 0 for w in mix.values()):
@@ -172,7 +196,7 @@ def make_dataset(
     rng = random.Random(f"rlctl-task-{seed}")
     prompts: list[Prompt] = []
     while len(prompts) < n:
-        problem = _MAKERS[_choose_family(rng, mix)](rng)
+        problem = _make_problem(_choose_family(rng, mix), rng, alpha)
         if max_expected_len is not None and expected_response_len(problem.answer) > max_expected_len:
             continue
         prompts.append(make_prompt(f"s{seed}-{len(prompts)}", problem))

@@ -76,6 +76,9 @@ class TrainerConfig:
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    # Padded tokens per forward pass: the batch is cut into length-sorted micro-batches whose
+    # gradients accumulate, so one long sample does not pad every row (0: the whole batch at once).
+    micro_batch_tokens: int = 4096
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,6 +146,24 @@ def collate(samples: Sequence[TrainSample], pad_id: int = PAD_ID) -> tuple[Tenso
         start = len(sample.prompt_tokens) - 1
         mask[row, start:start + len(sample.response_tokens)] = 1.0
     return ids, mask
+
+
+def micro_batches(sequence_lengths: Sequence[int], budget_tokens: int) -> list[list[int]]:
+    """Indices cut into micro-batches of similar length: sorted by length, a micro-batch grows until
+    its padded size (rows x longest) would pass ``budget_tokens``. A sequence longer than the
+    budget gets a micro-batch of its own; ``budget_tokens <= 0`` gives one micro-batch of all."""
+    if budget_tokens <= 0:
+        return [list(range(len(sequence_lengths)))] if sequence_lengths else []
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in sorted(range(len(sequence_lengths)), key=lambda i: (sequence_lengths[i], i)):
+        if current and (len(current) + 1) * sequence_lengths[index] > budget_tokens:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -265,23 +286,33 @@ class Trainer:
             offset += count
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """One optimizer step on the batch (every rank passes the whole batch); returns metrics."""
+        """One optimizer step on the batch (every rank passes the whole batch); returns metrics.
+
+        Each rank takes every ``world_size``-th sample and runs them in micro-batches
+        (``micro_batches``), accumulating gradients of ``(policy + kl_coef * kl) / total_tokens``
+        where the total counts response tokens over every rank: the same gradient as one forward
+        over the whole batch, without padding every row to the longest sample.
+        """
         if not samples:
             raise ValueError("train_step needs at least one sample")
         started = time.perf_counter()
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         advantages = group_advantages(rewards, [s.prompt_id for s in samples], self.config.grpo.adv_eps)
         local_index = list(range(self.dist.rank, len(samples), self.dist.world_size))
+        local = [samples[i] for i in local_index]
+        local_advantages = advantages[local_index] if local_index else advantages[:0]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = max(float(self._all_reduce(torch.tensor([float(sum(len(s.response_tokens) for s in local))],
+                                                               dtype=torch.float64))[0]), 1.0)
         sums = torch.zeros(4, dtype=torch.float64)
-        if local_index:
-            parts = self._local_parts([samples[i] for i in local_index], advantages[local_index])
-            sums = torch.stack([parts.policy_sum, parts.kl_sum, parts.clipped_sum, parts.tokens]).detach().double().cpu()
-        totals = self._all_reduce(sums.clone())
-        total_tokens = max(float(totals[3]), 1.0)
-        if local_index:
+        plan = micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in local],
+                             self.config.micro_batch_tokens)
+        for chunk in plan:
+            parts = self._local_parts([local[i] for i in chunk], local_advantages[chunk])
             ((parts.policy_sum + self.config.grpo.kl_coef * parts.kl_sum) / total_tokens).backward()
+            sums += torch.stack([parts.policy_sum, parts.kl_sum, parts.clipped_sum, parts.tokens]).detach().double().cpu()
+        totals = self._all_reduce(sums)
         if self.dist.enabled:
             self._all_reduce_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
@@ -292,7 +323,8 @@ class Trainer:
         policy, kl, clipped = (float(totals[i]) / total_tokens for i in range(3))
         return {"step": float(self.step), "reward_mean": float(rewards.mean()), "loss": policy + self.config.grpo.kl_coef * kl,
                 "kl": kl, "clip_frac": clipped, "grad_norm": float(grad_norm), "tokens": float(totals[3]),
-                "lr": float(lr), "seconds": time.perf_counter() - started}
+                "lr": float(lr), "seconds": time.perf_counter() - started,
+                "micro_batches": float(len(plan))}
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """Detached, contiguous CPU copies of the model weights (version = ``self.step``)."""

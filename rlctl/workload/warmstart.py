@@ -50,11 +50,13 @@ class WarmStartConfig:
     max_expected_len: int | None = None
     torch_threads: int = 0  # 0: leave torch's default
     mix: dict[str, float] | None = None  # task family weights of the warm-start data (None: the task's default)
+    length_alpha: float | None = None  # Pareto shape of long answers in the warm-start data (None: the task's)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        if data["mix"] is None:
-            del data["mix"]  # recipes from before the field existed keep their cache hash
+        for optional in ("mix", "length_alpha"):
+            if data[optional] is None:
+                del data[optional]  # recipes from before the field existed keep their cache hash
         return data
 
 
@@ -96,7 +98,7 @@ def train_supervised(seed: int, config: WarmStartConfig) -> tuple[GPT, dict[str,
     started = time.perf_counter()
     model = build_model(config.model, seed=seed)
     prompts = make_dataset(config.dataset_size, seed + WARMSTART_DATA_SEED_OFFSET, mix=config.mix,
-                           max_expected_len=config.max_expected_len)
+                           max_expected_len=config.max_expected_len, length_alpha=config.length_alpha)
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -43,6 +43,8 @@ def _independent_answer(question: str) -> str:
     if body.startswith("count "):
         _, start, stop = body.split()
         return " ".join(str(i) for i in range(int(start), int(stop) + 1))
+    if body.startswith("down "):
+        return " ".join(str(i) for i in reversed(range(int(body.split()[1]) + 1)))
     left, right = body.split("+")
     return str(int(left) + int(right))
 
@@ -52,6 +54,28 @@ def test_answers_are_checkable_for_every_family() -> None:
     assert {p.meta["family"] for p in prompts} == {"add", "spell", "count"}
     for prompt in prompts:
         assert prompt.meta["answer"] == _independent_answer(prompt.meta["question"])
+
+
+def test_down_family_is_checkable_and_off_by_default() -> None:
+    prompts = make_dataset(1000, 4, mix={"add": 0.2, "spell": 0.2, "count": 0.3, "down": 0.3})
+    assert {p.meta["family"] for p in prompts} == {"add", "spell", "count", "down"}
+    for prompt in prompts:
+        assert prompt.meta["answer"] == _independent_answer(prompt.meta["question"])
+    assert all(p.meta["family"] != "down" for p in make_dataset(2000, 4))
+
+
+def test_down_family_has_the_same_long_tail_as_count() -> None:
+    down = length_stats(make_dataset(20000, 0, mix={"down": 1.0}))
+    assert down["p50"] <= 10 and 100 <= down["p99"] <= 160, down
+
+
+def test_length_alpha_must_be_positive() -> None:
+    try:
+        make_dataset(10, 0, length_alpha=0.0)
+    except ValueError as exc:
+        assert "length_alpha" in str(exc)
+    else:
+        raise AssertionError("expected ValueError")
 
 
 def test_expected_lengths_have_a_long_tail() -> None:

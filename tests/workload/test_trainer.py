@@ -15,7 +15,7 @@ import torch
 
 from rlctl.workload.grpo import GRPOConfig
 from rlctl.workload.model import GPT, ModelConfig, build_model, load_model
-from rlctl.workload.trainer import Trainer, TrainerConfig, collate
+from rlctl.workload.trainer import Trainer, TrainerConfig, collate, micro_batches
 
 from .batches import synthetic_batch
 
@@ -56,6 +56,32 @@ def test_train_step_changes_weights_and_reports_metrics() -> None:
     after = trainer.state_dict_for_publish()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert trainer.train_step(synthetic_batch(4))["kl"] > 0  # second step: policy moved off the reference
+
+
+def test_micro_batches_sort_by_length_and_respect_the_budget() -> None:
+    lengths = [30, 5, 160, 7, 6, 31, 29]
+    plan = micro_batches(lengths, 64)
+    assert sorted(i for chunk in plan for i in chunk) == list(range(len(lengths)))
+    for chunk in plan:
+        assert len(chunk) == 1 or len(chunk) * max(lengths[i] for i in chunk) <= 64
+    assert [lengths[i] for i in plan[0]] == [5, 6, 7]  # the short ones together, not padded to 160
+    assert [2] in plan  # longer than the budget: alone
+    assert micro_batches(lengths, 0) == [list(range(len(lengths)))] and micro_batches([], 64) == []
+
+
+def test_micro_batched_step_equals_one_forward_over_the_batch() -> None:
+    whole = Trainer(build_model(SMALL, seed=3), TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=0),
+                    distributed=False)
+    split = Trainer(build_model(SMALL, seed=3), TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=40),
+                    distributed=False)
+    for step in range(3):
+        batch = synthetic_batch(10 + step, prompts=6)
+        metrics_whole, metrics_split = whole.train_step(batch), split.train_step(batch)
+        assert metrics_whole["micro_batches"] == 1 and metrics_split["micro_batches"] >= 3
+        for key in ("loss", "kl", "clip_frac", "grad_norm", "tokens"):
+            assert metrics_split[key] == pytest.approx(metrics_whole[key], rel=1e-4, abs=1e-6), key
+    for key, value in whole.state_dict_for_publish().items():
+        assert torch.allclose(value, split.state_dict_for_publish()[key], atol=1e-5), key
 
 
 def test_checkpoint_replay_equals_uninterrupted_run(tmp_path: Path) -> None:

@@ -57,3 +57,15 @@ def test_family_mix_is_part_of_the_recipe_and_default_recipes_keep_their_hash() 
     counting = WarmStartConfig(steps=5, mix={"add": 0.2, "spell": 0.2, "count": 0.6})
     assert config_hash(0, counting) != config_hash(0, default)
     assert config_hash(0, counting) == config_hash(0, WarmStartConfig(steps=5, mix={"count": 0.6, "add": 0.2, "spell": 0.2}))
+
+
+def test_length_alpha_is_part_of_the_recipe_and_reaches_the_data() -> None:
+    assert "length_alpha" not in WarmStartConfig(steps=5).to_dict()
+    heavier = WarmStartConfig(steps=5, length_alpha=0.2)
+    assert config_hash(0, heavier) != config_hash(0, WarmStartConfig(steps=5))
+
+    from rlctl.workload.task import length_stats, make_dataset
+
+    default_tail = length_stats(make_dataset(2000, 0, mix={"down": 1.0}))
+    heavy_tail = length_stats(make_dataset(2000, 0, mix={"down": 1.0}, length_alpha=heavier.length_alpha))
+    assert heavy_tail["p50"] >= 5 * default_tail["p50"], (default_tail, heavy_tail)
