@@ -54,7 +54,7 @@ from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig
 from rlctl.roles.rollout import CHUNK_TOKENS
 from rlctl.workload.engine import GenRequest, GenResult, SamplingConfig, TorchEngine
 from rlctl.workload.model import ModelConfig
-from rlctl.workload.task import derive_seed, length_stats, make_dataset, score
+from rlctl.workload.task import DEFAULT_MIX, derive_seed, length_stats, make_dataset, score
 from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample
 from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint
 
@@ -62,8 +62,8 @@ from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initi
 def family_mix(long_share: float | None, long_family: str = "count") -> dict[str, float] | None:
     """The task's family weights with ``long_family`` (the long answers) at ``long_share``; None
     keeps the task's default mix (``count`` as its long family)."""
-    if long_share is None:
-        return None if long_family == "count" else {"add": 0.25, "spell": 0.45, long_family: 0.30}
+    if long_share is None:  # the task's default mix, its long family swapped for ``long_family``
+        return None if long_family == "count" else {long_family if f == "count" else f: w for f, w in DEFAULT_MIX.items()}
     rest = 1.0 - long_share
     return {"add": round(0.4 * rest, 6), "spell": round(0.6 * rest, 6), long_family: long_share}
 

@@ -4,7 +4,7 @@ Role: the data side of the reference GRPO workload. The controller imports this 
 prompts and to score responses, so it is **stdlib only** (no torch, no numpy) and every function
 is pure and deterministic for a given seed.
 
-Three task families, each with a checkable answer:
+Four task families, each with a checkable answer (the default mix uses the first three):
 
 - ``add``: ``"37+5="`` -> ``"42"``. Short answers (1-3 characters).
 - ``spell``: ``"spell 407="`` -> ``"four zero seven"``. Medium answers (4-24 characters).
