@@ -61,8 +61,8 @@ from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initi
 
 def family_mix(long_share: float | None, long_family: str = "count") -> dict[str, float] | None:
     """The task's family weights with ``long_family`` (the long answers) at ``long_share``; None
-    keeps the task's default mix (``count`` as its long family)."""
-    if long_share is None:  # the task's default mix, its long family swapped for ``long_family``
+    keeps the task's default mix, its ``count`` share given to ``long_family``."""
+    if long_share is None:
         return None if long_family == "count" else {long_family if f == "count" else f: w for f, w in DEFAULT_MIX.items()}
     rest = 1.0 - long_share
     return {"add": round(0.4 * rest, 6), "spell": round(0.6 * rest, 6), long_family: long_share}

@@ -290,7 +290,7 @@ class Trainer:
 
         Each rank takes every ``world_size``-th sample and runs them in micro-batches
         (``micro_batches``), accumulating gradients of ``(policy + kl_coef * kl) / total_tokens``
-        where the total counts response tokens over every rank: the same gradient as one forward
+        where the total counts the whole batch's response tokens: the same gradient as one forward
         over the whole batch, without padding every row to the longest sample.
         """
         if not samples:
@@ -300,11 +300,10 @@ class Trainer:
         advantages = group_advantages(rewards, [s.prompt_id for s in samples], self.config.grpo.adv_eps)
         local_index = list(range(self.dist.rank, len(samples), self.dist.world_size))
         local = [samples[i] for i in local_index]
-        local_advantages = advantages[local_index] if local_index else advantages[:0]
+        local_advantages = advantages[local_index]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = max(float(self._all_reduce(torch.tensor([float(sum(len(s.response_tokens) for s in local))],
-                                                               dtype=torch.float64))[0]), 1.0)
+        total_tokens = max(float(sum(len(s.response_tokens) for s in samples)), 1.0)  # every rank has the whole batch
         sums = torch.zeros(4, dtype=torch.float64)
         plan = micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in local],
                              self.config.micro_batch_tokens)
