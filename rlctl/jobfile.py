@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rlctl.backends.base import Backend
 from rlctl.core.schema import Problem
@@ -21,8 +21,44 @@ class HasPath(Protocol):
     def path(self) -> Path: ...
 
 
-def load_job_file(path: Path) -> JobSpec:
-    """Parse and validate ``path``; raise SpecError (with the file name) on any problem."""
+BASE_DIR_FILE = "job.base"  # beside a job directory's copy of job.toml: the folder relative paths are read from
+
+
+def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """Relative file paths of ``[model]``, ``[data]`` and ``[reward]`` made absolute against
+    ``base_dir`` (the job file's folder), ``~`` expanded. Values of the wrong type are left for
+    the schema to report."""
+
+    def absolute(value: Any) -> Any:
+        if not isinstance(value, str) or not value:
+            return value
+        path = Path(value).expanduser()
+        return str(path if path.is_absolute() else (base_dir / path).resolve())
+
+    resolved = dict(data)
+    for table_name, keys in (("model", ("path",)), ("data", ("train_files", "eval_files")), ("reward", ("path",))):
+        table = resolved.get(table_name)
+        if not isinstance(table, dict):
+            continue
+        table = dict(table)
+        for key in keys:
+            if key in table:
+                value = table[key]
+                table[key] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+        resolved[table_name] = table
+    reward = resolved.get("reward")
+    if isinstance(reward, dict) and isinstance(reward.get("function"), str):
+        location, sep, attr = reward["function"].rpartition(":")
+        if sep and (location.endswith(".py") or "/" in location):
+            resolved["reward"] = {**reward, "function": f"{absolute(location)}:{attr}"}
+    return resolved
+
+
+def load_job_file(path: Path, base_dir: Path | None = None) -> JobSpec:
+    """Parse and validate ``path``; raise SpecError (with the file name) on any problem.
+
+    Relative paths in the file are read from ``base_dir`` (default: the file's own folder).
+    """
     source = str(path)
     try:
         text = path.read_text()
@@ -34,7 +70,16 @@ def load_job_file(path: Path) -> JobSpec:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(source, [Problem("(syntax)", f"not valid TOML: {exc}")]) from None
-    return parse_spec(data, source)
+    return parse_spec(resolve_paths(data, (base_dir or path.parent).resolve()), source)
+
+
+def load_job_dir_spec(jobdir: HasPath) -> JobSpec:
+    """The spec a job was launched with (its copy in the job directory), relative paths read
+    from the folder the original job file was in."""
+    spec_file = jobdir.path / "job.toml"
+    base_file = jobdir.path / BASE_DIR_FILE
+    base_dir = Path(base_file.read_text().strip()) if base_file.is_file() else None
+    return load_job_file(spec_file, base_dir)
 
 
 def make_backend(spec: JobSpec, jobdir: HasPath) -> Backend:

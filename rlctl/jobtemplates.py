@@ -81,11 +81,14 @@ loading = 60.0
 
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
               policy: str = "role", checkpoint_every: int = 3, max_restarts: int = 2, step_scale: int = 1,
-              trainers: int = 1, agent_tls: str = "auto") -> Path:
+              trainers: int = 1, agent_tls: str = "auto", extra_tables: str = "") -> Path:
+    """The small reference job as a file; ``extra_tables`` (TOML) is appended, e.g. ``[model]``,
+    ``[data]`` and ``[reward]`` for a job on a Hugging Face model."""
     nodes = trainers + rollouts + 1 + spares
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{name}.toml"
     path.write_text(SMALL_JOB.format(name=name, steps=steps, trainers=trainers, rollouts=rollouts, spares=spares, nodes=nodes,
                                      policy=policy, checkpoint_every=checkpoint_every,
-                                     max_restarts=max_restarts, agent_tls=agent_tls) + workload_tables(step_scale))
+                                     max_restarts=max_restarts, agent_tls=agent_tls) + workload_tables(step_scale)
+                    + extra_tables)
     return path

@@ -38,6 +38,9 @@ def _register_optional() -> None:
         ("rlctl.cli.report", "report", "report", False),
         ("rlctl.cli.lab", "lab_app", "lab", True),
         ("rlctl.cli.sim", "sim", "sim", False),
+        ("rlctl.cli.model", "model_app", "model", True),
+        ("rlctl.cli.model", "data_app", "data", True),
+        ("rlctl.cli.model", "export", "export", False),
     ):
         try:
             module = importlib.import_module(module_name)

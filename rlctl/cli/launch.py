@@ -35,17 +35,19 @@ def launch(
         for problem in exc.problems:
             err_console.print(f"[bold red]error:[/] {problem.render(exc.source)}", highlight=False)
         raise typer.Exit(2)
-    plan = _plan_text(spec)
+    checks = _preflight(spec)
+    plan = _plan_text(spec, checks)
     if dry_run:
         if json_out:
-            print_json({"job": spec.name, "backend": spec.backend, "nodes": spec.nodes_needed, "plan": plan})
+            print_json({"job": spec.name, "backend": spec.backend, "nodes": spec.nodes_needed, "plan": plan,
+                        "checks": checks})
         else:
             console.print(plan, highlight=False)
         return
     root = state_root(state_dir or spec.state_dir)
     root.mkdir(parents=True, exist_ok=True)
     jobdir = JobDir(root / new_job_id(spec.name))
-    jobdir.create(job_file.read_text())
+    jobdir.create(job_file.read_text(), job_file.parent)
     if foreground:
         _run_foreground(jobdir, spec)
         return
@@ -65,7 +67,39 @@ def launch(
         watch_status(jobdir, interval=0.5, until_done=True)
 
 
-def _plan_text(spec: JobSpec) -> str:
+def _preflight(spec: JobSpec) -> dict[str, object]:
+    """The workload's checks (model folder, data rows, reward import) before anything starts; a
+    problem exits 2 with every message, nothing started."""
+    if not spec.hf_model:
+        return {}
+    from rlctl.workload.prompts import PreflightError, preflight
+
+    with err_console.status("checking the model folder, the data and the reward function"):
+        try:
+            return preflight(spec)
+        except PreflightError as exc:
+            for problem in exc.problems:
+                err_console.print(f"[bold red]error:[/] {spec.source}: {problem}", highlight=False)
+            raise typer.Exit(2) from None
+
+
+def _workload_lines(checks: dict[str, object]) -> list[str]:
+    lines = []
+    model = checks.get("model")
+    if isinstance(model, dict):
+        lines.append(f"model: {model['path']} ({model['model_type']}, vocab {model['vocab_size']}, "
+                     f"{len(model['weights'])} weight file(s))")
+    for key in ("train_files", "eval_files"):
+        facts = checks.get(key)
+        if isinstance(facts, dict):
+            lines.append(f"data {key}: {facts['prompts']} prompts ({facts['too_long']} longer than max_prompt_tokens, "
+                         "left out)")
+    if "reward" in checks:
+        lines.append(f"reward: {checks['reward']}")
+    return lines
+
+
+def _plan_text(spec: JobSpec, checks: dict[str, object] | None = None) -> str:
     from rlctl.backends.base import AllocationRequest
     from rlctl.jobfile import make_backend
 
@@ -87,6 +121,7 @@ def _plan_text(spec: JobSpec) -> str:
         f"spares: {spec.spare_nodes} ({'warm trainer standby' if spec.warm_spares else 'cold'})",
         (f"rollout: batch {spec.rollout.batch_prompts} prompts x {spec.rollout.group_size} samples, "
          f"tail batching {'on' if spec.rollout.tail_batching.enabled else 'off'}"),
+        *_workload_lines(checks or {}),
         backend.plan_text(request),
     ]
     return "\n".join(lines)

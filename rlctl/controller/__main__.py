@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.server import Controller, setup_logging
-from rlctl.jobfile import load_job_file, make_backend
+from rlctl.jobfile import load_job_dir_spec, make_backend
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     jobdir = JobDir(args.job_dir.resolve())
     setup_logging(jobdir.log_file)
-    spec = load_job_file(jobdir.spec_file)
+    spec = load_job_dir_spec(jobdir)
     backend = make_backend(spec, jobdir)
     controller = Controller(jobdir, spec, backend, resume=args.resume)
     return asyncio.run(controller.run())

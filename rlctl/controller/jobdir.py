@@ -69,12 +69,15 @@ class JobDir:
     def node_dir(self, node: str) -> Path:
         return self.path / "nodes" / node
 
-    def create(self, spec_text: str) -> None:
-        """Make the directory, copy the spec, write a fresh 0600 secret. Fails if it exists."""
+    def create(self, spec_text: str, spec_base_dir: Path | None = None) -> None:
+        """Make the directory, copy the spec (and the folder its relative paths are read from),
+        write a fresh 0600 secret. Fails if it exists."""
         self.path.mkdir(parents=True, exist_ok=False, mode=0o700)
         (self.path / "nodes").mkdir()
         self.checkpoints.mkdir()
         self.spec_file.write_text(spec_text)
+        if spec_base_dir is not None:
+            (self.path / "job.base").write_text(str(spec_base_dir.resolve()) + "\n")
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(secrets.token_hex(32))

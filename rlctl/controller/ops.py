@@ -127,8 +127,27 @@ class DataOps:
         }
 
     def op_reward_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """Store scores. A score with ``error`` (the reward function raised, timed out or died) is
+        journaled as ``RewardFunctionFailed`` naming the function, the sample and the error; the
+        sample keeps its zero score, or with ``on_error = "fail"`` the job stops as failed."""
         self._require(slot, "reward")
-        events = self.c.scheduler.submit_scores(slot.wid or "", list(args.get("scores", [])), now)
+        scores = list(args.get("scores", []))
+        rnd = self.c.scheduler.round
+        failed = [s for s in scores if s.get("error")]
+        if failed:
+            on_error = str(self.c.spec.reward["on_error"])
+            failures = [
+                event("RewardFunctionFailed", now, function=str(s.get("function", ""))[:200], item_id=str(s["item_id"]),
+                      prompt_id=rnd.samples[s["item_id"]].prompt_id if rnd is not None and s["item_id"] in rnd.samples
+                      else "", error=str(s["error"])[:500], on_error=on_error)
+                for s in failed
+            ]
+            self.c.commit(failures)
+            if on_error == "fail":
+                first = failures[0].data
+                self.c.request_stop(f"failed: reward function {first['function']} on {first['item_id']}: {first['error']}")
+                return {"accepted": 0}
+        events = self.c.scheduler.submit_scores(slot.wid or "", scores, now)
         self.c.commit_decided(events)
         return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == "RewardsStored")}
 

@@ -13,7 +13,7 @@ from rlctl.controller.store import Journal
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
-from rlctl.jobfile import load_job_file
+from rlctl.jobfile import load_job_dir_spec
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Timeline:
 
 
 def build_report(jobdir: JobDir) -> tuple[dict[str, Any], Timeline]:
-    spec = load_job_file(jobdir.spec_file)
+    spec = load_job_dir_spec(jobdir)
     model = JobModel(job_id=jobdir.job_id)
     model.scheduler = RoundScheduler(config_from_spec(spec), [])
     timeline = Timeline()

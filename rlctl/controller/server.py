@@ -34,7 +34,7 @@ from rlctl.controller.tls import ensure_job_certificate, server_context, tls_ena
 from rlctl.core import detector as det
 from rlctl.core.events import Event, event
 from rlctl.core.model import GpuSummary, JobModel, SlotRecord
-from rlctl.core.rounds import PromptRef, RoundScheduler, config_from_spec
+from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
 from rlctl.core.spec import JobSpec
 from rlctl.core.states import JobState, NodeState, WorkerState
@@ -59,6 +59,8 @@ class Controller:
         self.resume = resume
         self.journal = Journal(jobdir.journal)
         self.model = JobModel(job_id=jobdir.job_id)
+        from rlctl.workload.prompts import load_prompts
+
         self.scheduler = RoundScheduler(config_from_spec(spec), load_prompts(spec))
         self.model.scheduler = self.scheduler
         ft = spec.fault_tolerance
@@ -428,6 +430,8 @@ class Controller:
             "max_new_tokens": self.spec.rollout.max_new_tokens,
             "worker_batch": self.spec.rollout.worker_batch,
             "dataset_size": self.spec.rollout.dataset_size,
+            "model": self.spec.model,
+            "reward": self.spec.reward,
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
         if self.spec.backend == "local":
@@ -708,13 +712,6 @@ def _restored_state(model: JobModel, node: str) -> NodeState:
     if model.slot_on_node(node) is not None:
         return NodeState.ACTIVE
     return NodeState.STANDBY if record.role == "spare" else NodeState.READY
-
-
-def load_prompts(spec: JobSpec) -> list[PromptRef]:
-    """The job's prompts from the reference task (torch-free; regenerated identically on resume)."""
-    from rlctl.workload.task import make_dataset
-
-    return [PromptRef(p.prompt_id, tuple(p.tokens), dict(p.meta)) for p in make_dataset(spec.rollout.dataset_size, spec.seed)]
 
 
 def setup_logging(path: Path) -> None:

@@ -37,6 +37,7 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "TrajectoryStored": ("item_id", "response_tokens", "truncated", "weights_version", "slot"),
     "PromptDeferred": ("prompt_id", "step"),
     "RewardsStored": ("scores",),
+    "RewardFunctionFailed": ("function", "item_id", "prompt_id", "error", "on_error"),
     "ScoringDispatched": ("slot", "wid", "item_ids"),
     "BatchFormed": ("step", "kind", "prompt_ids", "returned_prompt_ids"),
     "EpochStarted": ("epoch", "order"),

@@ -236,9 +236,11 @@ class RoundScheduler:
             sample = rnd.samples.get(str(score.get("item_id")))
             if sample is None or sample.status != SCORING or sample.wid != wid:
                 continue
-            accepted.append(
-                {"item_id": sample.item_id, "reward": float(score["reward"]), "correct": bool(score.get("correct"))}
-            )
+            entry = {"item_id": sample.item_id, "reward": float(score["reward"]), "correct": bool(score.get("correct"))}
+            metrics = score.get("metrics")
+            if isinstance(metrics, dict) and metrics:
+                entry["metrics"] = {str(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+            accepted.append(entry)
         if accepted:
             self._emit(out, event("RewardsStored", at, scores=accepted))
         self._maybe_close(out, at)

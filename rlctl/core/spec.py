@@ -26,6 +26,9 @@ PHASES_WITH_BOUNDS = (
     "waiting-for-work",
     "waiting-for-batch",
 )
+# A reward call past its timeout is killed and its sandbox restarted before the next sample: the
+# scoring phase's progress bound must leave this much beyond the timeout.
+REWARD_RESTART_MARGIN_S = 2.0
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -280,6 +283,54 @@ JOB_SCHEMA: dict[str, Field] = {
             "host": Field("str", "Address holders listen on and advertise.", "127.0.0.1"),
         },
     ),
+    "model": Field(
+        "table",
+        "The policy: a local Hugging Face model folder (config.json, safetensors, tokenizer.json). Empty `path`: "
+        "the reference task's small built-in model ([workload] shapes it).",
+        fields={
+            "path": Field("str", "Hugging Face model folder any `AutoModelForCausalLM` loads (`~` is expanded; "
+                          "relative to the job file). `rlctl model init` makes a tiny one.", ""),
+            "dtype": Field("choice", "Weights' dtype: `auto` is bfloat16 on GPU and float32 on CPU.", "auto",
+                           choices=("auto", "float32", "bfloat16", "float16")),
+            "trust_remote_code": Field("bool", "Let transformers run the model folder's own code.", False),
+            "gradient_checkpointing": Field("bool", "Recompute activations in the backward pass (less memory).", False),
+            "max_prompt_tokens": Field("int", "Prompts longer than this (after the chat template) are left out of "
+                                       "the job; the launch says how many.", 1024, minimum=1),
+            "max_response_tokens": Field("int", "Response cap; 0 means `rollout.max_new_tokens`.", 0, minimum=0),
+        },
+    ),
+    "data": Field(
+        "table",
+        "The prompts: parquet or JSON-lines files in verl's layout (or columns named here). No files: the "
+        "reference task's generated prompts (`rollout.dataset_size` of them).",
+        fields={
+            "train_files": Field("str-list", "Training prompt files (.parquet, .jsonl).", []),
+            "eval_files": Field("str-list", "Held-out prompt files, scored greedily for the held-out reward.", []),
+            "prompt_key": Field("str", "Column of the prompt: a chat message list or a string.", "prompt"),
+            "ground_truth_key": Field("str", "Column of the ground truth (a dotted key reaches into a struct).",
+                                      "reward_model.ground_truth"),
+            "data_source_key": Field("str", "Column naming each row's source (`\"\"`: the layout has none).",
+                                     "data_source"),
+            "extra_info_key": Field("str", "Column of extra information for the reward (`\"\"`: none).", "extra_info"),
+        },
+    ),
+    "reward": Field(
+        "table",
+        "How samples are scored: verl's signature `fn(data_source, solution_str, ground_truth, extra_info) -> "
+        "float | dict` (a dict has `score` plus extra metrics; `async def` works too).",
+        fields={
+            "function": Field("str", "`auto` (by data_source), `gsm8k`, `gsm8k-flexible`, `math`, `task`, "
+                              "`package.module:fn` or `path/to/file.py:fn`.", "auto"),
+            "path": Field("str", "verl's form: a Python file (relative to the job file) holding `name`.", ""),
+            "name": Field("str", "verl's form: the function in `path`.", "compute_score"),
+            "timeout_s": Field("float", "Per-sample time limit; a call past it is an error. Must stay below the "
+                               "`scoring` phase bound by the sandbox's restart margin, so a hung function never "
+                               "looks like a hung worker.", 5.0, minimum=0.1),
+            "on_error": Field("choice", "A function that raises or times out: `zero` scores the sample 0 and goes "
+                              "on; `fail` stops the job as failed. Either way an event names the function, the "
+                              "sample and the error.", "zero", choices=("zero", "fail")),
+        },
+    ),
     "workload": Field(
         "table",
         "Settings of the reference GRPO workload, passed to the role programs.",
@@ -380,6 +431,24 @@ class JobSpec:
         return dict(self.raw["workload"])
 
     @property
+    def model(self) -> dict[str, Any]:
+        """`[model]`; an empty `path` means the reference task's built-in model."""
+        return dict(self.raw["model"])
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return dict(self.raw["data"])
+
+    @property
+    def reward(self) -> dict[str, Any]:
+        return dict(self.raw["reward"])
+
+    @property
+    def hf_model(self) -> bool:
+        """The policy is a Hugging Face model folder (`[model] path`)."""
+        return bool(self.raw["model"]["path"])
+
+    @property
     def nodes_needed(self) -> int:
         return sum(r.nodes for r in self.roles.values()) + self.spare_nodes
 
@@ -443,6 +512,20 @@ def _cross_checks(values: dict[str, Any]) -> list[Problem]:
         problems.append(
             Problem("rollout.dataset_size", f"expected at least one batch ({max(rollout['batch_prompts'], batch)} prompts)")
         )
+    if values["data"]["train_files"] and not values["model"]["path"]:
+        problems.append(Problem("model.path", "expected a Hugging Face model folder: [data] train_files need its tokenizer"))
+    if values["data"]["eval_files"] and not values["data"]["train_files"]:
+        problems.append(Problem("data.eval_files", "expected [data] train_files as well"))
+    response_cap = values["model"]["max_response_tokens"] or rollout["max_new_tokens"]
+    if tail["enabled"] and values["model"]["max_response_tokens"] and tail["short_max_tokens"] >= response_cap:
+        problems.append(Problem("rollout.tail_batching.short_max_tokens",
+                                f"expected less than model.max_response_tokens ({response_cap})"))
+    scoring_bound = values["fault_tolerance"]["phase_timeout_s"]["scoring"]
+    reward_timeout = values["reward"]["timeout_s"]
+    if values["model"]["path"] and reward_timeout + REWARD_RESTART_MARGIN_S > scoring_bound:
+        problems.append(Problem("reward.timeout_s", f"expected at most {scoring_bound - REWARD_RESTART_MARGIN_S:g} "
+                                f"(fault_tolerance.phase_timeout_s.scoring = {scoring_bound:g} minus "
+                                f"{REWARD_RESTART_MARGIN_S:g} s to restart the sandbox), got {reward_timeout:g}"))
     workload = values["workload"]
     if workload["model_dim"] % workload["heads"]:
         problems.append(Problem("workload.heads", f"expected a divisor of workload.model_dim ({workload['model_dim']})"))
@@ -496,7 +579,8 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         replicate_trainer_state=values["spares"]["replicate_trainer_state"],
         fault_tolerance=FaultToleranceSpec(**{**ft, "phase_timeout_s": dict(ft["phase_timeout_s"])}),
         rollout=RolloutSpec(
-            **{k: v for k, v in rollout.items() if k != "tail_batching"},
+            **{k: v for k, v in rollout.items() if k not in ("tail_batching", "max_new_tokens")},
+            max_new_tokens=values["model"]["max_response_tokens"] or rollout["max_new_tokens"],
             tail_batching=TailBatchingSpec(**rollout["tail_batching"]),
         ),
         weights_transport=values["weights"]["transport"],

@@ -56,12 +56,49 @@ def model_config(settings: RoleSettings) -> Any:
                        n_heads=int(settings.get("heads", 4)))
 
 
+def hf_model_path(settings: RoleSettings) -> str | None:
+    """The job's Hugging Face model folder (``[model] path``), or None for the built-in model."""
+    path = str(settings.get("model", {}).get("path", ""))
+    return path or None
+
+
+def load_policy(settings: RoleSettings, device: str, path: str | Path | None = None) -> Any:
+    """The policy to generate with: the HF model at ``path`` (default: ``[model] path``) with the
+    job's dtype and trust setting, or a fresh built-in model (weights come by weight sync)."""
+    model_path = path or hf_model_path(settings)
+    if model_path is None:
+        from rlctl.workload.model import build_model
+
+        return build_model(model_config(settings))
+    from rlctl.workload.hf_model import load_hf_policy
+
+    table = settings.get("model", {})
+    return load_hf_policy(model_path, device, str(table.get("dtype", "auto")), bool(table.get("trust_remote_code", False)))
+
+
+def sampling_config(settings: RoleSettings) -> Any:
+    """Temperature from the job; EOS, pad and every stop token from the HF model folder."""
+    from rlctl.workload.engine import SamplingConfig
+
+    temperature = float(settings.get("temperature", 1.0))
+    model_path = hf_model_path(settings)
+    if model_path is None:
+        return SamplingConfig(temperature=temperature)
+    from rlctl.workload.hf_tokenizer import ChatTokenizer, stop_token_ids
+
+    tokenizer = ChatTokenizer(model_path)
+    stops = stop_token_ids(model_path)
+    return SamplingConfig(temperature=temperature, eos_id=stops[0], pad_id=tokenizer.pad_id if tokenizer.pad_id is not None
+                          else stops[0], stop_ids=tuple(stops))
+
+
 def initial_weights(settings: RoleSettings, w: worker.Worker) -> Path:
-    """The model every run starts from: ``init_checkpoint`` if given, else the cached warm-start.
+    """The model every run starts from: ``init_checkpoint`` if given, else ``[model] path``, else
+    the cached warm-start.
 
     Several processes may ask at once; a file lock makes one of them train and the others wait.
     """
-    given = str(settings.get("init_checkpoint", ""))
+    given = str(settings.get("init_checkpoint", "")) or hf_model_path(settings)
     if given:
         return Path(given)
     from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint

@@ -1,37 +1,90 @@
-"""The reward role: verifier workers that score completions (torch-free, concurrent, stateless).
+"""The reward role: verifier workers that score completions (torch-free, stateless).
 
 A reward worker that dies loses nothing: the samples it held go back to the scheduler.
+
+With an HF model (``[model] path``) it decodes each response with the model folder's tokenizer
+and scores it with the job's reward function (``[reward]``; verl's signature) in a sandbox
+process with a per-sample time limit: a function that raises, hangs or kills its process gives
+the sample a score per ``on_error`` and an ``error`` the controller journals, never a hung or
+dead worker. With the built-in model it scores with the reference task's scorer.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from rlctl import worker
-from rlctl.roles.common import wait_or_stop
+from rlctl.roles.common import RoleSettings, hf_model_path, wait_or_stop
 from rlctl.workload.task import score
 
 CAPACITY = 64
 
+ScoreItem = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def task_scorer() -> ScoreItem:
+    def score_item(item: dict[str, Any]) -> dict[str, Any]:
+        reward, correct = score(item["meta"], item["response_tokens"])
+        return {"item_id": item["item_id"], "reward": reward, "correct": correct}
+
+    return score_item
+
+
+def function_scorer(settings: RoleSettings, model_path: str) -> tuple[ScoreItem, Callable[[], None]]:
+    """Score with the job's reward function in a sandbox; returns the scorer and its closer."""
+    from rlctl.workload.hf_tokenizer import ChatTokenizer
+    from rlctl.workload.rewardfn import RewardSpec, SandboxedScorer, ScoreRequest
+
+    tokenizer = ChatTokenizer(model_path)
+    spec = RewardSpec.from_table(settings.get("reward", {}))
+    sandbox = SandboxedScorer(spec)
+
+    def score_item(item: dict[str, Any]) -> dict[str, Any]:
+        meta = item["meta"]
+        text = tokenizer.decode(item["response_tokens"], skip_special_tokens=True)
+        outcome = sandbox.score(ScoreRequest(str(meta.get("data_source", "")), text, meta.get("ground_truth"),
+                                             dict(meta.get("extra_info") or {}), bool(item.get("truncated"))))
+        result: dict[str, Any] = {"item_id": item["item_id"], "reward": outcome.score, "correct": outcome.correct}
+        if outcome.extras:
+            result["metrics"] = outcome.extras
+        if outcome.error is not None:
+            result["error"] = outcome.error
+            result["function"] = spec.label
+        return result
+
+    return score_item, sandbox.close
+
 
 def main(w: worker.Worker | None = None) -> int:
     w = w or worker.connect()
+    settings = RoleSettings.from_env()
+    model_path = hf_model_path(settings)
+    close: Callable[[], None] = lambda: None
+    if model_path is None:
+        score_item = task_scorer()
+    else:
+        w.phase("loading")
+        score_item, close = function_scorer(settings, model_path)
     scored = 0
-    while True:
-        w.phase("waiting-for-work")
-        reply = w.request("reward.get_work", capacity=CAPACITY)
-        if not reply or "items" not in reply:
-            if wait_or_stop(reply):
-                return 0
-            continue
-        w.phase("scoring")
-        scores = []
-        for item in reply["items"]:
-            reward, correct = score(item["meta"], item["response_tokens"])
-            scores.append({"item_id": item["item_id"], "reward": reward, "correct": correct})
-            scored += 1
-            w.progress(scored)
-        w.request("reward.submit", scores=scores)
+    try:
+        while True:
+            w.phase("waiting-for-work")
+            reply = w.request("reward.get_work", capacity=CAPACITY)
+            if not reply or "items" not in reply:
+                if wait_or_stop(reply):
+                    return 0
+                continue
+            w.phase("scoring")
+            scores = []
+            for item in reply["items"]:
+                scores.append(score_item(item))
+                scored += 1
+                w.progress(scored)
+            w.request("reward.submit", scores=scores)
+    finally:
+        close()
 
 
 if __name__ == "__main__":

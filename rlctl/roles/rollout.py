@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from rlctl import worker
-from rlctl.roles.common import RoleSettings, model_config, setup_torch, wait_or_stop
+from rlctl.roles.common import RoleSettings, hf_model_path, load_policy, sampling_config, setup_torch, wait_or_stop
 
 # Decode steps between a worker's polls: each poll is one request to the controller.
 CHUNK_TOKENS = 4
@@ -32,31 +32,35 @@ def fetch_timeout(source: dict[str, Any]) -> float:
 class Rollout:
     def __init__(self, w: worker.Worker, settings: RoleSettings) -> None:
         from rlctl.weights import WeightServerThread
-        from rlctl.workload.engine import SamplingConfig
-        from rlctl.workload.model import build_model
 
         self.w = w
         self.settings = settings
         device = setup_torch(settings)
-        model = build_model(model_config(settings))
-        sampling = SamplingConfig(temperature=float(settings.get("temperature", 1.0)))
+        sampling = sampling_config(settings)
         self.step = 0
-        self.engine = self._make_engine(model, sampling, device)
+        self.engine = self._make_engine(sampling, device)
         self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
         self.server.start()
         self.held_version = -1
         self.tokens_generated = 0
 
-    def _make_engine(self, model: Any, sampling: Any, device: str) -> Any:
-        """The torch engine, or vLLM when the job says ``engine = "vllm"`` (imported only then)."""
+    def _make_engine(self, sampling: Any, device: str) -> Any:
+        """The torch engine, or vLLM when the job says ``engine = "vllm"`` (imported only then).
+        vLLM serves an HF model folder natively; the built-in model is exported for it first."""
         from rlctl.workload.engine import TorchEngine
 
         if self.settings.get("engine", "torch") != "vllm":
-            return TorchEngine(model, sampling, device=device)
+            return TorchEngine(load_policy(self.settings, device), sampling, device=device)
         from rlctl.workload.engine_vllm import VllmEngine
 
+        def on_phase(phase: str) -> None:
+            self.w.phase(phase, self.step)
+
+        model_path = hf_model_path(self.settings)
+        if model_path is not None:
+            return VllmEngine(model_path, sampling, on_phase=on_phase)
         workdir = os.path.join(os.environ.get("RLCTL_WORKDIR", "."), "vllm-model")
-        return VllmEngine.from_gpt(model, workdir, sampling, on_phase=lambda phase: self.w.phase(phase, self.step))
+        return VllmEngine.from_gpt(load_policy(self.settings, device), workdir, sampling, on_phase=on_phase)
 
     def sync_weights(self, version: int, source: dict[str, Any] | None) -> None:
         """Pull ``version`` from any live holder; a holder that fails is reported and another tried."""

@@ -53,12 +53,17 @@ class GenResult:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """``temperature`` 0 means greedy; ``top_k`` 0 means no top-k filter."""
+    """``temperature`` 0 means greedy; ``top_k`` 0 means no top-k filter. A response ends at
+    ``eos_id`` or any of ``stop_ids`` (an HF model may have several, e.g. end of turn and end of text)."""
 
     temperature: float = 1.0
     top_k: int = 0
     eos_id: int = EOS_ID
     pad_id: int = PAD_ID
+    stop_ids: tuple[int, ...] = ()
+
+    def stops(self) -> frozenset[int]:
+        return frozenset((self.eos_id, *self.stop_ids))
 
 
 @dataclass
@@ -182,6 +187,7 @@ class TorchEngine:
         self.model.to(self.device)  # type: ignore[attr-defined]
         self.model.eval()  # type: ignore[attr-defined]
         self._version = 0
+        self._stops = self.sampling.stops()
         self.last_stats = GenerationStats()
 
     @property
@@ -259,9 +265,9 @@ class TorchEngine:
             response = batch.responses[row]
             response.append(token)
             self.last_stats.generated_tokens += 1
-            if token == self.sampling.eos_id or last_step:
+            if token in self._stops or last_step:
                 item_id = batch.requests[row].item_id
-                result = GenResult(item_id, response, truncated=token != self.sampling.eos_id)
+                result = GenResult(item_id, response, truncated=token not in self._stops)
                 finished[item_id] = result
                 unreported.append(result)
                 self.last_stats.row_lengths.append(len(response))

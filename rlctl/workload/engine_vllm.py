@@ -276,7 +276,7 @@ def _sampling_params(sampling: SamplingConfig, request: GenRequest, max_new_toke
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    stops = [sampling.eos_id] if sampling.eos_id >= 0 else []  # eos_id < 0: no EOS (benchmarks)
+    stops = sorted(t for t in sampling.stops() if t >= 0)  # eos_id < 0 and no stop_ids: no EOS (benchmarks)
     return SamplingParams(
         n=1, temperature=max(sampling.temperature, 0.0), top_k=max(0, sampling.top_k),
         max_tokens=max_new_tokens, seed=request.seed, stop_token_ids=stops, ignore_eos=not stops,
@@ -284,11 +284,12 @@ def _sampling_params(sampling: SamplingConfig, request: GenRequest, max_new_toke
     )
 
 
-def _result(item_id: str, completion: Any, eos_id: int) -> GenResult:
+def _result(item_id: str, completion: Any, stops: frozenset[int]) -> GenResult:
     tokens = list(completion.token_ids)
     truncated = completion.finish_reason == "length"
-    if not truncated and (not tokens or tokens[-1] != eos_id) and completion.stop_reason == eos_id:
-        tokens.append(eos_id)  # vLLM left the stop token out: TorchEngine's responses end with EOS
+    stop = completion.stop_reason
+    if not truncated and isinstance(stop, int) and stop in stops and (not tokens or tokens[-1] != stop):
+        tokens.append(stop)  # vLLM left the stop token out: TorchEngine's responses end with it
     return GenResult(item_id, tokens, truncated)
 
 
@@ -422,7 +423,7 @@ class VllmEngine:
         return finished
 
     def _finish(self, output: Any, active: set[str], finished: dict[str, GenResult]) -> None:
-        result = _result(output.request_id, output.outputs[0], self.sampling.eos_id)
+        result = _result(output.request_id, output.outputs[0], self.sampling.stops())
         finished[result.item_id] = result
         active.discard(result.item_id)
         self.last_stats.generated_tokens += len(output.outputs[0].token_ids)

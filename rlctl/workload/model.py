@@ -13,14 +13,12 @@ The interface every engine and trainer relies on (``CausalLM``):
 - ``model.new_cache(batch_size, max_len) -> cache`` with ``cache.select(rows)`` to drop finished
   rows from a batched decode.
 
-``load_model`` reads our own files (``save_model`` output or a trainer checkpoint) and, where
-``transformers`` can be imported and the path is a Hugging Face model folder, wraps a real HF
-causal LM behind the same interface (``HFCausalLM``).
+``load_model`` reads our own files (``save_model`` output or a trainer checkpoint) and, for a
+Hugging Face model folder, loads it behind the same interface (``rlctl.workload.hf_model.HFPolicy``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -285,60 +283,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> CausalLM
     """Load a model for generation or training.
 
     - an rlctl model file, a folder holding ``model.pt``, or a trainer checkpoint -> ``GPT``;
-    - a Hugging Face model folder (``config.json`` + weights) -> ``HFCausalLM`` when
-      ``transformers`` is importable (``ImportError`` otherwise).
+    - a Hugging Face model folder (``config.json`` + weights) -> ``HFPolicy`` (rlctl.workload.hf_model).
     """
     source = Path(path)
     if _is_hf_dir(source):
-        return HFCausalLM.from_pretrained(source, device)
+        from rlctl.workload.hf_model import load_hf_policy
+
+        return load_hf_policy(source, device)
     if source.is_dir():
         source = source / MODEL_FILE_NAME
     if not source.is_file():
         raise FileNotFoundError(source)
     return _load_own_file(source, device)
-
-
-class HFCausalLM(nn.Module):
-    """A Hugging Face causal LM behind the ``CausalLM`` interface (only when transformers exists).
-
-    The cache is the HF ``DynamicCache``; ``new_cache`` ignores ``max_len``.
-    """
-
-    def __init__(self, hf_model: Any) -> None:
-        super().__init__()
-        self.hf_model = hf_model
-
-    @classmethod
-    def from_pretrained(cls, path: Path, device: str | torch.device) -> HFCausalLM:
-        try:
-            from transformers import AutoModelForCausalLM
-        except ImportError as exc:
-            raise ImportError(f"{path} is a Hugging Face model folder; loading it needs `transformers`") from exc
-        config_text = json.loads((path / "config.json").read_text())
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=config_text.get("torch_dtype", "auto"))
-        return cls(hf_model.to(device))
-
-    def new_cache(self, batch_size: int, max_len: int) -> _HFCache:
-        from transformers import DynamicCache
-
-        return _HFCache(DynamicCache())
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None, cache: _HFCache | None = None) -> Tensor:
-        out = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=cache.inner if cache is not None else None,
-                            use_cache=cache is not None)
-        return out.logits
-
-
-class _HFCache:
-    """Adapter giving an HF ``DynamicCache`` the ``select(rows)`` method the engine uses."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def select(self, rows: Tensor) -> None:
-        if hasattr(self.inner, "batch_select_indices"):
-            self.inner.batch_select_indices(rows)
-        else:
-            self.inner.reorder_cache(rows)

@@ -225,7 +225,11 @@ def score(meta: Mapping[str, Any], response_tokens: Sequence[int]) -> tuple[floa
     characters at the right places, and for the right length), so it stays in [0, 0.5].
     """
     text, finished = response_text(response_tokens)
-    answer = str(meta["answer"])
+    return score_text(str(meta["answer"]), text, finished)
+
+
+def score_text(answer: str, text: str, finished: bool) -> tuple[float, bool]:
+    """``score`` on decoded text (any tokenizer): ``finished`` says the response ended with EOS."""
     if finished and text == answer:
         return 1.0, True
     return INCORRECT_REWARD_SCALE * similarity(text, answer), False

@@ -23,10 +23,12 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
 import random
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,10 +42,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlctl.workload.grpo import GRPOConfig, LossParts, group_advantages, grpo_loss_parts, sequence_logprobs_from_logits
-from rlctl.workload.model import GPT, ModelConfig, build_model, load_model
+from rlctl.workload.model import GPT, ModelConfig, load_model
 from rlctl.workload.task import PAD_ID
 
 CHECKPOINT_FORMAT = "rlctl-trainer-ckpt-v1"
+# An HF-format checkpoint is a folder: the model as ``save_pretrained`` writes it (plus the
+# tokenizer files), and this file beside it with the optimizer, schedule, RNG and step.
+TRAINER_STATE_FILE = "trainer_state.pt"
 DEFAULT_PG_TIMEOUT_S = 600.0
 
 
@@ -214,7 +219,7 @@ def atomic_torch_save(payload: Any, path: Path) -> None:
 class Trainer:
     """Policy model + AdamW + LR schedule; see the module docstring for the contract."""
 
-    def __init__(self, model: GPT, config: TrainerConfig | None = None, device: str | torch.device = "cpu",
+    def __init__(self, model: torch.nn.Module, config: TrainerConfig | None = None, device: str | torch.device = "cpu",
                  distributed: bool | None = None) -> None:
         self.config = config or TrainerConfig()
         self.device = rank_device(torch.device(device))
@@ -231,13 +236,31 @@ class Trainer:
         self.step = 0
 
     @classmethod
+    def from_hf(cls, path: str | Path, config: TrainerConfig | None = None, device: str | torch.device = "cpu",
+                distributed: bool | None = None, dtype: str = "auto", trust_remote_code: bool = False,
+                gradient_checkpointing: bool = False) -> Trainer:
+        """A trainer on the HF model folder at ``path``; a folder this trainer checkpointed (with
+        ``trainer_state.pt``) restores everything, a plain model folder only the weights."""
+        from rlctl.workload.hf_model import load_hf_policy
+
+        source = Path(path)
+        model = load_hf_policy(source, rank_device(torch.device(device)), dtype, trust_remote_code, gradient_checkpointing)
+        trainer = cls(model, config, device, distributed)
+        if (source / TRAINER_STATE_FILE).is_file():
+            trainer.load_checkpoint(source)
+        return trainer
+
+    @classmethod
     def from_checkpoint(cls, path: str | Path, config: TrainerConfig | None = None,
                         device: str | torch.device = "cpu", distributed: bool | None = None) -> Trainer:
         """A trainer whose model shape comes from ``path`` (a model file or trainer checkpoint).
 
         A trainer checkpoint restores everything (``load_checkpoint``); a model file only the weights.
+        An HF model folder goes to ``from_hf`` with its defaults.
         """
         source = Path(path)
+        if source.is_dir() and (source / "config.json").is_file():
+            return cls.from_hf(source, config, device, distributed)
         payload = torch.load(source, map_location="cpu", weights_only=True) if source.is_file() else {}
         if payload.get("format") != CHECKPOINT_FORMAT:
             model = load_model(source)
@@ -248,11 +271,20 @@ class Trainer:
         trainer._restore(payload)
         return trainer
 
-    def _make_reference(self) -> GPT:
-        reference = build_model(self.model.config).to(self.device)
-        reference.load_state_dict(self.model.state_dict())
+    def _make_reference(self) -> torch.nn.Module:
+        reference = copy.deepcopy(self.model)
         reference.requires_grad_(False)
         return reference.eval()
+
+    def model_signature(self) -> dict[str, Any]:
+        """What a checkpoint must match to load here: our GPT's config, or an HF model's names and shapes."""
+        if isinstance(self.model, GPT):
+            return self.model.config.to_dict()
+        return {name: list(t.shape) for name, t in self.model.state_dict().items()}
+
+    @property
+    def is_hf(self) -> bool:
+        return not isinstance(self.model, GPT)
 
     def _broadcast_parameters(self) -> None:
         with torch.no_grad():
@@ -333,7 +365,7 @@ class Trainer:
         return {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
-            "model_config": self.model.config.to_dict(),
+            "model_config": self.model_signature(),
             "trainer_config": self.config.to_dict(),
             "model": self.state_dict_for_publish(),
             "ref_model": ({k: v.detach().cpu() for k, v in self.ref_model.state_dict().items()}
@@ -357,22 +389,42 @@ class Trainer:
         return self._restore(payload)
 
     def save_checkpoint(self, path: str | Path) -> Path | None:
-        """Atomically write a full checkpoint (rank 0 only; other ranks return None)."""
+        """Atomically write a full checkpoint (rank 0 only; other ranks return None).
+
+        Our GPT: one file. An HF model: a folder (``save_pretrained`` output, tokenizer files,
+        ``trainer_state.pt``) written beside the target and renamed into place.
+        """
         if self.dist.rank != 0:
             return None
         target = Path(path)
-        atomic_torch_save(self.checkpoint_payload(), target)
+        if not self.is_hf:
+            atomic_torch_save(self.checkpoint_payload(), target)
+            return target
+        payload = self.checkpoint_payload()
+        del payload["model"]  # the weights are the folder's safetensors
+        staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        self.model.save(staging)  # type: ignore[operator]
+        atomic_torch_save(payload, staging / TRAINER_STATE_FILE)
+        _replace_folder(staging, target)
         return target
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore everything ``save_checkpoint`` wrote; returns the restored step."""
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        source = Path(path)
+        if source.is_dir():
+            payload = torch.load(source / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
+            if payload.get("format") != CHECKPOINT_FORMAT:
+                raise ValueError(f"{source / TRAINER_STATE_FILE} is not an rlctl trainer state")
+            payload["model"] = read_hf_weights(source, self.model.state_dict())
+            return self._restore(payload)
+        payload = torch.load(source, map_location="cpu", weights_only=True)
         if payload.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not an rlctl trainer checkpoint")
         return self._restore(payload)
 
     def _restore(self, payload: Mapping[str, Any]) -> int:
-        if ModelConfig.from_dict(payload["model_config"]) != self.model.config:
+        if payload["model_config"] != self.model_signature():
             raise ValueError("checkpoint model shape differs from this trainer's model")
         self.model.load_state_dict(payload["model"])
         if self.ref_model is not None:
@@ -383,3 +435,40 @@ class Trainer:
         restore_rng_state(payload["rng"])
         self.step = int(payload["step"])
         return self.step
+
+
+def read_hf_weights(folder: Path, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The safetensors weights of an HF folder as a full state dict shaped like ``like``: keys
+    ``save_pretrained`` leaves out because they are tied to another (``lm_head.weight`` with tied
+    embeddings) are filled from the tensor they share storage with in ``like``."""
+    from safetensors.torch import load_file
+
+    from rlctl.workload.modeldir import weight_files
+
+    state: dict[str, Tensor] = {}
+    for shard in weight_files(folder):
+        state.update(load_file(str(folder / shard)))
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in like.items():
+        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
+    for name, tensor in like.items():
+        if name not in state:
+            twins = [t for t in by_storage[tensor.untyped_storage().data_ptr()] if t in state]
+            if not twins:
+                raise ValueError(f"{folder}: the checkpoint has no weights for {name}")
+            state[name] = state[twins[0]]
+    return state
+
+
+def _replace_folder(staging: Path, target: Path) -> None:
+    """Move a finished folder into place; a folder already there (a re-written step) is replaced."""
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

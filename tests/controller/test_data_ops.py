@@ -51,3 +51,48 @@ def test_samples_sent_with_a_poll_close_a_full_short_round_and_the_rest_are_canc
     assert rnd.closed and c.scheduler.batch_for(0).prompt_ids == finished_prompts
     assert sorted(ops.op_rollout_poll(rollout, {"item_ids": running}, 2.4)["cancel"]) == sorted(running)
     assert list(c.scheduler.pool)[:2] == rnd.prompt_ids[4:]  # the in-flight extras went back to the pool
+
+
+def _scored_items(ops: DataOps, c: SimpleNamespace) -> list[dict]:
+    rollout, reward = c.model.slots["rollout-0"], c.model.slots["reward-0"]
+    items = ops.op_rollout_get_work(rollout, {"capacity": 4}, 2.0)["items"]
+    ops.op_rollout_submit(rollout, {"results": [{"item_id": i["item_id"], "response_tokens": [5, 2], "truncated": False,
+                                                 "weights_version": 0} for i in items]}, 2.1)
+    return ops.op_reward_get_work(reward, {"capacity": 4}, 2.2)["items"]
+
+
+def _with_reward_policy(ops: DataOps, c: SimpleNamespace, on_error: str) -> list[str]:
+    stops: list[str] = []
+    c.spec = SimpleNamespace(reward={"on_error": on_error})
+    c.commit = c.commit_decided
+    c.request_stop = stops.append
+    return stops
+
+
+def test_a_reward_function_error_is_journaled_and_scored_zero() -> None:
+    ops, c = _ops()
+    stops = _with_reward_policy(ops, c, "zero")
+    items = _scored_items(ops, c)
+    scores = [{"item_id": i["item_id"], "reward": 0.0, "correct": False} for i in items]
+    scores[0].update(error="ValueError: cannot parse", function="rewards.py:compute_score")
+    journaled: list[Event] = []
+    c.commit = journaled.extend
+    reply = ops.op_reward_submit(c.model.slots["reward-0"], {"scores": scores}, 2.3)
+    assert reply == {"accepted": len(items)} and not stops
+    [failure] = journaled
+    assert failure.type == "RewardFunctionFailed" and failure.data["item_id"] == items[0]["item_id"]
+    assert failure.data["function"] == "rewards.py:compute_score" and failure.data["on_error"] == "zero"
+    assert failure.data["prompt_id"] == items[0]["prompt_id"]
+    rnd = c.scheduler.round
+    assert rnd.samples[items[0]["item_id"]].reward == 0.0
+
+
+def test_a_reward_function_error_fails_the_job_when_asked() -> None:
+    ops, c = _ops()
+    stops = _with_reward_policy(ops, c, "fail")
+    items = _scored_items(ops, c)
+    scores = [{"item_id": i["item_id"], "reward": 0.0, "correct": False,
+               "error": "timed out after 5 s", "function": "rewards.py:compute_score"} for i in items]
+    assert ops.op_reward_submit(c.model.slots["reward-0"], {"scores": scores}, 2.3) == {"accepted": 0}
+    assert len(stops) == 1 and stops[0].startswith("failed: reward function rewards.py:compute_score on ")
+    assert "timed out after 5 s" in stops[0]

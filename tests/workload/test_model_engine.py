@@ -64,11 +64,12 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
             assert torch.equal(loaded.state_dict()[key], value)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
-def test_hf_folder_without_transformers_says_so(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ImportError, match="transformers"):
-        load_model(tmp_path)
+def test_an_hf_folder_loads_as_the_hf_policy() -> None:
+    from rlctl.workload.hf_model import HFPolicy
+    from tests.hf_models import tiny_model
+
+    loaded = load_model(tiny_model("llama"))
+    assert isinstance(loaded, HFPolicy) and loaded.config.model_type == "llama"
 
 
 def test_engine_satisfies_protocol() -> None:

@@ -1,0 +1,147 @@
+"""The seam between the controller and the workload: the job's prompts, and the launch's checks.
+
+Role: the controller owns prompts (it journals which ones each round took, so no fault or
+resume repeats or skips one) but knows nothing of tokenizers or data files; it calls
+``load_prompts(spec)`` and gets ``PromptRef``s: token ids plus the metadata the reward needs.
+``preflight(spec)`` is what ``rlctl launch`` (and ``--dry-run``) checks before anything starts:
+the model folder, every data row, the reward function's import.
+
+Three sources, chosen by the spec:
+
+- ``[data] train_files``: the user's rows (verl layout), tokenized with the model folder's
+  tokenizer and chat template; prompt ids are ``d<n>`` in file-then-row order;
+- ``[model] path`` without data files: the reference task's prompts as chat messages, scored
+  by the ``task`` scorer (data source ``rlctl/task``);
+- neither: the reference task's character-level prompts for the built-in model.
+
+Torch-free (tokenizers, jinja2, pyarrow only), and deterministic: a resumed controller
+rebuilds the same prompts with the same ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlctl.core.rounds import PromptRef
+from rlctl.core.spec import JobSpec
+from rlctl.workload.datafiles import Columns, DataError, Record, read_records
+from rlctl.workload.modeldir import ModelDirError, check_model_dir
+from rlctl.workload.rewardfn import RewardFunctionError, RewardSpec, load_function
+
+TASK_DATA_SOURCE = "rlctl/task"
+
+
+class PreflightError(ValueError):
+    """What ``rlctl launch`` refuses to start with; one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """The job's prompts, and the rows left out for being longer than ``max_prompt_tokens``."""
+
+    prompts: list[PromptRef]
+    too_long: int
+    source: str
+
+
+def task_records(spec: JobSpec) -> list[Record]:
+    """The reference task's prompts as chat rows (for an HF model without data files)."""
+    from rlctl.workload.task import make_dataset
+
+    return [Record(file="(reference task)", row=index, prompt=[{"role": "user", "content": str(p.meta["question"])}],
+                   ground_truth=str(p.meta["answer"]), data_source=f"{TASK_DATA_SOURCE}/{p.meta['family']}",
+                   extra_info={"family": p.meta["family"], "expected_len": p.meta["expected_len"]})
+            for index, p in enumerate(make_dataset(spec.rollout.dataset_size, spec.seed))]
+
+
+def _records(spec: JobSpec, files_key: str = "train_files") -> list[Record]:
+    data = spec.data
+    if data[files_key]:
+        return read_records(data[files_key], Columns.from_table(data))
+    return task_records(spec)
+
+
+def tokenize_records(records: list[Record], model_dir: str | Path, max_prompt_tokens: int,
+                     id_prefix: str = "d") -> PromptSet:
+    from rlctl.workload.hf_tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(model_dir)
+    prompts: list[PromptRef] = []
+    too_long = 0
+    for index, record in enumerate(records):
+        try:
+            tokens = tokenizer.encode_prompt(record.prompt)
+        except ValueError as exc:
+            raise DataError(f"{record.file}: row {record.row}: the prompt cannot be tokenized: {exc}") from None
+        if len(tokens) > max_prompt_tokens:
+            too_long += 1
+            continue
+        prompts.append(PromptRef(f"{id_prefix}{index}", tuple(tokens), reward_meta(record)))
+    return PromptSet(prompts, too_long, records[0].file if records else "")
+
+
+def reward_meta(record: Record) -> dict[str, Any]:
+    """What the reward worker gets with each sample of this prompt."""
+    return {"data_source": record.data_source, "ground_truth": record.ground_truth, "extra_info": record.extra_info}
+
+
+def load_prompt_set(spec: JobSpec, files_key: str = "train_files") -> PromptSet:
+    """The prompts of ``files_key`` (``train_files`` or ``eval_files``); see the module docstring."""
+    if not spec.hf_model:
+        from rlctl.workload.task import make_dataset
+
+        return PromptSet([PromptRef(p.prompt_id, tuple(p.tokens), dict(p.meta))
+                          for p in make_dataset(spec.rollout.dataset_size, spec.seed)], 0, "(reference task)")
+    prefix = "d" if files_key == "train_files" else "e"
+    return tokenize_records(_records(spec, files_key), spec.model["path"], int(spec.model["max_prompt_tokens"]), prefix)
+
+
+def load_prompts(spec: JobSpec) -> list[PromptRef]:
+    """The training prompts (what the controller's scheduler owns)."""
+    return load_prompt_set(spec).prompts
+
+
+def preflight(spec: JobSpec) -> dict[str, Any]:
+    """Check the model folder, the data and the reward function; returns facts for the plan.
+
+    Raises ``PreflightError`` listing every problem (each names the file, key or column).
+    Blocking: reads every data row and imports the reward function.
+    """
+    problems: list[str] = []
+    facts: dict[str, Any] = {}
+    if spec.hf_model:
+        try:
+            facts["model"] = check_model_dir(spec.model["path"]).summary()
+        except ModelDirError as exc:
+            problems.append(f"[model] path: {exc}")
+    if spec.hf_model and not problems:
+        for files_key in ("train_files", "eval_files"):
+            if files_key == "eval_files" and not spec.data["eval_files"]:
+                continue
+            try:
+                prompt_set = load_prompt_set(spec, files_key)
+            except (DataError, ValueError) as exc:
+                problems.append(f"[data] {files_key}: {exc}")
+                continue
+            facts[files_key] = {"prompts": len(prompt_set.prompts), "too_long": prompt_set.too_long}
+            needed = max(spec.rollout.batch_prompts, spec.long_batch)
+            if files_key == "train_files" and len(prompt_set.prompts) < needed:
+                problems.append(f"[data] {files_key}: {len(prompt_set.prompts)} usable prompts "
+                                f"({prompt_set.too_long} longer than model.max_prompt_tokens = "
+                                f"{spec.model['max_prompt_tokens']}); expected at least one batch ({needed})")
+    if spec.hf_model:
+        reward = RewardSpec.from_table(spec.reward)
+        try:
+            load_function(reward)
+            facts["reward"] = reward.label
+        except RewardFunctionError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise PreflightError(problems)
+    return facts

@@ -1,0 +1,133 @@
+"""A user's job on the local backend: their Hugging Face model folder, their verl-layout parquet and
+their reward file (verl's form), through a rollout crash, a trainer crash, a reward function that
+raises and hangs, and a controller kill + resume; then `rlctl export` gives a folder transformers
+loads with the trainer's logits. The truth is read from the journal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlctl.controller.jobdir import JobDir
+from rlctl.controller.store import Journal
+from tests.chaos.test_fault_kinds import node_with_role, recovered
+from tests.hf_models import gsm8k_data, tiny_model
+from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, status, wait_for, write_job
+from tests.integration.test_local_job import _alive
+
+# The user's reward file: scores like gsm8k, but raises on some responses and hangs on others.
+REWARD_FILE = textwrap.dedent('''
+    import re, time, zlib
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        bucket = zlib.crc32(solution_str.encode()) % 23
+        if bucket == 0:
+            raise ValueError("the verifier cannot parse this")
+        if bucket == 1:
+            time.sleep(30)
+        found = re.findall(r"#### (\\-?[0-9]+)", solution_str)
+        return {"score": float(bool(found) and found[-1] == str(ground_truth)), "has_answer": float(bool(found))}
+''')
+
+
+@pytest.fixture()
+def job(tmp_path: Path):
+    data = gsm8k_data()
+    (tmp_path / "my_reward.py").write_text(REWARD_FILE)
+    tables = f"""
+[model]
+path = "{tiny_model()}"
+max_response_tokens = 32
+
+[data]
+train_files = ["{data / 'train.parquet'}"]
+
+[reward]
+path = "my_reward.py"
+timeout_s = 1.0
+"""
+    job_file = write_job(tmp_path, name="userjob", spares=2, max_restarts=20, extra_tables=tables)
+    state_dir = tmp_path / "jobs"
+    launched = rlctl_json(state_dir, "launch", str(job_file))
+    yield state_dir, launched["job_id"], JobDir(Path(launched["job_dir"]))
+    rlctl(state_dir, "stop", launched["job_id"], check=False)
+    kill_everything_under(tmp_path)
+
+
+@pytest.mark.slow
+def test_user_model_data_and_reward_through_faults_and_resume(tmp_path: Path, job) -> None:
+    state_dir, job_id, jobdir = job
+    wait_for(lambda: status(state_dir, job_id)["job"]["step"] >= 2, 240, "the job to train")
+    for role in ("rollout", "trainer"):
+        node, snap = node_with_role(state_dir, job_id, role)
+        step_before = snap["job"]["step"]
+        injected = rlctl_json(state_dir, "inject-fault", node, "--job", job_id, "--kind", "crash")
+        fault = wait_for(lambda: recovered(state_dir, job_id, injected["fault_id"]), 120,  # noqa: B023
+                         f"the {role} crash to be recovered")
+        assert fault["verdict"] == "worker-crash" and fault["trajectories_lost"] == 0
+        wait_for(lambda: status(state_dir, job_id)["job"]["step"] >= step_before + 1, 120,  # noqa: B023
+                 f"training to continue after the {role} crash")
+
+    step_before = status(state_dir, job_id)["job"]["step"]
+    controller = int(jobdir.read_controller()["pid"])
+    os.kill(controller, signal.SIGKILL)
+    wait_for(lambda: not _alive(controller), 10, "the controller to die")
+    rlctl(state_dir, "resume", job_id)
+    wait_for(lambda: (s := status(state_dir, job_id)) and s["controller"].get("live") and s["job"]["step"] >= step_before + 3
+             and s["job"]["step"] >= 9, 240, "training to continue after resume and pass a checkpoint")
+    rlctl_json(state_dir, "stop", job_id)
+
+    events = list(Journal(jobdir.journal, readonly=True).read())
+    _check_the_cursor(events)
+    failures = [e for e in events if e.type == "RewardFunctionFailed"]
+    assert failures, "the reward file's raising and hanging responses were never seen"
+    errors = {e.data["error"].split(":")[0] for e in failures}
+    assert errors <= {"ValueError", "timed out after 1 s"} and all("my_reward.py:compute_score" in e.data["function"]
+                                                                   for e in failures)
+    verdicts = [e for e in events if e.type == "Verdict"]
+    reward_slots = {e.data["slot"] for e in events if e.type == "WorkerStarting" and e.data["role"] == "reward"}
+    assert not [v for v in verdicts if v.data["slot"] in reward_slots], "a failing reward function looked like a fault"
+    stored = [s for e in events if e.type == "RewardsStored" for s in e.data["scores"]]
+    assert any("has_answer" in s.get("metrics", {}) for s in stored)
+
+    export = tmp_path / "exported"
+    exported = rlctl_json(state_dir, "export", job_id, str(export))
+    assert "trainer_state.pt" not in exported["files"] and "model.safetensors" in exported["files"]
+    _compare_logits(export, jobdir.checkpoints / f"step-{exported['step']:06d}")
+
+
+def _check_the_cursor(events: list) -> None:
+    """Within an epoch no prompt is trained twice; every epoch's order is a permutation of the prompts
+    not carried over; the epochs and rounds survive the controller's restart without a repeat."""
+    steps = [e.data["step"] for e in events if e.type == "BatchFormed"]
+    assert len(steps) == len(set(steps)) and steps == sorted(steps), "a step formed two batches or went back"
+    epoch = 0
+    seen: dict[int, set[str]] = defaultdict(set)
+    for ev in events:
+        if ev.type == "EpochStarted":
+            epoch = ev.data["epoch"]
+            assert len(ev.data["order"]) == len(set(ev.data["order"]))
+        if ev.type == "BatchFormed":
+            prompts = set(ev.data["prompt_ids"])
+            assert all(p.startswith("d") for p in prompts)
+            assert not prompts & seen[epoch], "a prompt was trained twice in an epoch"
+            seen[epoch] |= prompts
+    assert [e.data["resumed"] for e in events if e.type == "ControllerStarted"] == [False, True]
+
+
+def _compare_logits(export: Path, checkpoint: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.workload.trainer import Trainer
+
+    trainer = Trainer.from_hf(checkpoint, distributed=False)
+    loaded = AutoModelForCausalLM.from_pretrained(str(export)).eval()
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.model(ids), loaded(input_ids=ids).logits, rtol=0, atol=1e-5)
