@@ -44,6 +44,7 @@ def launch(
         else:
             console.print(plan, highlight=False)
         return
+    ensure_model(spec)
     root = state_root(state_dir or spec.state_dir)
     root.mkdir(parents=True, exist_ok=True)
     jobdir = JobDir(root / new_job_id(spec.name))
@@ -65,6 +66,20 @@ def launch(
         from rlctl.cli.status import watch_status
 
         watch_status(jobdir, interval=0.5, until_done=True)
+
+
+def ensure_model(spec: JobSpec) -> None:
+    """A job that names no model trains the reference model: make it now (cached; about a minute
+    the first time), before a controller starts."""
+    if spec.hf_model:
+        return
+    from rlctl.workload.reference import ensure_reference_model, is_ready, reference_model_dir
+
+    if is_ready(reference_model_dir(spec)):
+        return
+    with err_console.status("making the reference model (a tiny Qwen3, warm-started on the reference task; "
+                            "first run only)"):
+        ensure_reference_model(spec)
 
 
 def _preflight(spec: JobSpec) -> dict[str, object]:

@@ -157,9 +157,11 @@ def stop(
 def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json_out: bool = typer.Option(False, "--json"),
            state_dir: str = STATE_DIR_OPTION) -> None:
     """Start a job's controller again after it died; it rebuilds its state from the journal."""
-    from rlctl.cli.launch import _wait_ready
+    from rlctl.cli.launch import _wait_ready, ensure_model
+    from rlctl.jobfile import load_job_dir_spec
 
     jobdir = resolve_job(job, state_dir)
+    ensure_model(load_job_dir_spec(jobdir))
     client = client_for(jobdir)
     if client.available():
         try:

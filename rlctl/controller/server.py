@@ -38,6 +38,7 @@ from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
 from rlctl.core.spec import JobSpec
 from rlctl.core.states import JobState, NodeState, WorkerState
+from rlctl.workload.reference import model_path_for
 
 log = logging.getLogger("rlctl.controller")
 
@@ -430,7 +431,7 @@ class Controller:
             "max_new_tokens": self.spec.rollout.max_new_tokens,
             "worker_batch": self.spec.rollout.worker_batch,
             "dataset_size": self.spec.rollout.dataset_size,
-            "model": self.spec.model,
+            "model": {**self.spec.model, "path": str(model_path_for(self.spec))},
             "reward": self.spec.reward,
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}

@@ -2,42 +2,34 @@
 
 A reward worker that dies loses nothing: the samples it held go back to the scheduler.
 
-With an HF model (``[model] path``) it decodes each response with the model folder's tokenizer
-and scores it with the job's reward function (``[reward]``; verl's signature) in a sandbox
-process with a per-sample time limit: a function that raises, hangs or kills its process gives
-the sample a score per ``on_error`` and an ``error`` the controller journals, never a hung or
-dead worker. With the built-in model it scores with the reference task's scorer.
+It decodes each response with the job's model folder's tokenizer and scores it with the job's
+reward function (``[reward]``; verl's signature; ``auto`` picks the scorer by each sample's data
+source, the reference task's included) in a sandbox process with a per-sample time limit: a
+function that raises, hangs or kills its process gives the sample a score per ``on_error`` and an
+``error`` the controller journals, never a hung or dead worker.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rlctl import worker
-from rlctl.roles.common import RoleSettings, hf_model_path, wait_or_stop
-from rlctl.workload.task import score
+from rlctl.roles.common import RoleSettings, model_path, wait_or_stop
 
 CAPACITY = 64
 
 ScoreItem = Callable[[dict[str, Any]], dict[str, Any]]
 
 
-def task_scorer() -> ScoreItem:
-    def score_item(item: dict[str, Any]) -> dict[str, Any]:
-        reward, correct = score(item["meta"], item["response_tokens"])
-        return {"item_id": item["item_id"], "reward": reward, "correct": correct}
-
-    return score_item
-
-
-def function_scorer(settings: RoleSettings, model_path: str) -> tuple[ScoreItem, Callable[[], None]]:
+def function_scorer(settings: RoleSettings, folder: Path) -> tuple[ScoreItem, Callable[[], None]]:
     """Score with the job's reward function in a sandbox; returns the scorer and its closer."""
     from rlctl.workload.hf_tokenizer import ChatTokenizer
     from rlctl.workload.rewardfn import RewardSpec, SandboxedScorer, ScoreRequest
 
-    tokenizer = ChatTokenizer(model_path)
+    tokenizer = ChatTokenizer(folder)
     spec = RewardSpec.from_table(settings.get("reward", {}))
     sandbox = SandboxedScorer(spec)
 
@@ -59,14 +51,8 @@ def function_scorer(settings: RoleSettings, model_path: str) -> tuple[ScoreItem,
 
 def main(w: worker.Worker | None = None) -> int:
     w = w or worker.connect()
-    settings = RoleSettings.from_env()
-    model_path = hf_model_path(settings)
-    close: Callable[[], None] = lambda: None
-    if model_path is None:
-        score_item = task_scorer()
-    else:
-        w.phase("loading")
-        score_item, close = function_scorer(settings, model_path)
+    w.phase("loading")
+    score_item, close = function_scorer(RoleSettings.from_env(), model_path(RoleSettings.from_env()))
     scored = 0
     try:
         while True:

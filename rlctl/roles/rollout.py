@@ -8,13 +8,12 @@ and between decode chunks sends the samples that finished and asks which running
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
 
 from rlctl import worker
-from rlctl.roles.common import RoleSettings, hf_model_path, load_policy, sampling_config, setup_torch, wait_or_stop
+from rlctl.roles.common import RoleSettings, load_policy, model_path, sampling_config, setup_torch, wait_or_stop
 
 # Decode steps between a worker's polls: each poll is one request to the controller.
 CHUNK_TOKENS = 4
@@ -45,22 +44,15 @@ class Rollout:
         self.tokens_generated = 0
 
     def _make_engine(self, sampling: Any, device: str) -> Any:
-        """The torch engine, or vLLM when the job says ``engine = "vllm"`` (imported only then).
-        vLLM serves an HF model folder natively; the built-in model is exported for it first."""
+        """The torch engine, or vLLM when the job says ``engine = "vllm"`` (imported only then;
+        it serves the HF model folder natively and reloads weights in place)."""
         from rlctl.workload.engine import TorchEngine
 
         if self.settings.get("engine", "torch") != "vllm":
             return TorchEngine(load_policy(self.settings, device), sampling, device=device)
         from rlctl.workload.engine_vllm import VllmEngine
 
-        def on_phase(phase: str) -> None:
-            self.w.phase(phase, self.step)
-
-        model_path = hf_model_path(self.settings)
-        if model_path is not None:
-            return VllmEngine(model_path, sampling, on_phase=on_phase)
-        workdir = os.path.join(os.environ.get("RLCTL_WORKDIR", "."), "vllm-model")
-        return VllmEngine.from_gpt(load_policy(self.settings, device), workdir, sampling, on_phase=on_phase)
+        return VllmEngine(model_path(self.settings), sampling, on_phase=lambda phase: self.w.phase(phase, self.step))
 
     def sync_weights(self, version: int, source: dict[str, Any] | None) -> None:
         """Pull ``version`` from any live holder; a holder that fails is reported and another tried."""

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from rlctl import worker
-from rlctl.roles.common import RoleSettings, hf_model_path, initial_weights, setup_torch, wait_or_stop
+from rlctl.roles.common import RoleSettings, model_path, setup_torch, wait_or_stop
 
 TRAINER_STATE_KEY = "trainer_state"  # the one uint8 tensor of a served trainer state
 
@@ -43,14 +43,11 @@ class TrainerRole:
             grpo=GRPOConfig(clip_eps=float(settings.get("clip_eps", 0.2)), kl_coef=float(settings.get("kl_coef", 0.0))),
             micro_batch_tokens=int(settings.get("micro_batch_tokens", TrainerConfig.micro_batch_tokens)),
         )
-        initial = initial_weights(settings, w)
         model_table = settings.get("model", {})
-        if hf_model_path(settings) is not None:
-            self.trainer = Trainer.from_hf(initial, config, device=device, dtype=str(model_table.get("dtype", "auto")),
-                                           trust_remote_code=bool(model_table.get("trust_remote_code", False)),
-                                           gradient_checkpointing=bool(model_table.get("gradient_checkpointing", False)))
-        else:
-            self.trainer = Trainer.from_checkpoint(initial, config, device=device)
+        self.trainer = Trainer.from_hf(model_path(settings), config, device=device,
+                                       dtype=str(model_table.get("dtype", "auto")),
+                                       trust_remote_code=bool(model_table.get("trust_remote_code", False)),
+                                       gradient_checkpointing=bool(model_table.get("gradient_checkpointing", False)))
         self.leader = self.trainer.dist.rank == 0
         self.server: WeightServerThread | None = None  # the weights rollouts pull
         if self.leader:
@@ -161,9 +158,8 @@ class TrainerRole:
         if not self.leader:
             return
         self.w.phase("checkpointing", self.version)
-        # An HF model's checkpoint is a folder `rlctl export` and from_pretrained read; ours one file.
-        suffix = "" if self.trainer.is_hf else ".pt"
-        path = self.settings.checkpoint_dir / f"step-{self.version:06d}{suffix}"
+        # A folder from_pretrained, vLLM and `rlctl export` read, with the optimizer state beside it.
+        path = self.settings.checkpoint_dir / f"step-{self.version:06d}"
         self.trainer.save_checkpoint(path)
         self.w.request("trainer.checkpointed", step=self.version, path=str(path))
 

@@ -104,7 +104,7 @@ def model_config(arch: str, size: ModelSize, vocab_size: int, eos_id: int, pad_i
     raise ValueError(f"unknown architecture {arch!r}: expected one of {', '.join(ARCHITECTURES)}")
 
 
-def init_checkpoint(target: str | Path, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> Path:
+def init_checkpoint(target: str | Path, arch: str = "qwen3", size: str | ModelSize = "tiny", seed: int = 0) -> Path:
     """Write a random-init HF model folder (config, safetensors, tokenizer, chat template) to ``target``.
 
     Blocking (seconds for tiny, about a minute for 0.5b). Overwrites the model files in ``target``.
@@ -117,9 +117,9 @@ def init_checkpoint(target: str | Path, arch: str = "qwen3", size: str = "tiny",
     quiet_transformers()
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}: expected one of {', '.join(ARCHITECTURES)}")
-    if size not in SIZES:
+    if isinstance(size, str) and size not in SIZES:
         raise ValueError(f"unknown size {size!r}: expected one of {', '.join(SIZES)}")
-    shape = SIZES[size]
+    shape = SIZES[size] if isinstance(size, str) else size
     out = Path(target)
     out.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(shape.vocab, seed), eos_token=TURN_END,

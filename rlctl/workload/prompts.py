@@ -6,13 +6,13 @@ resume repeats or skips one) but knows nothing of tokenizers or data files; it c
 ``preflight(spec)`` is what ``rlctl launch`` (and ``--dry-run``) checks before anything starts:
 the model folder, every data row, the reward function's import.
 
-Three sources, chosen by the spec:
+Two sources, chosen by the spec, both tokenized with the job's model folder's tokenizer and chat
+template (``[model] path``, or the reference model's folder, rlctl.workload.reference):
 
-- ``[data] train_files``: the user's rows (verl layout), tokenized with the model folder's
-  tokenizer and chat template; prompt ids are ``d<n>`` in file-then-row order;
-- ``[model] path`` without data files: the reference task's prompts as chat messages, scored
-  by the ``task`` scorer (data source ``rlctl/task``);
-- neither: the reference task's character-level prompts for the built-in model.
+- ``[data] train_files``: the user's rows (verl layout); prompt ids are ``d<n>`` in
+  file-then-row order;
+- no data files: the reference task's prompts as chat messages, scored by the ``task`` scorer
+  (data source ``rlctl/task/<family>``).
 
 Torch-free (tokenizers, jinja2, pyarrow only), and deterministic: a resumed controller
 rebuilds the same prompts with the same ids.
@@ -93,13 +93,14 @@ def reward_meta(record: Record) -> dict[str, Any]:
 
 def load_prompt_set(spec: JobSpec, files_key: str = "train_files") -> PromptSet:
     """The prompts of ``files_key`` (``train_files`` or ``eval_files``); see the module docstring."""
-    if not spec.hf_model:
-        from rlctl.workload.task import make_dataset
+    from rlctl.workload.reference import model_path_for
 
-        return PromptSet([PromptRef(p.prompt_id, tuple(p.tokens), dict(p.meta))
-                          for p in make_dataset(spec.rollout.dataset_size, spec.seed)], 0, "(reference task)")
+    model_dir = model_path_for(spec)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise PreflightError([(f"{model_dir}: the job's model folder is missing (`rlctl launch` makes the reference "
+                               "model; a job of your own names it in [model] path)")])
     prefix = "d" if files_key == "train_files" else "e"
-    return tokenize_records(_records(spec, files_key), spec.model["path"], int(spec.model["max_prompt_tokens"]), prefix)
+    return tokenize_records(_records(spec, files_key), model_dir, int(spec.model["max_prompt_tokens"]), prefix)
 
 
 def load_prompts(spec: JobSpec) -> list[PromptRef]:

@@ -1,0 +1,96 @@
+"""The reference job's model: a tiny Qwen3 made and warm-started here when a job names no model.
+
+Role: one workload path. A job without ``[model] path`` (the quickstart, the tests, the lab's
+job) still runs a Hugging Face model: a random-init Qwen3 shaped by ``[workload]`` (``model_dim``
+wide, ``layers`` deep, ``heads`` attention heads of head_dim 64, the vLLM CPU build's constraint),
+with a tokenizer trained here, warm-started for ``warmstart_steps`` on the reference task's
+answers so GRPO has a signal from the first step.
+
+``reference_model_dir`` is a pure function of the spec and the cache folder (``$RLCTL_CACHE``,
+default ``~/.cache/rlctl``): the controller computes it and hands the absolute path to every
+worker, so nobody else needs the cache. ``ensure_reference_model`` makes the folder (torch and
+transformers; `rlctl launch` calls it before the controller starts) and is idempotent: a folder
+holding its ``warmstart.json`` is complete and reused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rlctl.core.spec import JobSpec
+
+RECIPE_VERSION = 1
+COMPLETE_MARK = "warmstart.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RLCTL_CACHE", os.path.expanduser("~/.cache/rlctl")))
+
+
+def recipe(spec: JobSpec) -> dict[str, Any]:
+    """Everything that decides the reference model's bytes."""
+    workload = spec.workload
+    return {"recipe": RECIPE_VERSION, "seed": spec.seed, "hidden": int(workload["model_dim"]),
+            "layers": int(workload["layers"]), "heads": int(workload["heads"]),
+            "warmstart_steps": int(workload["warmstart_steps"])}
+
+
+def reference_model_dir(spec: JobSpec) -> Path:
+    digest = hashlib.sha256(json.dumps(recipe(spec), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"reference-qwen3-{digest}"
+
+
+def model_path_for(spec: JobSpec) -> Path:
+    """The model folder the job trains: ``[model] path``, else the reference model's folder."""
+    return Path(spec.model["path"]) if spec.hf_model else reference_model_dir(spec)
+
+
+def is_ready(folder: Path) -> bool:
+    return (folder / COMPLETE_MARK).is_file() and (folder / "config.json").is_file()
+
+
+def ensure_reference_model(spec: JobSpec) -> Path:
+    """Make the reference model folder unless it is there; blocking (about a minute the first
+    time for the quickstart's size); several processes may ask at once (a file lock)."""
+    target = reference_model_dir(spec)
+    if is_ready(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_ready(target):
+            return target
+        _build(spec, target)
+    return target
+
+
+def _build(spec: JobSpec, target: Path) -> None:
+    from rlctl.workload.hf_init import SIZES, ModelSize, init_checkpoint
+    from rlctl.workload.hf_warmstart import HFWarmStartConfig, train
+
+    shape = recipe(spec)
+    size = ModelSize(hidden=shape["hidden"], layers=shape["layers"], heads=shape["heads"], kv_heads=shape["heads"],
+                     intermediate=3 * shape["hidden"], vocab=SIZES["tiny"].vocab,
+                     max_positions=SIZES["tiny"].max_positions)
+    base = target.with_name(f".{target.name}.base-{os.getpid()}")
+    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        init_checkpoint(base, "qwen3", size, spec.seed)
+        steps = shape["warmstart_steps"]
+        if steps > 0:
+            figures = train(base, staging, None, spec.seed, HFWarmStartConfig(steps=steps))
+        else:
+            shutil.copytree(base, staging)
+            figures = {}
+        (staging / COMPLETE_MARK).write_text(json.dumps({**shape, **figures}, indent=2, sort_keys=True))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
