@@ -31,7 +31,7 @@ long_batch = {4 * step_scale}
 [workload]
 model_dim = 64
 layers = 2
-heads = 2
+heads = 1
 warmstart_steps = 60
 """
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VERSION = 1  # bump when hf_init or gsm8k_layout change what they write
+VERSION = 2  # bump when hf_init or gsm8k_layout change what they write
 
 
 def cache_root() -> Path:

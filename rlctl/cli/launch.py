@@ -77,7 +77,7 @@ def ensure_model(spec: JobSpec) -> None:
 
     if is_ready(reference_model_dir(spec)):
         return
-    with err_console.status("making the reference model (a tiny Qwen3, warm-started on the reference task; "
+    with err_console.status("making the reference model (a tiny Llama, warm-started on the reference task; "
                             "first run only)"):
         ensure_reference_model(spec)
 

@@ -27,40 +27,82 @@ def styled(state: str | None) -> Text:
     return Text(state or "-", style=STATE_STYLE.get(state or "", ""))
 
 
-def render_status(status: dict[str, Any]) -> Group:
-    return Group(header(status), roles_table(status), round_panel(status), nodes_table(status), events_table(status))
+def render_status(status: dict[str, Any], width: int = 120) -> Group:
+    """The whole view for a terminal ``width`` columns wide (tables drop columns rather than wrap)."""
+    return Group(header(status), roles_table(status, width), round_panel(status), nodes_table(status, width),
+                 events_table(status))
+
+
+def reward_text(status: dict[str, Any]) -> Text:
+    """Reward as a trend a person can read: the moving average per round kind (a long round's
+    prompts are the hard ones, so mixing kinds makes a falling line out of a rising one)."""
+    trend = status.get("reward_trend") or {}
+    text = Text()
+    for kind in ("short", "sync", "long"):
+        entry = trend.get(kind)
+        if entry:
+            text.append("reward " if not text.plain else "  ")
+            text.append(f"{kind} {entry['mean']:.3f}", style={"short": "cyan", "long": "magenta"}.get(kind, ""))
+            text.append(f" (avg {entry['steps']})", style="dim")
+    return text
 
 
 def header(status: dict[str, Any]) -> Panel:
     job = status["job"]
     ledger = job.get("ledger_s", {})
-    reward = job.get("mean_reward")
     line = Text()
     line.append(f"{job['id']}  ", style="bold")
     line.append_text(styled(job["state"]))
     line.append(f"   step {job['step']}/{job['total_steps']}   elapsed {_duration(job['elapsed_s'])}   ")
     line.append(f"ETTR {job['ettr'] * 100:.1f}%", style="bold")
     line.append(f"   policy {job['policy']}")
-    if reward is not None:
-        line.append(f"   reward {reward:.3f}")
     parts = "  ".join(f"{k} {_duration(v)}" for k, v in ledger.items() if v > 0)
     sub = Text(f"ledger: {parts or '-'}   weights v{job['weights_version']}   checkpoint step {job['checkpoint_step']}",
                style="dim")
     controller = status.get("controller", {})
     if not controller.get("live"):
         sub.append("   (controller not running: view rebuilt from the journal)", style="yellow")
-    return Panel(Group(line, sub), title="rlctl", border_style="blue")
+    rows = [line, sub]
+    rewards = reward_text(status)
+    if rewards.plain:
+        rows.insert(1, rewards)
+    return Panel(Group(*rows), title="rlctl", border_style="blue")
 
 
-def roles_table(status: dict[str, Any]) -> Table:
-    table = Table(title="roles", expand=True, title_justify="left")
-    for column in ("role", "workers", "states", "phases", "weights"):
-        table.add_column(column)
+def fitting_columns(columns: list[tuple[str, str, int]], width: int) -> list[tuple[str, str, int]]:
+    """Columns ``(wide header, narrow header, width)`` in priority order, kept while they fit
+    ``width`` (three characters of borders and padding each); at least the first two."""
+    kept: list[tuple[str, str, int]] = []
+    used = 1
+    for column in columns:
+        if len(kept) >= 2 and used + column[2] + 3 > width:
+            continue
+        kept.append(column)
+        used += column[2] + 3
+    return kept
+
+
+def _table(title: str, columns: list[tuple[str, str, int]], width: int) -> tuple[Table, list[str]]:
+    kept = fitting_columns(columns, width)
+    narrow = width < 100
+    table = Table(title=title, expand=True, title_justify="left", pad_edge=not narrow)
+    for wide, short, _ in kept:
+        table.add_column(short if narrow else wide, no_wrap=True, overflow="ellipsis")
+    return table, [c[0] for c in kept]
+
+
+ROLE_COLUMNS = [("role", "role", 8), ("workers", "n", 3), ("states", "states", 22), ("weights", "w", 5),
+                ("phases", "phases", 24)]
+
+
+def roles_table(status: dict[str, Any], width: int = 120) -> Table:
+    table, columns = _table("roles", ROLE_COLUMNS, width)
     for role in status["roles"]:
-        states = ", ".join(f"{k} {v}" for k, v in sorted(role["states"].items())) or "-"
         version = role.get("weights_version")
-        table.add_row(role["role"], str(role["slots"]), states, ", ".join(role["phases"]) or "-",
-                      f"v{version}" if version is not None else "-")
+        cells = {"role": role["role"], "workers": str(role["slots"]),
+                 "states": ", ".join(f"{k} {v}" for k, v in sorted(role["states"].items())) or "-",
+                 "phases": ", ".join(role["phases"]) or "-", "weights": f"v{version}" if version is not None else "-"}
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 
@@ -80,11 +122,15 @@ def round_panel(status: dict[str, Any]) -> Panel:
     return Panel(Group(line, bar), title="rollout round", border_style=kind_style)
 
 
-def nodes_table(status: dict[str, Any]) -> Table:
+# (wide header, narrow header, width) in the order columns drop out as the terminal narrows.
+NODE_COLUMNS = [("node", "node", 8), ("role", "role", 7), ("state", "state", 7), ("worker", "worker", 7),
+                ("heartbeat", "hb", 5), ("phase", "phase", 13), ("GPU util", "util", 4), ("last signal", "signal", 14),
+                ("GPU temp", "temp", 4), ("GPU mem", "mem", 9)]
+
+
+def nodes_table(status: dict[str, Any], width: int = 120) -> Table:
     nodes = status["nodes"]
-    table = Table(title=f"nodes ({len(nodes)})", expand=True, title_justify="left")
-    for column in ("node", "role", "state", "worker", "phase", "heartbeat", "GPU util", "GPU temp", "GPU mem", "last signal"):
-        table.add_column(column, overflow="fold")
+    table, columns = _table(f"nodes ({len(nodes)})", NODE_COLUMNS, width)
     shown = nodes
     if len(nodes) > DETAIL_NODES:
         shown = [n for n in nodes if n["state"] in ATTENTION_STATES or (n.get("worker_state") or "") in ("failed", "suspect")]
@@ -95,21 +141,24 @@ def nodes_table(status: dict[str, Any]) -> Table:
         for (role, state), members in sorted(groups.items()):
             ages = [n["heartbeat_age_s"] for n in members if n["heartbeat_age_s"] is not None]
             utils = [n["gpu_util"] for n in members if n["gpu_util"] is not None]
-            table.add_row(f"{len(members)} nodes", role, styled(state), "", "",
-                          f"max {max(ages):.1f}s" if ages else "-", f"{sum(utils) / len(utils):.0f}%" if utils else "-",
-                          "", "", "")
+            group: dict[str, str | Text] = {"node": f"{len(members)} nodes", "role": role, "state": styled(state),
+                     "heartbeat": f"max {max(ages):.1f}s" if ages else "-",
+                     "GPU util": f"{sum(utils) / len(utils):.0f}%" if utils else "-"}
+            table.add_row(*(group.get(c, "") for c in columns))
     for node in shown:
         mem = "-"
         if node.get("gpu_mem_total"):
             mem = f"{node['gpu_mem_used'] / 2**30:.1f}/{node['gpu_mem_total'] / 2**30:.0f}G"
         age = node["heartbeat_age_s"]
-        table.add_row(
-            node["name"], node["role"], styled(node["state"]), styled(node.get("worker_state")), node.get("phase") or "-",
-            f"{age:.1f}s" if age is not None else "-",
-            f"{node['gpu_util']:.0f}%" if node.get("gpu_util") is not None else "-",
-            f"{node['gpu_temp_c']:.0f}C" if node.get("gpu_temp_c") is not None else "-",
-            mem, node.get("last_signal") or "",
-        )
+        cells: dict[str, str | Text] = {
+            "node": node["name"], "role": node["role"], "state": styled(node["state"]),
+            "worker": styled(node.get("worker_state")), "phase": node.get("phase") or "-",
+            "heartbeat": f"{age:.1f}s" if age is not None else "-",
+            "GPU util": f"{node['gpu_util']:.0f}%" if node.get("gpu_util") is not None else "-",
+            "GPU temp": f"{node['gpu_temp_c']:.0f}C" if node.get("gpu_temp_c") is not None else "-",
+            "GPU mem": mem, "last signal": node.get("last_signal") or "",
+        }
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 
@@ -127,10 +176,9 @@ def events_table(status: dict[str, Any]) -> Table:
 def status_line(status: dict[str, Any]) -> str:
     """One plain line for non-terminal output (CI logs)."""
     job, rnd = status["job"], status.get("round") or {}
-    reward = job.get("mean_reward")
     parts = [
         f"{job['id']} {job['state']}", f"step {job['step']}/{job['total_steps']}", f"ETTR {job['ettr'] * 100:.1f}%",
-        f"reward {reward:.3f}" if reward is not None else "reward -",
+        reward_text(status).plain or "reward -",
     ]
     if "step" in rnd:
         parts.append(f"{rnd['kind']} round {rnd['groups_done']}/{rnd['groups_target']} longest {rnd['longest_response']}")

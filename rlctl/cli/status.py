@@ -35,7 +35,7 @@ def status(
     if watch:
         watch_status(jobdir, interval=interval, until_done=False)
         return
-    console.print(render_status(job_status(jobdir)))
+    console.print(render_status(job_status(jobdir), console.width))
 
 
 def watch_status(jobdir: JobDir, interval: float, until_done: bool) -> dict[str, Any]:
@@ -49,11 +49,11 @@ def watch_status(jobdir: JobDir, interval: float, until_done: bool) -> dict[str,
                     return current
                 time.sleep(max(interval, 2.0))
                 current = job_status(jobdir)
-        with Live(render_status(current), console=console, refresh_per_second=4, screen=False) as live:
+        with Live(render_status(current, console.width), console=console, refresh_per_second=4, screen=False) as live:
             while current["job"]["state"] not in ("succeeded", "stopped", "failed"):
                 time.sleep(interval)
                 current = job_status(jobdir)
-                live.update(render_status(current))
+                live.update(render_status(current, console.width))
     except KeyboardInterrupt:
         pass
     return current
@@ -86,7 +86,7 @@ def nodes(job: str = typer.Argument(None), json_out: bool = typer.Option(False, 
     if json_out:
         print_json({"job": snap["job"]["id"], "nodes": snap["nodes"]})
         return
-    console.print(nodes_table(snap))
+    console.print(nodes_table(snap, console.width))
 
 
 def events(

@@ -11,6 +11,7 @@ from typing import Any
 from rlctl.core.model import JobModel
 
 RECENT_IN_SNAPSHOT = 12
+REWARD_WINDOW = 5  # steps in each round kind's moving average
 
 
 def snapshot(model: JobModel, now: float, controller: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -37,11 +38,24 @@ def snapshot(model: JobModel, now: float, controller: dict[str, Any] | None = No
         "nodes": _nodes(model, now),
         "round": model.scheduler.progress() if model.scheduler is not None else {},
         "rewards": {str(step): m.get("mean_reward") for step, m in sorted(model.step_metrics.items())},
+        "reward_trend": reward_trend(model.step_metrics),
         "faults": [_fault(f) for f in model.faults.values()],
         "events": [_event_line(e) for e in list(model.recent)[-RECENT_IN_SNAPSHOT:]],
         "controller": controller or {"live": False},
         "journal_seq": model.last_seq,
     }
+
+
+def reward_trend(step_metrics: dict[int, dict[str, Any]], window: int = REWARD_WINDOW) -> dict[str, dict[str, Any]]:
+    """Per round kind (``short``, ``long``, ``sync``), the mean training reward of its last
+    ``window`` steps: a long round's harder prompts do not read as a fall of the short rounds'."""
+    by_kind: dict[str, list[float]] = {}
+    for _, metrics in sorted(step_metrics.items()):
+        reward = metrics.get("mean_reward")
+        if isinstance(reward, (int, float)):
+            by_kind.setdefault(str(metrics.get("round") or "sync"), []).append(float(reward))
+    return {kind: {"mean": round(sum(values[-window:]) / len(values[-window:]), 4), "steps": len(values[-window:])}
+            for kind, values in by_kind.items()}
 
 
 def _roles(model: JobModel) -> list[dict[str, Any]]:

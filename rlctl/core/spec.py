@@ -335,9 +335,11 @@ JOB_SCHEMA: dict[str, Field] = {
         "table",
         "Settings of the reference GRPO workload, passed to the role programs.",
         fields={
-            "model_dim": Field("int", "Transformer width.", 128, minimum=16),
-            "layers": Field("int", "Transformer layers.", 4, minimum=1),
-            "heads": Field("int", "Attention heads.", 4, minimum=1),
+            "model_dim": Field("int", "Hidden size of the reference model (a job without `[model] path`).", 128,
+                               minimum=16),
+            "layers": Field("int", "Layers of the reference model.", 4, minimum=1),
+            "heads": Field("int", "Attention heads of the reference model, head_dim 64 each (the vLLM CPU build's "
+                           "constraint): `model_dim / 64` keeps attention as wide as the model.", 2, minimum=1),
             "learning_rate": Field("float", "AdamW learning rate.", 3e-4, minimum=0.0),
             "lr_warmup_steps": Field("int", "Linear learning-rate warmup, in RL steps.", 5, minimum=0),
             "temperature": Field("float", "Sampling temperature.", 1.0, minimum=0.0),
@@ -346,8 +348,8 @@ JOB_SCHEMA: dict[str, Field] = {
             "micro_batch_tokens": Field("int", "Padded tokens per trainer forward pass: a step's samples are "
                                         "sorted by length and cut into micro-batches whose gradients "
                                         "accumulate (0: the whole batch in one pass).", 4096, minimum=0),
-            "warmstart_steps": Field("int", "Supervised warm-start steps before RL (0: random init).", 600, minimum=0),
-            "init_checkpoint": Field("str", "Start from this checkpoint instead of the warm-start.", ""),
+            "warmstart_steps": Field("int", "Supervised warm-start steps of the reference model on the reference "
+                                     "task's answers, before RL (0: random init).", 600, minimum=0),
             "device": Field("str", "torch device for trainer and rollouts (`cpu`, `cuda`, `auto`).", "auto"),
             "engine": Field("choice", "Rollout generation engine.", "torch", choices=("torch", "vllm")),
         },

@@ -54,6 +54,7 @@ class TrainerRole:
             self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
             self.server.start()
         self.version = 0
+        self.round_kind = ""  # the kind of round the last fetched batch came from (short, long, sync)
         self.checkpoint_every = int(settings.get("checkpoint_every", 5))
         self.replicate_state = bool(settings.get("replicate_trainer_state", True)) and self.trainer.dist.world_size == 1
         self.state_server: WeightServerThread | None = None
@@ -117,6 +118,7 @@ class TrainerRole:
             self.w.phase("waiting-for-batch", step)
             reply = self.w.request("trainer.get_batch", step=step)
             if reply and "samples" in reply:
+                self.round_kind = str(reply.get("round", ""))
                 return [TrainSample.from_dict(s) for s in reply["samples"]]
             if wait_or_stop(reply):
                 return None
@@ -134,7 +136,7 @@ class TrainerRole:
         if self.replicate_state:
             args["state_source"] = self.offer_state()
         if metrics is not None:
-            args["metrics"] = {"mean_reward": metrics["reward_mean"], **metrics}
+            args["metrics"] = {"mean_reward": metrics["reward_mean"], "round": self.round_kind, **metrics}
         self.w.request("trainer.publish", **args)
 
     def offer_state(self) -> dict[str, Any]:

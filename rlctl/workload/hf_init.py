@@ -3,7 +3,7 @@
 Role: ``rlctl model init`` and the test fixtures. Nothing may fetch weights or data at run time,
 so the quickstart, the tests and the benchmarks start from a folder this module writes:
 
-- a byte-level BPE tokenizer trained with the ``tokenizers`` library on text of the kinds the
+- a byte-level BPE tokenizer (digits split one by one) trained with the ``tokenizers`` library on text of the kinds the
   reference task and the GSM8K-layout data use, with ChatML-style specials (``<|endoftext|>``
   pad, ``<|im_start|>``, ``<|im_end|>`` end of turn and EOS) and a chat template;
 - a random-init ``Qwen3ForCausalLM`` or ``LlamaForCausalLM`` of a named size, saved with
@@ -55,6 +55,7 @@ SIZES: dict[str, ModelSize] = {
     "0.5b": ModelSize(hidden=1024, layers=28, heads=16, kv_heads=8, intermediate=4096, vocab=32768, max_positions=4096),
 }
 HEAD_DIM = 64
+ROPE_THETA = 10000.0
 
 
 def tokenizer_corpus(seed: int, lines: int = 6000) -> list[str]:
@@ -78,7 +79,10 @@ def train_tokenizer(vocab_size: int, seed: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits one by one, as Qwen's and Llama 3's pre-tokenizers split them: numbers share one
+    # digit vocabulary, which a small model learns arithmetic on far more easily than merged numbers.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                       pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -92,6 +96,8 @@ def model_config(arch: str, size: ModelSize, vocab_size: int, eos_id: int, pad_i
         "num_hidden_layers": size.layers, "num_attention_heads": size.heads, "num_key_value_heads": size.kv_heads,
         "head_dim": HEAD_DIM, "max_position_embeddings": size.max_positions, "tie_word_embeddings": True,
         "eos_token_id": eos_id, "pad_token_id": pad_id, "bos_token_id": None,
+        # Short sequences: the base the original RoPE paper and Llama 2 use (released Qwen3s use 1e6).
+        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
     }
     if arch == "qwen3":
         from transformers import Qwen3Config

@@ -1,10 +1,15 @@
-"""The reference job's model: a tiny Qwen3 made and warm-started here when a job names no model.
+"""The reference job's model: a tiny Llama made and warm-started here when a job names no model.
 
 Role: one workload path. A job without ``[model] path`` (the quickstart, the tests, the lab's
-job) still runs a Hugging Face model: a random-init Qwen3 shaped by ``[workload]`` (``model_dim``
-wide, ``layers`` deep, ``heads`` attention heads of head_dim 64, the vLLM CPU build's constraint),
-with a tokenizer trained here, warm-started for ``warmstart_steps`` on the reference task's
-answers so GRPO has a signal from the first step.
+job) still runs a Hugging Face model: a random-init ``LlamaForCausalLM`` shaped by ``[workload]``
+(``model_dim`` wide, ``layers`` deep, ``heads`` attention heads of head_dim 64, the vLLM CPU
+build's constraint), with a tokenizer trained here, warm-started for ``warmstart_steps`` on the
+reference task's answers so GRPO has a signal from the first step.
+
+Why Llama and not Qwen3: at this size and budget Qwen3's query/key norms hold attention soft
+for a long time, and the task needs sharp attention (copy the digits of the prompt). Measured with
+the quickstart's shape and 600 warm-start steps: sampled reward 0.50 for Llama, 0.09 for Qwen3
+(docs/figures.md). Users' Qwen3 checkpoints are trained the same way (tests run both).
 
 ``reference_model_dir`` is a pure function of the spec and the cache folder (``$RLCTL_CACHE``,
 default ``~/.cache/rlctl``): the controller computes it and hands the absolute path to every
@@ -25,7 +30,8 @@ from typing import Any
 
 from rlctl.core.spec import JobSpec
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+REFERENCE_ARCH = "llama"
 COMPLETE_MARK = "warmstart.json"
 
 
@@ -36,14 +42,14 @@ def cache_dir() -> Path:
 def recipe(spec: JobSpec) -> dict[str, Any]:
     """Everything that decides the reference model's bytes."""
     workload = spec.workload
-    return {"recipe": RECIPE_VERSION, "seed": spec.seed, "hidden": int(workload["model_dim"]),
+    return {"recipe": RECIPE_VERSION, "arch": REFERENCE_ARCH, "seed": spec.seed, "hidden": int(workload["model_dim"]),
             "layers": int(workload["layers"]), "heads": int(workload["heads"]),
             "warmstart_steps": int(workload["warmstart_steps"])}
 
 
 def reference_model_dir(spec: JobSpec) -> Path:
     digest = hashlib.sha256(json.dumps(recipe(spec), sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / f"reference-qwen3-{digest}"
+    return cache_dir() / f"reference-{REFERENCE_ARCH}-{digest}"
 
 
 def model_path_for(spec: JobSpec) -> Path:
@@ -81,7 +87,7 @@ def _build(spec: JobSpec, target: Path) -> None:
     base = target.with_name(f".{target.name}.base-{os.getpid()}")
     staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        init_checkpoint(base, "qwen3", size, spec.seed)
+        init_checkpoint(base, REFERENCE_ARCH, size, spec.seed)
         steps = shape["warmstart_steps"]
         if steps > 0:
             figures = train(base, staging, None, spec.seed, HFWarmStartConfig(steps=steps))
