@@ -307,8 +307,11 @@ def test_ssh_job_takes_standby_for_lost_trainer_and_spare_host_for_partitioned_r
         lab6: lab.LabStatus, tmp_path: Path, lab_jobs: list[LabJob]) -> None:
     _repair(lab6, wait_idle=False)
     job = launch(tmp_path, "ssh", lab6, lab_jobs)
-    standby = next(n for n in job.status()["nodes"] if n["role"] == "spare")
-    assert standby["name"] == "node05" and standby["worker_state"] == "running", standby
+    # A standby takes over only once it stands by (model loaded); one still loading is retired instead.
+    standby = wait_for(lambda: next((n for n in job.status()["nodes"] if n["role"] == "spare"
+                                     and n["worker_state"] == "running" and n["phase"] == "standby"), None),
+                       120, "the warm standby to have loaded", interval=1.0)
+    assert standby["name"] == "node05", standby
 
     trainer, _ = job.running_node("trainer")
     first = job.inject(trainer, "node-down")
@@ -326,7 +329,8 @@ def test_ssh_job_takes_standby_for_lost_trainer_and_spare_host_for_partitioned_r
     # one host the job had not used, becomes the new warm standby.
     assert actions_of(job.events(), first)[3:4] == ["request-spare"], actions_of(job.events(), first)
     refill = wait_for(lambda: next((n for n in job.status()["nodes"] if n["name"] == "node06"
-                                    and n["role"] == "spare" and n["worker_state"] == "running"), None),
+                                    and n["role"] == "spare" and n["worker_state"] == "running"
+                                    and n["phase"] == "standby"), None),
                       120, "node06 to become the new warm standby", interval=1.0)
 
     rollout, _ = job.running_node("rollout")

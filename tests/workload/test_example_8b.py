@@ -15,7 +15,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-gsm8k-slu
 
 
 def test_the_8b_example_renders_with_its_sbatch_scripts(tmp_path: Path) -> None:
-    data = gsm8k_data()
+    data = gsm8k_data(train_rows=600)  # at least one batch of the example's 512 prompts
     text = EXAMPLE.read_text()
     for original, stand_in in (("/shared/models/Qwen3-8B", tiny_model()), ("/shared/data/gsm8k", data)):
         assert original in text
