@@ -11,7 +11,7 @@ Per seed, in this process (no controller: the compute the roles run, end to end)
 5. held-out reward after RL with the same seeds. The difference is paired per prompt; its
    standard error is over prompts.
 
-    python bench/hf_learning.py [--seeds 0 1 2] [--steps 40] [--warmstart-steps 600]
+    python bench/hf_learning.py [--seeds 0 1 2] [--steps 40] [--warmstart-steps 300] [--lr 1e-4]
 
 Prints one line per seed, then one JSON object on the last line.
 """
@@ -109,9 +109,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--max-new", type=int, default=32)
-    parser.add_argument("--warmstart-steps", type=int, default=600)
+    parser.add_argument("--warmstart-steps", type=int, default=300)
     parser.add_argument("--train-rows", type=int, default=2000)
     parser.add_argument("--test-rows", type=int, default=128)
     parser.add_argument("--eval-samples", type=int, default=4)

@@ -6,7 +6,8 @@ trainer's publish path); this process is the rollout: it holds a loaded ``HFPoli
   p2p_<transport>_s  fetch the published bundle (verified) + unflatten + ``load_state_dict`` into
                      the running model (what a rollout does on every new version);
   publish_s          the holder's flatten + checksum (the trainer pays it once per version);
-  disk_warm_s        ``from_pretrained`` of the checkpoint folder with the files in the page cache;
+  disk_warm_s        ``from_pretrained`` of the checkpoint folder, every weight touched (the map is
+                     lazy), files in the page cache;
   disk_cold_s        the same after the files were dropped from the page cache (posix_fadvise);
 ratio = disk / p2p (goal: >= 3). Medians of ``--repeats``. fp32 weights, CPU, loopback.
 
@@ -34,14 +35,18 @@ sys.path.insert(0, str(ROOT))
 CTX = mp.get_context("spawn")
 
 
-def set_ucx_env() -> None:
-    os.environ.update(UCX_NET_DEVICES="lo", UCX_TLS="tcp,self", UCXPY_PROGRESS_MODE="blocking",
+# The holder runs one transport per process; this process (the joiner) allows both paths.
+UCX_TLS = {"ucx": "tcp,self", "ucx-sm": "sm,self", "tcp": "tcp,self", "joiner": "tcp,sm,self"}
+
+
+def set_ucx_env(transport: str = "tcp") -> None:
+    os.environ.update(UCX_NET_DEVICES="lo", UCX_TLS=UCX_TLS[transport], UCXPY_PROGRESS_MODE="blocking",
                       UCX_WARN_UNUSED_ENV_VARS="n")
 
 
 def holder(folder: str, transport: str, descriptors: Any, done: Any) -> None:
     """Load the checkpoint, publish its state dict once, serve until told to stop."""
-    set_ucx_env()
+    set_ucx_env(transport)
     import torch
 
     torch.set_num_threads(2)
@@ -71,10 +76,10 @@ def drop_from_page_cache(folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="0.5b")
-    parser.add_argument("--transports", nargs="+", default=["ucx", "tcp"])
+    parser.add_argument("--transports", nargs="+", default=["ucx", "ucx-sm", "tcp"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    set_ucx_env()
+    set_ucx_env("joiner")
     import torch
 
     torch.set_num_threads(2)
@@ -118,8 +123,11 @@ def main() -> None:
                     drop_from_page_cache(folder)
                 started = time.perf_counter()
                 reloaded = load_hf_policy(folder)
+                # from_pretrained maps the safetensors lazily: a restarted rollout pays the read at its
+                # first forward pass. Touch every weight so the read is inside the measurement.
+                touched = sum(float(t.double().sum()) for t in reloaded.state_dict().values())
                 times.append(time.perf_counter() - started)
-                del reloaded
+                del reloaded, touched
             result[label] = round(statistics.median(times), 3)
             print(f"{label}: {statistics.median(times):.2f} s", flush=True)
         for transport in args.transports:
