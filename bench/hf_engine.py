@@ -20,7 +20,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,22 +36,12 @@ from rlctl.workload.model import ModelConfig, build_model
 from rlctl.workload.reference import REFERENCE_ARCH
 from rlctl.workload.task import make_dataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import median_rate
+
 # The quickstart's shape ([workload] model_dim 128, layers 4, heads 2 of head_dim 64), as rlctl.workload.reference makes it.
 REFERENCE = ModelSize(hidden=128, layers=4, heads=2, kv_heads=2, intermediate=384, vocab=SIZES["tiny"].vocab,
                       max_positions=1024)
-
-
-def median_rate(engine: TorchEngine, requests: list[GenRequest], new_tokens: int, repeats: int) -> float:
-    engine.generate(requests[:4], 4)
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        results = engine.generate(requests, new_tokens)
-        seconds = time.perf_counter() - started
-        tokens = sum(len(r.response_tokens) for r in results)
-        assert tokens == len(requests) * new_tokens, tokens
-        rates.append(tokens / seconds)
-    return statistics.median(rates)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlctl.backends.base import Backend
+from rlctl.controller.jobdir import JobDir
 from rlctl.core.schema import Problem
 from rlctl.core.spec import JobSpec, SpecError, parse_spec
 
@@ -19,9 +20,6 @@ class HasPath(Protocol):
 
     @property
     def path(self) -> Path: ...
-
-
-BASE_DIR_FILE = "job.base"  # beside a job directory's copy of job.toml: the folder relative paths are read from
 
 
 def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
@@ -73,13 +71,12 @@ def load_job_file(path: Path, base_dir: Path | None = None) -> JobSpec:
     return parse_spec(resolve_paths(data, (base_dir or path.parent).resolve()), source)
 
 
-def load_job_dir_spec(jobdir: HasPath) -> JobSpec:
+def load_job_dir_spec(jobdir: JobDir) -> JobSpec:
     """The spec a job was launched with (its copy in the job directory), relative paths read
     from the folder the original job file was in."""
-    spec_file = jobdir.path / "job.toml"
-    base_file = jobdir.path / BASE_DIR_FILE
+    base_file = jobdir.spec_base_file
     base_dir = Path(base_file.read_text().strip()) if base_file.is_file() else None
-    return load_job_file(spec_file, base_dir)
+    return load_job_file(jobdir.spec_file, base_dir)
 
 
 def make_backend(spec: JobSpec, jobdir: HasPath) -> Backend:

@@ -63,6 +63,11 @@ class JobDir:
         return self.path / "api.sock"
 
     @property
+    def spec_base_file(self) -> Path:
+        """The folder the original job file was in: its relative paths are read from there."""
+        return self.path / "job.base"
+
+    @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
@@ -77,7 +82,7 @@ class JobDir:
         self.checkpoints.mkdir()
         self.spec_file.write_text(spec_text)
         if spec_base_dir is not None:
-            (self.path / "job.base").write_text(str(spec_base_dir.resolve()) + "\n")
+            self.spec_base_file.write_text(str(spec_base_dir.resolve()) + "\n")
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(secrets.token_hex(32))

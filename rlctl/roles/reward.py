@@ -52,7 +52,8 @@ def function_scorer(settings: RoleSettings, folder: Path) -> tuple[ScoreItem, Ca
 def main(w: worker.Worker | None = None) -> int:
     w = w or worker.connect()
     w.phase("loading")
-    score_item, close = function_scorer(RoleSettings.from_env(), model_path(RoleSettings.from_env()))
+    settings = RoleSettings.from_env()
+    score_item, close = function_scorer(settings, model_path(settings))
     scored = 0
     try:
         while True:

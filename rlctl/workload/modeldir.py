@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlctl.workload.hf_tokenizer import TOKENIZER_FILE, ChatTokenizer, TokenizerError
+
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-TOKENIZER_FILE = "tokenizer.json"
 EXPECTED = f"{CONFIG_FILE}, {' or '.join(WEIGHT_FILES)}, {TOKENIZER_FILE} (and tokenizer_config.json)"
 
 
@@ -70,8 +71,6 @@ def check_model_dir(path: str | Path, trust_remote_code: bool = False, load_conf
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ModelDirError(f"{config_file}: expected a model config with a 'model_type'")
     weights = weight_files(folder)
-    from rlctl.workload.hf_tokenizer import ChatTokenizer, TokenizerError
-
     try:
         tokenizer = ChatTokenizer(folder)
     except TokenizerError as exc:

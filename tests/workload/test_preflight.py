@@ -58,11 +58,7 @@ def test_prompts_are_the_rows_through_the_chat_template(tmp_path: Path) -> None:
     assert first.prompt_id == "d0" and first.meta["data_source"] == "openai/gsm8k"
     text = ChatTokenizer(model).decode(first.tokens, skip_special_tokens=False)
     assert text.startswith("<|im_start|>user\nWhat is") and text.endswith("<|im_start|>assistant\n")
-    assert facts_of(spec)["train_files"] == {"prompts": len(prompts.prompts), "too_long": prompts.too_long}
-
-
-def facts_of(spec: object) -> dict:
-    return preflight(spec)  # type: ignore[arg-type]
+    assert preflight(spec)["train_files"] == {"prompts": len(prompts.prompts), "too_long": prompts.too_long}
 
 
 def test_relative_paths_are_read_from_the_job_files_folder(tmp_path: Path) -> None:
