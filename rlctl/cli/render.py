@@ -44,6 +44,15 @@ def reward_text(status: dict[str, Any]) -> Text:
             text.append("reward " if not text.plain else "  ")
             text.append(f"{kind} {entry['mean']:.3f}", style={"short": "cyan", "long": "magenta"}.get(kind, ""))
             text.append(f" (avg {entry['steps']})", style="dim")
+    held_out = status.get("held_out") or []
+    if held_out:
+        first, last = held_out[0], held_out[-1]
+        text.append("reward " if not text.plain else "  ")
+        text.append(f"held-out {last['reward_mean']:.3f}", style="green")
+        if len(held_out) > 1:
+            text.append(f" (v{first['version']} {first['reward_mean']:.3f})", style="dim")
+        else:
+            text.append(f" (v{last['version']})", style="dim")
     return text
 
 
@@ -119,7 +128,12 @@ def round_panel(status: dict[str, Any]) -> Panel:
                 f"samples {rnd['samples_generated']}/{rnd['samples_total']}  longest {rnd['longest_response']}  "
                 f"deferred {rnd['deferred']}  long queue {rnd['long_queue']}  pool {rnd['pool']}  epoch {rnd['epoch']}")
     bar = ProgressBar(total=target, completed=min(done, target), width=60)
-    return Panel(Group(line, bar), title="rollout round", border_style=kind_style)
+    rows: list[Any] = [line, bar]
+    held_out = rnd.get("held_out")
+    if held_out:
+        rows.append(Text(f"held-out evaluation of v{held_out['version']}: "
+                         f"{held_out['samples_scored']}/{held_out['samples_total']} scored", style="green"))
+    return Panel(Group(*rows), title="rollout round", border_style=kind_style)
 
 
 # (wide header, narrow header, width) in the order columns drop out as the terminal narrows.

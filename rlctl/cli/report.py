@@ -31,6 +31,13 @@ def report(
                   f"wall {data['wall_s']:.1f}s  [bold]ETTR {data['ettr'] * 100:.1f}%[/]")
     console.print("  " + "  ".join(f"{k} {v:.1f}s" for k, v in data["seconds"].items()))
     console.print(f"  trajectories stored {data['trajectories_stored']}, lost {data['trajectories_lost']}")
+    for entry in data["held_out"]:
+        console.print(f"  held-out reward v{entry['version']}: {entry['reward_mean']:.3f} ± {entry['reward_std_err']:.3f} "
+                      f"(accuracy {entry['accuracy']:.3f}, {entry['prompts']} prompts)")
+    reward = data["reward_function"]
+    extras = "  ".join(f"{name} {m['mean']:.3f} (n {m['samples']})" for name, m in reward["metrics"].items())
+    if extras or reward["function_failures"]:
+        console.print(f"  reward function: {extras or 'no extra metrics'}; failures {reward['function_failures']}")
     table = Table(title="faults", title_justify="left")
     for column in ("fault", "kind", "verdict", "node", "injected", "detected", "recovered", "detect s", "recover s", "action"):
         table.add_column(column)

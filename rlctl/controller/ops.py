@@ -51,28 +51,35 @@ class DataOps:
         rnd = scheduler.round
         if self.c.model.life.state.terminal or self.c.stopping:
             return {"stop": True}
-        if rnd is None or rnd.closed or slot.slot in self.c.routed_away or not self._takes_work(slot):
+        if slot.slot in self.c.routed_away or not self._takes_work(slot):
             return {"wait_s": WAIT_S}
-        held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "inflight"]
+        wid = slot.wid or ""
+        kind, held = scheduler.work_held_by(wid, "inflight")
         if not held:
-            self.c.commit_decided(scheduler.dispatch(slot.slot, slot.wid or "", int(args.get("capacity", 8)), now))
-            held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "inflight"]
+            self.c.commit_decided(scheduler.dispatch(slot.slot, wid, int(args.get("capacity", 8)), now))
+            kind, held = scheduler.work_held_by(wid, "inflight")
         if not held:
             return {"wait_s": WAIT_S}
-        prompts = scheduler.prompts
+        if kind == "held-out" and scheduler.held_out is not None:
+            step, round_kind = self.c.model.step, "held-out"
+            version, max_new_tokens = scheduler.held_out.version, scheduler.held_out.max_new_tokens
+        elif rnd is not None:
+            step, round_kind, version, max_new_tokens = rnd.step, rnd.kind, rnd.weights_version, rnd.max_new_tokens
+        else:
+            return {"wait_s": WAIT_S}
         return {
-            "step": rnd.step,
-            "round": rnd.kind,
-            "weights_version": rnd.weights_version,
-            "max_new_tokens": rnd.max_new_tokens,
-            "weights_source": self.c.weights_source(rnd.weights_version, exclude_slot=slot.slot),
+            "step": step,
+            "round": round_kind,
+            "weights_version": version,
+            "max_new_tokens": max_new_tokens,
+            "weights_source": self.c.weights_source(version, exclude_slot=slot.slot),
             "items": [
                 {
                     "item_id": s.item_id,
                     "prompt_id": s.prompt_id,
                     "sample_index": s.sample_index,
                     "seed": s.seed,
-                    "prompt_tokens": list(prompts[s.prompt_id].tokens),
+                    "prompt_tokens": list(scheduler.prompt(s.prompt_id).tokens),
                 }
                 for s in held
             ],
@@ -100,27 +107,26 @@ class DataOps:
     def op_reward_get_work(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "reward")
         scheduler = self.c.scheduler
-        rnd = scheduler.round
         if self.c.model.life.state.terminal or self.c.stopping:
             return {"stop": True}
-        if rnd is None or rnd.closed or not self._takes_work(slot):
+        if not self._takes_work(slot):
             return {"wait_s": WAIT_S}
-        held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "scoring"]
+        wid = slot.wid or ""
+        _, held = scheduler.work_held_by(wid, "scoring")
         if not held:
-            self.c.commit_decided(scheduler.dispatch_scoring(slot.slot, slot.wid or "", int(args.get("capacity", 32)), now))
-            held = [s for s in rnd.samples.values() if s.wid == slot.wid and s.status == "scoring"]
+            self.c.commit_decided(scheduler.dispatch_scoring(slot.slot, wid, int(args.get("capacity", 32)), now))
+            _, held = scheduler.work_held_by(wid, "scoring")
         if not held:
             return {"wait_s": WAIT_S}
-        prompts = scheduler.prompts
         return {
             "items": [
                 {
                     "item_id": s.item_id,
                     "prompt_id": s.prompt_id,
-                    "prompt_tokens": list(prompts[s.prompt_id].tokens),
+                    "prompt_tokens": list(scheduler.prompt(s.prompt_id).tokens),
                     "response_tokens": list(s.response_tokens or []),
                     "truncated": s.truncated,
-                    "meta": prompts[s.prompt_id].meta,
+                    "meta": scheduler.prompt(s.prompt_id).meta,
                 }
                 for s in held
             ]
@@ -132,14 +138,13 @@ class DataOps:
         sample keeps its zero score, or with ``on_error = "fail"`` the job stops as failed."""
         self._require(slot, "reward")
         scores = list(args.get("scores", []))
-        rnd = self.c.scheduler.round
+        scheduler = self.c.scheduler
         failed = [s for s in scores if s.get("error")]
         if failed:
             on_error = str(self.c.spec.reward["on_error"])
             failures = [
                 event("RewardFunctionFailed", now, function=str(s.get("function", ""))[:200], item_id=str(s["item_id"]),
-                      prompt_id=rnd.samples[s["item_id"]].prompt_id if rnd is not None and s["item_id"] in rnd.samples
-                      else "", error=str(s["error"])[:500], on_error=on_error)
+                      prompt_id=getattr(scheduler.find_sample(str(s["item_id"])), "prompt_id", ""), error=str(s["error"])[:500], on_error=on_error)
                 for s in failed
             ]
             self.c.commit(failures)

@@ -21,6 +21,28 @@ class Timeline:
     steps: list[tuple[float, int]] = field(default_factory=list)
     ettr: list[tuple[float, float]] = field(default_factory=list)
     rewards: list[tuple[float, float]] = field(default_factory=list)
+    held_out: list[tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass
+class RewardTally:
+    """What the reward function said beyond the score: each extra metric's mean over the samples
+    that carried it (a dict result's keys besides ``score``), and its failures."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    failures: int = 0
+
+    def add(self, scores: list[dict[str, Any]]) -> None:
+        for score in scores:
+            for name, value in (score.get("metrics") or {}).items():
+                self.sums[name] = self.sums.get(name, 0.0) + float(value)
+                self.counts[name] = self.counts.get(name, 0) + 1
+
+    def summary(self) -> dict[str, Any]:
+        return {"metrics": {name: {"mean": round(self.sums[name] / n, 6), "samples": n}
+                            for name, n in sorted(self.counts.items())},
+                "function_failures": self.failures}
 
 
 def build_report(jobdir: JobDir) -> tuple[dict[str, Any], Timeline]:
@@ -28,6 +50,7 @@ def build_report(jobdir: JobDir) -> tuple[dict[str, Any], Timeline]:
     model = JobModel(job_id=jobdir.job_id)
     model.scheduler = RoundScheduler(config_from_spec(spec), [])
     timeline = Timeline()
+    tally = RewardTally()
     journal = Journal(jobdir.journal, readonly=True)
     try:
         for ev in journal.read():
@@ -37,6 +60,12 @@ def build_report(jobdir: JobDir) -> tuple[dict[str, Any], Timeline]:
                 timeline.ettr.append((ev.at, model.ledger.ettr()))
             elif ev.type == "StepTrained" and ev.data["metrics"].get("mean_reward") is not None:
                 timeline.rewards.append((ev.at, float(ev.data["metrics"]["mean_reward"])))
+            elif ev.type == "RewardsStored":
+                tally.add(ev.data["scores"])
+            elif ev.type == "RewardFunctionFailed":
+                tally.failures += 1
+            elif ev.type == "HeldOutScored":
+                timeline.held_out.append((ev.at, float(ev.data["reward_mean"])))
     finally:
         journal.close()
     end = model.life.since if model.life.state.terminal else model.ledger.last_at
@@ -60,6 +89,8 @@ def build_report(jobdir: JobDir) -> tuple[dict[str, Any], Timeline]:
         "trajectories_lost": (scheduler.trajectories_lost if scheduler else 0) + sum(f["trajectories_lost"] for f in faults),
         "mean_reward_first": timeline.rewards[0][1] if timeline.rewards else None,
         "mean_reward_last": timeline.rewards[-1][1] if timeline.rewards else None,
+        "held_out": list(scheduler.held_out_results) if scheduler else [],
+        "reward_function": tally.summary(),
         "started_at": start,
     }
     return report, timeline

@@ -60,9 +60,9 @@ class Controller:
         self.resume = resume
         self.journal = Journal(jobdir.journal)
         self.model = JobModel(job_id=jobdir.job_id)
-        from rlctl.workload.prompts import load_prompts
+        from rlctl.workload.prompts import load_held_out_prompts, load_prompts
 
-        self.scheduler = RoundScheduler(config_from_spec(spec), load_prompts(spec))
+        self.scheduler = RoundScheduler(config_from_spec(spec), load_prompts(spec), load_held_out_prompts(spec))
         self.model.scheduler = self.scheduler
         ft = spec.fault_tolerance
         self.detector = det.Detector(det.config_from_spec(ft))
@@ -537,7 +537,19 @@ class Controller:
         return live[0][2]
 
     def on_weights_published(self, version: int, now: float) -> None:
-        if version >= self.model.total_steps:
+        self._maybe_start_held_out(now)
+        self._maybe_finish(now)
+
+    def _maybe_start_held_out(self, now: float) -> None:
+        version = self.model.published_version
+        if self.scheduler.held_out_due(version, final=version >= self.model.total_steps):
+            self.commit_decided(self.scheduler.start_held_out(version, now))
+
+    def _maybe_finish(self, now: float) -> None:
+        """Stop as succeeded once the last version is published and its held-out evaluation (if
+        the job has one) is scored."""
+        if self.model.published_version >= self.model.total_steps and self.scheduler.held_out is None \
+                and not self.stopping:
             self.request_stop("all steps done", succeeded=True)
 
     # ---------------------------------------------------------------------------------- tick
@@ -564,6 +576,8 @@ class Controller:
             self._freeze_heap()
         if model.life.state in (JobState.RUNNING, JobState.RECOVERING) and not self.stopping:
             self._maybe_start_round(now)
+            self._maybe_start_held_out(now)
+            self._maybe_finish(now)
             self.recovery.detect(now)
         if model.life.state == JobState.STARTING:
             self.recovery.detect_startup(now)
@@ -599,6 +613,9 @@ class Controller:
         version = self.model.published_version
         if version >= self.model.total_steps:
             return
+        held_out = self.scheduler.held_out
+        if held_out is not None and held_out.version < version:
+            return  # the next round waits for the running held-out evaluation (its weights version stays served)
         if rnd is None or (rnd.closed and rnd.step < version):
             self.commit_decided(self.scheduler.start_round(version, now))
 

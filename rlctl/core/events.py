@@ -49,6 +49,8 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "TrainerRestored": ("slot", "checkpoint_step", "replayed_steps"),
     "ControllerStarted": ("pid", "resumed"),
     "SchedulerRolledBack": ("to_step",),
+    "HeldOutStarted": ("version", "prompts", "max_new_tokens"),
+    "HeldOutScored": ("version", "prompts", "reward_mean", "reward_std_err", "accuracy"),
 }
 
 

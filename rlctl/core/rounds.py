@@ -10,6 +10,14 @@ to the long queue; the round ends when ``batch`` groups are complete and in-flig
 to the pool. When the long queue holds ``long_batch`` prompts the next round is a long round with
 the full cap. Off means plain synchronous batching. Every trained sample was generated with the
 round's weights version (on-policy); no prompt is trained twice in an epoch.
+
+Held-out evaluation: with held-out prompts (``[data] eval_files``) and ``held_out_every`` > 0, the
+weights of every ``held_out_every``-th version (and the final one) are evaluated on them: one
+sample per prompt, with the same seed at every evaluation (paired across versions), the full
+response cap, scored by the job's reward function. Its samples travel through the same events
+as a round's (dispatch, store, score, return on a worker's failure), after the round's own
+pending samples, so an evaluation runs in the time rollouts would otherwise wait for the
+trainer; ``HeldOutScored`` records the result. Nothing of it is trained.
 Pure: no I/O, no clock.
 """
 
@@ -40,6 +48,7 @@ class SchedulerConfig:
     overprovision: float
     long_batch: int
     seed: int
+    held_out_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,18 @@ class Round:
 
 
 @dataclass
+class HeldOutRun:
+    """One held-out evaluation of weights ``version``: a sample per held-out prompt."""
+
+    version: int
+    max_new_tokens: int
+    samples: dict[str, Sample] = field(default_factory=dict)
+
+
+HELD_OUT_SEED_STEP = -1  # the step in every held-out sample's seed: the same at every evaluation
+
+
+@dataclass
 class Batch:
     step: int
     kind: str
@@ -117,6 +138,7 @@ def config_from_spec(spec: JobSpec) -> SchedulerConfig:
         overprovision=tail.overprovision,
         long_batch=spec.long_batch,
         seed=spec.seed,
+        held_out_every=int(spec.data.get("eval_every", 0)) if spec.data.get("eval_files") else 0,
     )
 
 
@@ -132,9 +154,13 @@ class RoundScheduler:
     With an empty prompt list it can still ``apply`` a journal (read-only views such as `status`).
     """
 
-    def __init__(self, config: SchedulerConfig, prompts: list[PromptRef]) -> None:
+    def __init__(self, config: SchedulerConfig, prompts: list[PromptRef],
+                 held_out_prompts: list[PromptRef] | None = None) -> None:
         self.config = config
         self.prompts = {p.prompt_id: p for p in prompts}
+        self.held_out_prompts = {p.prompt_id: p for p in held_out_prompts or []}
+        self.held_out: HeldOutRun | None = None
+        self.held_out_results: list[dict[str, Any]] = []
         self.epoch = -1
         self.pool: deque[str] = deque()
         self.long_queue: list[str] = []
@@ -174,11 +200,16 @@ class RoundScheduler:
         return self._emit([], self._round_event(step, "long", self.long_queue[: self.config.long_batch], at))
 
     def dispatch(self, slot: str, wid: str, capacity: int, at: float) -> list[Event]:
-        """Hand up to ``capacity`` pending samples of the open round to rollout worker ``wid``."""
-        rnd = self.round
-        if rnd is None or rnd.closed or capacity <= 0:
+        """Hand up to ``capacity`` pending samples to rollout worker ``wid``: the open round's, or
+        when it has none left, the held-out evaluation's (never both in one hand-out)."""
+        if capacity <= 0:
             return []
-        chosen = [s.item_id for s in self._ordered_samples(rnd) if s.status == PENDING][:capacity]
+        rnd = self.round
+        chosen: list[str] = []
+        if rnd is not None and not rnd.closed:
+            chosen = [s.item_id for s in self._ordered_samples(rnd) if s.status == PENDING][:capacity]
+        if not chosen and self.held_out is not None:
+            chosen = [s.item_id for s in self.held_out.samples.values() if s.status == PENDING][:capacity]
         if not chosen:
             return []
         return self._emit([], event("ItemsDispatched", at, slot=slot, wid=wid, item_ids=chosen))
@@ -187,17 +218,18 @@ class RoundScheduler:
         """Store generated samples from ``wid``; defer long-tail prompts; maybe close the round."""
         out: list[Event] = []
         rnd = self.round
-        if rnd is None or rnd.closed:
-            return out
         for result in results:
-            sample = rnd.samples.get(str(result.get("item_id")))
+            item_id = str(result.get("item_id"))
+            held_out = self._held_out_sample(item_id)
+            sample = held_out or (rnd.samples.get(item_id) if rnd is not None and not rnd.closed else None)
             if sample is None or sample.status != INFLIGHT or sample.wid != wid:
                 continue
-            if int(result.get("weights_version", -1)) != rnd.weights_version:
+            version = self.held_out.version if held_out is not None and self.held_out else (rnd.weights_version if rnd else -1)
+            if int(result.get("weights_version", -1)) != version:
                 self._emit(out, event("ItemsReturned", at, item_ids=[sample.item_id], reason="stale-weights"))
                 continue
             truncated = bool(result.get("truncated"))
-            if truncated and rnd.kind == "short" and sample.prompt_id not in rnd.deferred:
+            if held_out is None and rnd is not None and truncated and rnd.kind == "short" and sample.prompt_id not in rnd.deferred:
                 self._emit(out, event("PromptDeferred", at, prompt_id=sample.prompt_id, step=rnd.step))
                 continue
             self._emit(
@@ -208,7 +240,7 @@ class RoundScheduler:
                     item_id=sample.item_id,
                     response_tokens=[int(t) for t in result.get("response_tokens", [])],
                     truncated=truncated,
-                    weights_version=rnd.weights_version,
+                    weights_version=version,
                     slot=slot,
                 ),
             )
@@ -216,11 +248,16 @@ class RoundScheduler:
         return out
 
     def dispatch_scoring(self, slot: str, wid: str, capacity: int, at: float) -> list[Event]:
-        """Hand up to ``capacity`` generated, unscored samples to reward worker ``wid``."""
-        rnd = self.round
-        if rnd is None or rnd.closed or capacity <= 0:
+        """Hand up to ``capacity`` generated, unscored samples to reward worker ``wid`` (the
+        round's first, then the held-out evaluation's)."""
+        if capacity <= 0:
             return []
-        chosen = [s.item_id for s in self._ordered_samples(rnd) if s.status == DONE][:capacity]
+        rnd = self.round
+        chosen: list[str] = []
+        if rnd is not None and not rnd.closed:
+            chosen = [s.item_id for s in self._ordered_samples(rnd) if s.status == DONE][:capacity]
+        if self.held_out is not None and len(chosen) < capacity:
+            chosen += [s.item_id for s in self.held_out.samples.values() if s.status == DONE][:capacity - len(chosen)]
         if not chosen:
             return []
         return self._emit([], event("ScoringDispatched", at, slot=slot, wid=wid, item_ids=chosen))
@@ -229,11 +266,11 @@ class RoundScheduler:
         """Store rewards from reward worker ``wid``; close the round when the batch is full."""
         out: list[Event] = []
         rnd = self.round
-        if rnd is None or rnd.closed:
-            return out
         accepted = []
         for score in scores:
-            sample = rnd.samples.get(str(score.get("item_id")))
+            item_id = str(score.get("item_id"))
+            sample = self._held_out_sample(item_id) or (
+                rnd.samples.get(item_id) if rnd is not None and not rnd.closed else None)
             if sample is None or sample.status != SCORING or sample.wid != wid:
                 continue
             entry = {"item_id": sample.item_id, "reward": float(score["reward"]), "correct": bool(score.get("correct"))}
@@ -244,14 +281,45 @@ class RoundScheduler:
         if accepted:
             self._emit(out, event("RewardsStored", at, scores=accepted))
         self._maybe_close(out, at)
+        self._maybe_finish_held_out(out, at)
         return out
 
-    def release_worker(self, wid: str, reason: str, at: float) -> list[Event]:
-        """Give every sample held by a failed worker back to the round (nothing is lost)."""
-        rnd = self.round
-        if rnd is None or rnd.closed:
+    def held_out_due(self, version: int, final: bool) -> bool:
+        """Whether weights ``version`` should be evaluated now: every ``held_out_every``-th
+        version and the final one, each once, and never while another evaluation runs."""
+        if not self.held_out_prompts or self.config.held_out_every <= 0 or self.held_out is not None:
+            return False
+        if any(r["version"] >= version for r in self.held_out_results):
+            return False
+        return final or version % self.config.held_out_every == 0
+
+    def start_held_out(self, version: int, at: float) -> list[Event]:
+        """Evaluate weights ``version`` on the held-out prompts (see the module docstring)."""
+        if not self.held_out_prompts or self.held_out is not None:
             return []
-        held = [s.item_id for s in rnd.samples.values() if s.wid == wid and s.status in (INFLIGHT, SCORING)]
+        return self._emit([], event("HeldOutStarted", at, version=version, prompts=list(self.held_out_prompts),
+                                    max_new_tokens=self.config.max_new_tokens))
+
+    def _maybe_finish_held_out(self, out: list[Event], at: float) -> None:
+        run = self.held_out
+        if run is None or any(s.status != SCORED for s in run.samples.values()):
+            return
+        rewards = [float(s.reward or 0.0) for s in run.samples.values()]
+        correct = [1.0 if s.correct else 0.0 for s in run.samples.values()]
+        n = len(rewards)
+        mean = sum(rewards) / n
+        std_err = (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 / n ** 0.5 if n > 1 else 0.0
+        self._emit(out, event("HeldOutScored", at, version=run.version, prompts=n, reward_mean=round(mean, 6),
+                              reward_std_err=round(std_err, 6), accuracy=round(sum(correct) / n, 6)))
+
+    def release_worker(self, wid: str, reason: str, at: float) -> list[Event]:
+        """Give every sample held by a failed worker back to the round or the held-out
+        evaluation (nothing is lost)."""
+        rnd = self.round
+        samples = list(rnd.samples.values()) if rnd is not None and not rnd.closed else []
+        if self.held_out is not None:
+            samples += list(self.held_out.samples.values())
+        held = [s.item_id for s in samples if s.wid == wid and s.status in (INFLIGHT, SCORING)]
         if not held:
             return []
         return self._emit([], event("ItemsReturned", at, item_ids=held, reason=reason))
@@ -264,14 +332,45 @@ class RoundScheduler:
 
     def cancelled_among(self, item_ids: list[str]) -> list[str]:
         rnd = self.round
-        return [i for i in item_ids if i in self.cancelled or rnd is None or i not in rnd.samples or rnd.closed]
+        return [i for i in item_ids if self._held_out_sample(i) is None
+                and (i in self.cancelled or rnd is None or i not in rnd.samples or rnd.closed)]
+
+    def find_sample(self, item_id: str) -> Sample | None:
+        """A sample of the open round or of the held-out evaluation."""
+        found = self._samples([item_id])
+        return found[0] if found else None
+
+    def prompt(self, prompt_id: str) -> PromptRef:
+        """A training or held-out prompt by id."""
+        found = self.prompts.get(prompt_id) or self.held_out_prompts.get(prompt_id)
+        if found is None:
+            raise KeyError(prompt_id)
+        return found
+
+    def work_held_by(self, wid: str, status: str) -> tuple[str, list[Sample]]:
+        """The samples worker ``wid`` holds in ``status`` and what they belong to: ``round`` or ``held-out``."""
+        rnd = self.round
+        if rnd is not None and not rnd.closed:
+            held = [s for s in rnd.samples.values() if s.wid == wid and s.status == status]
+            if held:
+                return "round", held
+        if self.held_out is not None:
+            held = [s for s in self.held_out.samples.values() if s.wid == wid and s.status == status]
+            if held:
+                return "held-out", held
+        return "round", []
 
     def batch_for(self, step: int) -> Batch | None:
         return self.batches.get(step)
 
     def progress(self) -> dict[str, Any]:
         base = self.round.progress() if self.round else {}
-        return {**base, "epoch": self.epoch, "pool": len(self.pool), "long_queue": len(self.long_queue)}
+        out = {**base, "epoch": self.epoch, "pool": len(self.pool), "long_queue": len(self.long_queue)}
+        if self.held_out is not None:
+            samples = self.held_out.samples.values()
+            out["held_out"] = {"version": self.held_out.version, "samples_total": len(samples),
+                               "samples_scored": sum(1 for s in samples if s.status == SCORED)}
+        return out
 
     # ------------------------------------------------------------------------------- apply
 
@@ -326,7 +425,22 @@ class RoundScheduler:
             sample.response_tokens = list(data["response_tokens"])
             sample.truncated = bool(data["truncated"])
             sample.weights_version = int(data["weights_version"])
-            self.trajectories_stored += 1
+            if self._held_out_sample(sample.item_id) is None:
+                self.trajectories_stored += 1
+
+    def _on_HeldOutStarted(self, data: dict[str, Any]) -> None:
+        version = int(data["version"])
+        run = HeldOutRun(version, int(data["max_new_tokens"]))
+        for prompt_id in data["prompts"]:
+            item_id = f"h{version}/{prompt_id}"
+            run.samples[item_id] = Sample(item_id, prompt_id, 0,
+                                          sample_seed(self.config.seed, HELD_OUT_SEED_STEP, prompt_id, 0))
+        self.held_out = run
+
+    def _on_HeldOutScored(self, data: dict[str, Any]) -> None:
+        self.held_out_results.append({k: data[k] for k in ("version", "prompts", "reward_mean", "reward_std_err",
+                                                           "accuracy")})
+        self.held_out = None
 
     def _on_PromptDeferred(self, data: dict[str, Any]) -> None:
         rnd = self.round
@@ -345,6 +459,11 @@ class RoundScheduler:
             sample.status, sample.wid = SCORING, data["wid"]
 
     def _on_RewardsStored(self, data: dict[str, Any]) -> None:
+        for score in data["scores"]:
+            held_out = self._held_out_sample(score["item_id"])
+            if held_out is not None:
+                held_out.status, held_out.wid = SCORED, None
+                held_out.reward, held_out.correct = float(score["reward"]), bool(score["correct"])
         rnd = self.round
         if rnd is None or rnd.closed:
             return
@@ -407,6 +526,7 @@ class RoundScheduler:
             rnd.closed = True
         self.pool.extendleft(reversed(undone))
         self.round = None
+        self.held_out = None
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -417,9 +537,17 @@ class RoundScheduler:
 
     def _samples(self, item_ids: list[str]) -> list[Sample]:
         rnd = self.round
-        if rnd is None:
-            return []
-        return [rnd.samples[i] for i in item_ids if i in rnd.samples]
+        found = []
+        for item_id in item_ids:
+            sample = self._held_out_sample(item_id)
+            if sample is None and rnd is not None:
+                sample = rnd.samples.get(item_id)
+            if sample is not None:
+                found.append(sample)
+        return found
+
+    def _held_out_sample(self, item_id: str) -> Sample | None:
+        return self.held_out.samples.get(item_id) if self.held_out is not None else None
 
     @staticmethod
     def _ordered_samples(rnd: Round) -> list[Sample]:

@@ -305,7 +305,12 @@ JOB_SCHEMA: dict[str, Field] = {
         "reference task's generated prompts (`rollout.dataset_size` of them).",
         fields={
             "train_files": Field("str-list", "Training prompt files (.parquet, .jsonl).", []),
-            "eval_files": Field("str-list", "Held-out prompt files, scored greedily for the held-out reward.", []),
+            "eval_files": Field("str-list", "Held-out prompt files: one sample per prompt, with the same seed at "
+                                "every evaluation, scored by the job's reward function (the held-out reward).", []),
+            "eval_every": Field("int", "Evaluate on the held-out prompts every this many weights versions, and the "
+                                "final one (0: never).", 10, minimum=0),
+            "eval_max_prompts": Field("int", "Held-out prompts per evaluation: the first N in file order (0: all).",
+                                      64, minimum=0),
             "prompt_key": Field("str", "Column of the prompt: a chat message list or a string.", "prompt"),
             "ground_truth_key": Field("str", "Column of the ground truth (a dotted key reaches into a struct).",
                                       "reward_model.ground_truth"),

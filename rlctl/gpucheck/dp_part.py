@@ -68,10 +68,10 @@ def compare_group_with_single(device: str) -> Figures:
     rank_gap = max((first["state"][k] - second["state"][k]).abs().max().item() for k in first["state"])
     if rank_gap != 0.0:
         raise CheckFailed(f"the ranks' weights differ by up to {rank_gap}")
-    from rlctl.gpucheck.dp_rank import SHAPE
-    from rlctl.workload.model import build_model
+    from rlctl.gpucheck.dp_rank import ARCH, SIZE
+    from rlctl.workload.hf_init import random_policy
 
-    initial = build_model(SHAPE, seed=11).state_dict()  # rank 0's start, which the group broadcasts
+    initial = random_policy(ARCH, SIZE, seed=11).state_dict()  # rank 0's start, which the group broadcasts
     worst = 0.0
     for key, value in alone["state"].items():
         moved = (value - initial[key]).abs().max().item()

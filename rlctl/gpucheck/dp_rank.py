@@ -13,17 +13,17 @@ import sys
 import torch
 
 from rlctl.gpucheck.fixtures import synthetic_samples
-from rlctl.workload.model import ModelConfig, build_model
+from rlctl.workload.hf_init import random_policy
 from rlctl.workload.trainer import Trainer, TrainerConfig
 
-SHAPE = ModelConfig(d_model=128, n_layers=4, n_heads=4)
+ARCH, SIZE = "qwen3", "tiny"
 STEPS = (1, 2)
 
 
 def main(out: str, device: str = "cuda") -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
-    model = build_model(SHAPE, seed=11 + rank)  # ranks start different: the first broadcast must fix it
+    model = random_policy(ARCH, SIZE, seed=11 + rank)  # ranks start different: the first broadcast must fix it
     trainer = Trainer(model, TrainerConfig(lr=1e-3), device=device)
     metrics = [trainer.train_step(synthetic_samples(seed)) for seed in STEPS]
     backend = torch.distributed.get_backend() if trainer.dist.enabled else "none"

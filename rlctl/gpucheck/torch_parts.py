@@ -3,7 +3,8 @@
 What it proves: the reference workload's engine and trainer run on CUDA (not only the CPU the
 test suite uses), with figures: rollout tokens/s (EOS disabled so every row decodes
 ``max_new_tokens``, the same work as the vLLM bench) and seconds per GRPO optimizer step.
-Two model sizes: the job's default shape and a larger one where the GPU is not idle.
+Two model sizes, random-init Qwen3 made in memory: the quickstart's ``tiny`` and the 14 M
+``small``, where the GPU is not idle.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from rlctl.gpucheck.report import CheckFailed, Figures, Skip
 ROLLOUT_BATCH = 64
 ROLLOUT_NEW_TOKENS = 64
 TRAIN_STEPS = 3
-MODEL_SHAPES = {"default": {}, "large": {"d_model": 512, "n_layers": 8, "n_heads": 8}}
+MODEL_SIZES = {"default": "tiny", "large": "small"}  # rlctl.workload.hf_init sizes
 
 
 def require_cuda() -> Any:
@@ -33,17 +34,17 @@ def require_cuda() -> Any:
     return torch
 
 
-def _model(shape: dict[str, int], seed: int = 0) -> Any:
-    from rlctl.workload.model import ModelConfig, build_model
+def _model(size: str, seed: int = 0) -> Any:
+    from rlctl.workload.hf_init import random_policy
 
-    return build_model(ModelConfig(**shape), seed=seed)
+    return random_policy("qwen3", size, seed)
 
 
-def rollout_tokens_per_s(torch: Any, shape: dict[str, int], device: str) -> dict[str, float]:
+def rollout_tokens_per_s(torch: Any, size: str, device: str) -> dict[str, float]:
     """Tokens/s of one warm ``generate`` of ``ROLLOUT_BATCH`` x ``ROLLOUT_NEW_TOKENS`` on ``device``."""
     from rlctl.workload.engine import SamplingConfig, TorchEngine
 
-    engine = TorchEngine(_model(shape), SamplingConfig(temperature=1.0, eos_id=-1), device=device)
+    engine = TorchEngine(_model(size), SamplingConfig(temperature=1.0, eos_id=-1), device=device)
     requests = make_requests(ROLLOUT_BATCH)
     engine.generate(requests[:4], 8)  # warm-up: kernels, allocator
     if device == "cuda":
@@ -63,18 +64,18 @@ def rollout() -> Figures:
     """GPU tokens/s per model shape, with the CPU figure for the default shape as the baseline."""
     torch = require_cuda()
     figures: Figures = {"batch": ROLLOUT_BATCH, "max_new_tokens": ROLLOUT_NEW_TOKENS}
-    for name, shape in MODEL_SHAPES.items():
-        figures[f"cuda_{name}"] = rollout_tokens_per_s(torch, shape, "cuda")
-    figures["cpu_default"] = rollout_tokens_per_s(torch, MODEL_SHAPES["default"], "cpu")
+    for name, size in MODEL_SIZES.items():
+        figures[f"cuda_{name}"] = rollout_tokens_per_s(torch, size, "cuda")
+    figures["cpu_default"] = rollout_tokens_per_s(torch, MODEL_SIZES["default"], "cpu")
     figures["speedup_default"] = round(figures["cuda_default"]["tokens_per_s"] / figures["cpu_default"]["tokens_per_s"], 2)
     return figures
 
 
-def train_step_seconds(torch: Any, shape: dict[str, int]) -> dict[str, Any]:
+def train_step_seconds(torch: Any, size: str) -> dict[str, Any]:
     """Median seconds of ``TRAIN_STEPS`` GRPO steps on CUDA after one warm-up step; checks they train."""
     from rlctl.workload.trainer import Trainer
 
-    trainer = Trainer(_model(shape), device="cuda", distributed=False)
+    trainer = Trainer(_model(size), device="cuda", distributed=False)
     samples = synthetic_samples(seed=1)
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.train_step(samples)
@@ -98,4 +99,4 @@ def train_step_seconds(torch: Any, shape: dict[str, int]) -> dict[str, Any]:
 def train_step() -> Figures:
     """One GRPO trainer step on the GPU per model shape."""
     torch = require_cuda()
-    return {name: train_step_seconds(torch, shape) for name, shape in MODEL_SHAPES.items()}
+    return {name: train_step_seconds(torch, size) for name, size in MODEL_SIZES.items()}

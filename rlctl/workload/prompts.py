@@ -108,6 +108,17 @@ def load_prompts(spec: JobSpec) -> list[PromptRef]:
     return load_prompt_set(spec).prompts
 
 
+def load_held_out_prompts(spec: JobSpec) -> list[PromptRef]:
+    """The held-out prompts (``[data] eval_files``, the first ``eval_max_prompts`` in file order);
+    none when the job has no eval files or ``eval_every`` is 0."""
+    data = spec.data
+    if not data["eval_files"] or int(data["eval_every"]) <= 0:
+        return []
+    prompts = load_prompt_set(spec, "eval_files").prompts
+    limit = int(data["eval_max_prompts"])
+    return prompts[:limit] if limit > 0 else prompts
+
+
 def preflight(spec: JobSpec) -> dict[str, Any]:
     """Check the model folder, the data and the reward function; returns facts for the plan.
 

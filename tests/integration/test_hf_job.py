@@ -1,5 +1,5 @@
 """A user's job on the local backend: their Hugging Face model folder, their verl-layout parquet and
-their reward file (verl's form), through a rollout crash, a trainer crash, a reward function that
+their reward file (verl's form), with held-out evaluation, through a rollout crash, a trainer crash, a reward function that
 raises and hangs, and a controller kill + resume; then `rlctl export` gives a folder transformers
 loads with the trainer's logits. The truth is read from the journal."""
 
@@ -47,6 +47,9 @@ max_response_tokens = 32
 
 [data]
 train_files = ["{data / 'train.parquet'}"]
+eval_files = ["{data / 'test.parquet'}"]
+eval_every = 4
+eval_max_prompts = 16
 
 [reward]
 path = "my_reward.py"
@@ -95,6 +98,7 @@ def test_user_model_data_and_reward_through_faults_and_resume(tmp_path: Path, jo
     assert not [v for v in verdicts if v.data["slot"] in reward_slots], "a failing reward function looked like a fault"
     stored = [s for e in events if e.type == "RewardsStored" for s in e.data["scores"]]
     assert any("has_answer" in s.get("metrics", {}) for s in stored)
+    _check_held_out(events, state_dir, job_id)
 
     export = tmp_path / "exported"
     exported = rlctl_json(state_dir, "export", job_id, str(export))
@@ -119,6 +123,22 @@ def _check_the_cursor(events: list) -> None:
             assert not prompts & seen[epoch], "a prompt was trained twice in an epoch"
             seen[epoch] |= prompts
     assert [e.data["resumed"] for e in events if e.type == "ControllerStarted"] == [False, True]
+
+
+def _check_held_out(events: list, state_dir: Path, job_id: str) -> None:
+    """Versions 0, 4, 8 were evaluated on the 16 held-out prompts, each once, through the crashes and
+    the controller's restart; no held-out sample was ever trained; report and status show them."""
+    scored = [e.data for e in events if e.type == "HeldOutScored"]
+    versions = [d["version"] for d in scored]
+    assert versions[:3] == [0, 4, 8] and len(versions) == len(set(versions)), versions
+    assert all(d["prompts"] == 16 and 0.0 <= d["reward_mean"] <= 1.0 for d in scored)
+    trained = {p for e in events if e.type == "BatchFormed" for p in e.data["prompt_ids"]}
+    assert not any(p.startswith("e") for p in trained)
+    report = rlctl_json(state_dir, "report", job_id, "--json")
+    assert [h["version"] for h in report["held_out"]] == versions
+    assert report["reward_function"]["metrics"]["has_answer"]["samples"] > 0
+    assert report["reward_function"]["function_failures"] == sum(1 for e in events if e.type == "RewardFunctionFailed")
+    assert [h["version"] for h in status(state_dir, job_id)["held_out"]] == versions
 
 
 def _compare_logits(export: Path, checkpoint: Path) -> None:

