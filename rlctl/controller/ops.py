@@ -229,6 +229,11 @@ class DataOps:
         self.c.on_weights_published(version, now)
         return {}
 
+    def op_trainer_cursor(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """Where the data stands at the checkpoint of ``step`` (written beside it)."""
+        self._require(slot, "trainer")
+        return self.c.scheduler.cursor_at(int(args["step"]))
+
     def op_trainer_checkpointed(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "trainer")
         self.c.commit([event("Checkpointed", now, step=int(args["step"]), path=str(args["path"]))])

@@ -335,6 +335,16 @@ class RoundScheduler:
         return [i for i in item_ids if self._held_out_sample(i) is None
                 and (i in self.cancelled or rnd is None or i not in rnd.samples or rnd.closed)]
 
+    def cursor_at(self, step: int) -> dict[str, Any]:
+        """The data cursor of a checkpoint of weights ``step`` (steps ``0..step-1`` trained): the
+        epoch, the prompts its training used so far (batches formed for later steps left out),
+        the long queue and the shuffle seed; what a person or a tool needs to know which prompts
+        that checkpoint has seen."""
+        later = {p for s, b in self.batches.items() if s >= step and b.epoch == self.epoch for p in b.prompt_ids}
+        return {"format": "rlctl-data-cursor-v1", "step": step, "epoch": self.epoch, "shuffle_seed": self.config.seed,
+                "prompts_total": len(self.prompts), "trained_this_epoch": sorted(self.epoch_trained - later),
+                "long_queue": list(self.long_queue)}
+
     def find_sample(self, item_id: str) -> Sample | None:
         """A sample of the open round or of the held-out evaluation."""
         found = self._samples([item_id])

@@ -17,12 +17,15 @@ weights, writes checkpoints and reports to the controller.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from typing import Any
 
 from rlctl import worker
 from rlctl.roles.common import RoleSettings, model_path, setup_torch, wait_or_stop
+
+CURSOR_FILE = "cursor.json"
 
 TRAINER_STATE_KEY = "trainer_state"  # the one uint8 tensor of a served trainer state
 
@@ -160,9 +163,11 @@ class TrainerRole:
         if not self.leader:
             return
         self.w.phase("checkpointing", self.version)
-        # A folder from_pretrained, vLLM and `rlctl export` read, with the optimizer state beside it.
+        # A folder from_pretrained, vLLM and `rlctl export` read, with the optimizer state and the
+        # controller's data cursor at this step beside it.
         path = self.settings.checkpoint_dir / f"step-{self.version:06d}"
-        self.trainer.save_checkpoint(path)
+        cursor = self.w.request("trainer.cursor", step=self.version) or {}
+        self.trainer.save_checkpoint(path, {CURSOR_FILE: json.dumps(cursor, indent=1).encode()})
         self.w.request("trainer.checkpointed", step=self.version, path=str(path))
 
     def run(self) -> int:

@@ -388,11 +388,12 @@ class Trainer:
             raise ValueError("the bytes are not an rlctl trainer state")
         return self._restore(payload)
 
-    def save_checkpoint(self, path: str | Path) -> Path | None:
+    def save_checkpoint(self, path: str | Path, extra_files: Mapping[str, bytes] | None = None) -> Path | None:
         """Atomically write a full checkpoint (rank 0 only; other ranks return None).
 
         Our GPT: one file. An HF model: a folder (``save_pretrained`` output, tokenizer files,
-        ``trainer_state.pt``) written beside the target and renamed into place.
+        ``trainer_state.pt`` and ``extra_files`` by name) written beside the target and renamed
+        into place.
         """
         if self.dist.rank != 0:
             return None
@@ -406,6 +407,8 @@ class Trainer:
         shutil.rmtree(staging, ignore_errors=True)
         self.model.save(staging)  # type: ignore[operator]
         atomic_torch_save(payload, staging / TRAINER_STATE_FILE)
+        for name, data in (extra_files or {}).items():
+            (staging / name).write_bytes(data)
         _replace_folder(staging, target)
         return target
 

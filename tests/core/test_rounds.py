@@ -150,3 +150,22 @@ def test_start_long_round_settles_a_part_full_long_queue() -> None:
     assert [e.type for e in events] == ["RoundStarted"]
     assert rnd is not None and rnd.kind == "long" and rnd.prompt_ids == ["p000", "p001"]
     assert rnd.target_groups == 2 and rnd.max_new_tokens == 64 and scheduler.long_queue == []
+
+
+def test_the_cursor_of_a_checkpoint_leaves_out_batches_formed_for_later_steps() -> None:
+    scheduler = make_scheduler(tail=False, batch=4, group=1, prompts=20)
+    trained: dict[int, list[str]] = {}
+    for step in range(3):
+        scheduler.start_round(step, float(step))
+        rnd = scheduler.round
+        assert rnd is not None
+        scheduler.dispatch("r0", "w", 100, 0.0)
+        scheduler.submit("r0", "w", [{"item_id": i, "response_tokens": [1], "truncated": False, "weights_version": step}
+                                     for i in rnd.samples], 0.0)
+        scheduler.dispatch_scoring("rw", "s", 100, 0.0)
+        scheduler.submit_scores("s", [{"item_id": i, "reward": 1.0, "correct": True} for i in rnd.samples], 0.0)
+        trained[step] = list(rnd.prompt_ids)
+    cursor = scheduler.cursor_at(2)
+    assert cursor["step"] == 2 and cursor["epoch"] == 0 and cursor["prompts_total"] == 20
+    assert cursor["trained_this_epoch"] == sorted(trained[0] + trained[1])
+    assert len(scheduler.cursor_at(3)["trained_this_epoch"]) == 12

@@ -5,6 +5,7 @@ loads with the trainer's logits. The truth is read from the journal."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import textwrap
@@ -103,7 +104,13 @@ def test_user_model_data_and_reward_through_faults_and_resume(tmp_path: Path, jo
     export = tmp_path / "exported"
     exported = rlctl_json(state_dir, "export", job_id, str(export))
     assert "trainer_state.pt" not in exported["files"] and "model.safetensors" in exported["files"]
-    _compare_logits(export, jobdir.checkpoints / f"step-{exported['step']:06d}")
+    checkpoint = jobdir.checkpoints / f"step-{exported['step']:06d}"
+    _compare_logits(export, checkpoint)
+    cursor = json.loads((checkpoint / "cursor.json").read_text())
+    trained_before = {p for e in events if e.type == "BatchFormed" and e.data["step"] < exported["step"]
+                      for p in e.data["prompt_ids"]}
+    assert cursor["step"] == exported["step"] and cursor["epoch"] == 0 and cursor["prompts_total"] == 400
+    assert set(cursor["trained_this_epoch"]) == trained_before and len(trained_before) == 4 * exported["step"]
 
 
 def _check_the_cursor(events: list) -> None:
