@@ -31,7 +31,9 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from rlctl.workload.engine import SamplingConfig, sample_rows
-from rlctl.workload.model import KVCache, ModelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline_gpt import KVCache, ModelConfig
 
 
 def best_us(call: Callable[[], object], repeats: int) -> float:

@@ -2,13 +2,14 @@
 
 Usage (needs the vLLM venv: ``bash scripts/vllm-cpu-env.sh``):
     .venv-vllm/bin/python bench/engine_throughput.py [--shapes default mid] [--batch 64] [--new-tokens 64]
-Per model shape, in a fresh child process (one in-process vLLM engine per process), same model
-weights and same prompts (reference-task prompts, per-sample seeds, temperature 1, EOS disabled so
+Per model size (random-init Hugging Face Qwen3 folders made here, ``rlctl.workload.hf_init``
+sizes), in a fresh child process (one in-process vLLM engine per process), same model weights
+(the folder vLLM serves, loaded into TorchEngine as ``HFPolicy``) and same prompts (reference-task prompts, per-sample seeds, temperature 1, EOS disabled so
 every row decodes exactly ``--new-tokens``; both engines get ``--threads`` CPU threads, default all cores):
   torch_tokens_per_s   TorchEngine, median of ``--repeats`` warm runs
   vllm_tokens_per_s    VllmEngine, median of ``--repeats`` warm runs
   ratio                vllm / torch (compare ratios, not absolute numbers: the machine is shared)
-  vllm_startup_s       VllmEngine start (export + engine init; the ``compiling`` phase)
+  vllm_startup_s       VllmEngine start (engine init on the folder; the ``compiling`` phase)
   update_s             load_state_dict of new weights into the running engine, median
   update_gbps          weight bytes / update_s (1e9 bytes/s)
 Prints one line per shape, then one JSON object on the last line.
@@ -26,9 +27,9 @@ import tempfile
 import time
 from typing import Any
 
-SHAPES: dict[str, dict[str, int]] = {
-    "default": {},  # the job's model: d_model 128, 4 layers, 4 heads (head_dim 32), ~0.8 M params
-    "mid": {"d_model": 512, "n_layers": 8, "n_heads": 8},  # head_dim 64, ~25 M params (~100 MB fp32)
+SHAPES: dict[str, str] = {
+    "default": "tiny",  # the quickstart-sized Qwen3: hidden 128, 4 layers, ~0.9 M params
+    "mid": "small",  # hidden 384, 6 layers, ~14 M params (~56 MB fp32)
 }
 
 
@@ -54,17 +55,18 @@ def measure_shape(shape: str, batch: int, new_tokens: int, repeats: int, threads
     from rlctl.gpucheck.fixtures import make_requests
     from rlctl.workload.engine import SamplingConfig, TorchEngine
     from rlctl.workload.engine_vllm import VllmEngine
-    from rlctl.workload.model import ModelConfig, build_model
+    from rlctl.workload.hf_init import init_checkpoint, random_policy
+    from rlctl.workload.hf_model import load_hf_policy
 
     torch.set_num_threads(threads)
-    config = ModelConfig(**SHAPES[shape])
-    model, update = build_model(config, seed=0), build_model(config, seed=1)
     sampling = SamplingConfig(temperature=1.0, eos_id=-1)
     requests = make_requests(batch)
-    torch_rate = median_rate(TorchEngine(model, sampling, device="cpu"), requests, new_tokens, repeats)
     with tempfile.TemporaryDirectory(prefix="rlctl-bench-vllm-") as workdir:
+        folder = init_checkpoint(workdir, "qwen3", SHAPES[shape], seed=0)
+        model, update = load_hf_policy(folder, "cpu", "float32"), random_policy("qwen3", SHAPES[shape], seed=1)
+        torch_rate = median_rate(TorchEngine(model, sampling, device="cpu"), requests, new_tokens, repeats)
         started = time.perf_counter()
-        engine = VllmEngine.from_gpt(model, workdir, sampling)
+        engine = VllmEngine(folder, sampling)
         startup = time.perf_counter() - started
         vllm_rate = median_rate(engine, requests, new_tokens, repeats)
         update_times = []

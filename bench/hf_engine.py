@@ -1,7 +1,7 @@
-"""Rollout tokens/s on the Hugging Face path against the built-in GPT engine, same size, same run.
+"""Rollout tokens/s on the Hugging Face path against the GPT the job ran before it, same size, same run.
 
 Both run ``TorchEngine`` (batched per-seed sampling, KV cache, finished rows dropped) on CPU:
-  gpt_tokens_per_s  the built-in GPT the job ran before the HF path (d_model 128, 4 layers, 4 heads)
+  gpt_tokens_per_s  the GPT the job ran before the HF path (bench/baseline_gpt.py: d_model 128, 4 layers, 4 heads)
   hf_tokens_per_s   the reference tiny Llama the job runs now (hidden 128, 4 layers, 2 heads of 64)
   ratio             hf / gpt (goal >= 0.8)
 Same prompts (the reference task's, through each model's tokenizer), per-sample seeds,
@@ -32,11 +32,11 @@ from rlctl.workload.engine import GenRequest, SamplingConfig, TorchEngine
 from rlctl.workload.hf_init import SIZES, ModelSize, init_checkpoint
 from rlctl.workload.hf_model import load_hf_policy
 from rlctl.workload.hf_tokenizer import ChatTokenizer
-from rlctl.workload.model import ModelConfig, build_model
 from rlctl.workload.reference import REFERENCE_ARCH
 from rlctl.workload.task import make_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline_gpt import ModelConfig, build_model
 from engine_throughput import median_rate
 
 # The quickstart's shape ([workload] model_dim 128, layers 4, heads 2 of head_dim 64), as rlctl.workload.reference makes it.

@@ -1,7 +1,8 @@
 """Learning on the HF path: GRPO on a tiny Qwen3 with the GSM8K-layout parquet and the built-in
 ``gsm8k`` reward raises held-out reward, against the same policy before RL (the baseline), per seed.
 
-Per seed, in this process (no controller: the compute the roles run, end to end):
+Per seed, in this process with ``rlctl.workload.loop`` (no controller: the compute the roles run,
+end to end):
 1. ``rlctl data gsm8k``'s rows (train/test) and ``rlctl model init --arch qwen3 --size tiny``;
 2. the supervised warm-start on the train file's reference solutions (``extra_info.answer``);
 3. held-out reward before RL: every test prompt x ``--eval-samples`` samples at temperature 1,
@@ -34,31 +35,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from rlctl.core.rounds import PromptRef
 from rlctl.workload.datafiles import read_records
-from rlctl.workload.engine import GenRequest, SamplingConfig, TorchEngine
 from rlctl.workload.gsm8k_layout import write_dataset
 from rlctl.workload.hf_init import init_checkpoint
-from rlctl.workload.hf_model import load_hf_policy
-from rlctl.workload.hf_tokenizer import ChatTokenizer, stop_token_ids
 from rlctl.workload.hf_warmstart import HFWarmStartConfig, train
+from rlctl.workload.loop import LoopConfig, reward_scorer, run_grpo
 from rlctl.workload.prompts import tokenize_records
-from rlctl.workload.rewardfn import gsm8k_score
-from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample
-
-
-def score(tokenizer: ChatTokenizer, prompt: PromptRef, response: list[int]) -> float:
-    return float(gsm8k_score("openai/gsm8k", tokenizer.decode(response), prompt.meta["ground_truth"])["score"])
-
-
-def held_out(engine: TorchEngine, tokenizer: ChatTokenizer, prompts: list[PromptRef], samples: int,
-             max_new: int) -> list[float]:
-    """Mean reward per prompt over ``samples`` samples with fixed seeds."""
-    requests = [GenRequest(f"{p.prompt_id}/{k}", list(p.tokens), 10_000_019 * k + i)
-                for i, p in enumerate(prompts) for k in range(samples)]
-    results = {r.item_id: r for r in engine.generate(requests, max_new)}
-    return [statistics.mean(score(tokenizer, p, results[f"{p.prompt_id}/{k}"].response_tokens) for k in range(samples))
-            for p in prompts]
+from rlctl.workload.trainer import TrainerConfig
 
 
 def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -67,32 +50,15 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     base = init_checkpoint(work / "base", "qwen3", "tiny", seed)
     warm = work / "warm"
     warm_figures = train(base, warm, data["train"], seed, HFWarmStartConfig(steps=args.warmstart_steps))
-    tokenizer = ChatTokenizer(warm)
-    stops = stop_token_ids(warm)
     train_prompts = tokenize_records(read_records([data["train"]]), warm, 1024).prompts
+    random.Random(seed).shuffle(train_prompts)
     test_prompts = tokenize_records(read_records([data["test"]]), warm, 1024, "e").prompts
-    sampling = SamplingConfig(temperature=1.0, eos_id=stops[0], pad_id=tokenizer.pad_id or 0, stop_ids=tuple(stops))
-    engine = TorchEngine(load_hf_policy(warm), sampling)
-    before = held_out(engine, tokenizer, test_prompts, args.eval_samples, args.max_new)
-    trainer = Trainer.from_hf(warm, TrainerConfig(lr=args.lr, warmup_steps=2), distributed=False)
-    order = list(range(len(train_prompts)))
-    random.Random(seed).shuffle(order)
-    train_rewards = []
-    for step in range(args.steps):
-        chosen = [train_prompts[order[(step * args.prompts + i) % len(order)]] for i in range(args.prompts)]
-        requests = [GenRequest(f"{p.prompt_id}/{k}", list(p.tokens), hash((seed, step, p.prompt_id, k)) & 0x7FFFFFFF)
-                    for p in chosen for k in range(args.group)]
-        results = {r.item_id: r for r in engine.generate(requests, args.max_new)}
-        samples = []
-        for group, prompt in enumerate(chosen):
-            for k in range(args.group):
-                response = results[f"{prompt.prompt_id}/{k}"].response_tokens
-                samples.append(TrainSample(f"{prompt.prompt_id}/{k}", prompt.prompt_id, group, list(prompt.tokens),
-                                           response, score(tokenizer, prompt, response)))
-        train_rewards.append(statistics.mean(s.reward for s in samples))
-        trainer.train_step(samples)
-        engine.load_state_dict(trainer.state_dict_for_publish(), step + 1)
-    after = held_out(engine, tokenizer, test_prompts, args.eval_samples, args.max_new)
+    config = LoopConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
+                        max_new_tokens=args.max_new, seed=seed)
+    result = run_grpo(warm, train_prompts, config, TrainerConfig(lr=args.lr, warmup_steps=2), eval_prompts=test_prompts,
+                      eval_samples_per_prompt=args.eval_samples, scorer=reward_scorer("gsm8k"))
+    before, after = result.eval_before_per_prompt, result.eval_after_per_prompt
+    train_rewards = [record.reward_mean for record in result.history]
     diffs = [a - b for a, b in zip(after, before, strict=True)]
     se = statistics.stdev(diffs) / math.sqrt(len(diffs))
     return {"seed": seed, "held_out_before": round(statistics.mean(before), 4),

@@ -1,8 +1,11 @@
 """Tail batching vs plain synchronous batching, same seed and prompts, real generation and training.
 
 Both arms run the controller's real round scheduler (`rlctl.core.rounds.RoundScheduler`, tail
-batching on or off), the real torch generation engine and the real GRPO trainer, in one process,
-from the same warm-started model, on the reference task's long-tailed response lengths. Each
+batching on or off), the real torch generation engine and the real GRPO trainer on the Hugging
+Face path (the reference model's shape: a tiny Llama made here, warm-started), in one process,
+from the same warm-started model, on the reference task's long-tailed response lengths, prompts
+through the chat template and responses decoded and scored by the ``task`` reward function as in
+a job. Each
 step: the scheduler hands out items in worker-sized batches, the engine generates them (a batch
 lasts as long as its longest row), the reward function scores them, the batch trains, the new
 weights load. As in a real job, finished samples are stored and scored while the rest of the
@@ -53,10 +56,12 @@ import torch
 from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig
 from rlctl.roles.rollout import CHUNK_TOKENS
 from rlctl.workload.engine import GenRequest, GenResult, SamplingConfig, TorchEngine
-from rlctl.workload.model import ModelConfig
-from rlctl.workload.task import DEFAULT_MIX, derive_seed, length_stats, make_dataset, score
-from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample
-from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint
+from rlctl.workload.hf_init import init_checkpoint
+from rlctl.workload.hf_warmstart import HFWarmStartConfig, prepare_warmstart
+from rlctl.workload.loop import LoopConfig, Policy, Scorer, evaluate, micro_batches, reward_scorer, task_prompts
+from rlctl.workload.reference import REFERENCE_ARCH, model_size
+from rlctl.workload.task import DEFAULT_MIX, length_stats, make_dataset
+from rlctl.workload.trainer import TrainerConfig, TrainSample
 
 
 def family_mix(long_share: float | None, long_family: str = "count") -> dict[str, float] | None:
@@ -72,47 +77,43 @@ def rl_mix(args: argparse.Namespace) -> dict[str, float] | None:
     return family_mix(args.count_share, args.long_family)
 
 
-def score_done(scheduler: RoundScheduler, prompts: dict[str, Any], at: float) -> None:
-    """Score every generated, unscored sample of the open round (a reward worker's job)."""
+def score_done(scheduler: RoundScheduler, policy: Policy, prompts: dict[str, PromptRef], scorer: Scorer,
+               at: float) -> None:
+    """Score every generated, unscored sample of the open round (a reward worker's job: decode, score)."""
     rnd = scheduler.round
     if rnd is None or rnd.closed:
         return
     scheduler.dispatch_scoring("w0", "w0.1", 10_000, at)
     scoring = [s for s in rnd.samples.values() if s.wid == "w0.1" and s.status == "scoring"]
-    scheduler.submit_scores("w0.1", [
-        {"item_id": s.item_id, **dict(zip(("reward", "correct"), score(prompts[s.prompt_id].meta,
-                                                                        s.response_tokens or [])))}
-        for s in scoring], at)
+    scores = []
+    for sample in scoring:
+        reward, correct = scorer(prompts[sample.prompt_id], policy.tokenizer.decode(sample.response_tokens or []),
+                                 sample.truncated)
+        scores.append({"item_id": sample.item_id, "reward": reward, "correct": correct})
+    scheduler.submit_scores("w0.1", scores, at)
 
 
-def evaluate(engine: TorchEngine, args: argparse.Namespace) -> list[float]:
+def held_out_rewards(policy: Policy, model_dir: Path, args: argparse.Namespace, scorer: Scorer) -> list[float]:
     """Mean reward per held-out prompt (``--eval-prompts`` prompts never trained on, ``--eval-samples``
     samples each, fixed seeds, the full length cap): the same test for every arm."""
-    held_out = make_dataset(args.eval_prompts, args.seed + 10_000, mix=rl_mix(args))
-    requests = [GenRequest(f"{p.prompt_id}/{k}", list(p.tokens), derive_seed("eval", args.seed, p.prompt_id, k) & 0xFFFFFFFF)
-                for p in held_out for k in range(args.eval_samples)]
-    meta = {p.prompt_id: p.meta for p in held_out}
-    rewards: dict[str, float] = {}
-    for start in range(0, len(requests), args.worker_batch):
-        for result in engine.generate(requests[start:start + args.worker_batch], args.max_new):
-            rewards[result.item_id] = score(meta[result.item_id.rsplit("/", 1)[0]], result.response_tokens)[0]
-    return [statistics.fmean(rewards[f"{p.prompt_id}/{k}"] for k in range(args.eval_samples)) for p in held_out]
+    held_out = task_prompts(model_dir, args.eval_prompts, args.seed + 10_000, mix=rl_mix(args))
+    return evaluate(policy, held_out, args.eval_samples, args.max_new, args.seed + 20_000, scorer,
+                    micro_batches(args.worker_batch))[1]
 
 
-def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, Any]:
+def run_arm(tail: bool, args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     torch.manual_seed(args.seed)
-    dataset = make_dataset(args.dataset, args.seed, mix=rl_mix(args))
+    dataset = task_prompts(model_dir, args.dataset, args.seed, mix=rl_mix(args))
     prompts = {p.prompt_id: p for p in dataset}
     scheduler = RoundScheduler(
         SchedulerConfig(batch_prompts=args.batch, group_size=args.group, max_new_tokens=args.max_new,
                         tail_enabled=tail, short_max_tokens=args.short_cap, overprovision=args.overprovision,
                         long_batch=args.batch, seed=args.seed),
-        [PromptRef(p.prompt_id, tuple(p.tokens), dict(p.meta)) for p in dataset],
+        dataset,
     )
-    trainer = Trainer.from_checkpoint(init_path, TrainerConfig(lr=args.lr), device=args.device, distributed=False)
-    engine = TorchEngine(Trainer.from_checkpoint(init_path, distributed=False).model, SamplingConfig(temperature=1.0),
-                         device=args.device)
-    engine.load_state_dict(trainer.state_dict_for_publish(), 0)
+    policy = Policy(model_dir, LoopConfig(device=args.device), TrainerConfig(lr=args.lr))
+    trainer, engine = policy.trainer, policy.engine
+    scorer = reward_scorer("task")
     rollout_s: list[float] = []
     decode_steps = 0
     generated_tokens = 0
@@ -150,7 +151,7 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
                     scheduler.submit("r0", "r0.1", [{"item_id": r.item_id, "response_tokens": r.response_tokens,
                                                      "truncated": r.truncated, "weights_version": version}
                                                     for r in results], at)
-                    score_done(scheduler, prompts, at)
+                    score_done(scheduler, policy, prompts, scorer, at)
 
                 t0 = time.perf_counter()
                 results = engine.generate(requests, rnd.max_new_tokens, chunk_tokens=CHUNK_TOKENS,
@@ -164,7 +165,7 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
                 cancelled += engine.last_stats.cancelled
                 generated_lengths.extend(len(r.response_tokens) for r in results)
             elif not rnd.closed:
-                score_done(scheduler, prompts, now)
+                score_done(scheduler, policy, prompts, scorer, now)
                 if scheduler.round is rnd and not rnd.closed:
                     raise RuntimeError(f"round {step} has nothing to generate or score but is still open")
         batch = scheduler.batch_for(step)
@@ -183,7 +184,7 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
         step += 1
     total = time.perf_counter() - started
     last = max(1, args.steps // 4)
-    eval_per_prompt = evaluate(engine, args) if args.eval_prompts else []
+    eval_per_prompt = held_out_rewards(policy, model_dir, args, scorer) if args.eval_prompts else []
     return {
         "eval_reward": round(statistics.fmean(eval_per_prompt), 4) if eval_per_prompt else None,
         "eval_per_prompt": eval_per_prompt,
@@ -208,13 +209,14 @@ def run_arm(tail: bool, args: argparse.Namespace, init_path: Path) -> dict[str, 
     }
 
 
-def decode_cost_probe(init_path: Path, device: str, sizes: tuple[int, ...] = (1, 8, 32, 128),
+def decode_cost_probe(model_dir: Path, device: str, sizes: tuple[int, ...] = (1, 8, 32, 128),
                       tokens: int = 32) -> dict[str, float]:
     """Milliseconds per batched decode step at several batch sizes, rows never stopping early (best
     of 3): whether this device pays per step (flat) or per live row (growing)."""
-    engine = TorchEngine(Trainer.from_checkpoint(init_path, distributed=False).model,
-                         SamplingConfig(temperature=1.0, eos_id=-1), device=device)
-    prompt = list(make_dataset(1, 0)[0].tokens)
+    from rlctl.workload.hf_model import load_hf_policy
+
+    engine = TorchEngine(load_hf_policy(model_dir, device), SamplingConfig(temperature=1.0, eos_id=-1), device=device)
+    prompt = list(task_prompts(model_dir, 1, 0)[0].tokens)
     engine.generate([GenRequest("warm", prompt, 0)], 4)
     costs: dict[str, float] = {}
     for size in sizes:
@@ -225,6 +227,19 @@ def decode_cost_probe(init_path: Path, device: str, sizes: tuple[int, ...] = (1,
             best = min(best, engine.last_stats.seconds)
         costs[str(size)] = round(best / tokens * 1000, 3)
     return costs
+
+
+def initial_model(seed: int, warm: HFWarmStartConfig) -> Path:
+    """The warm-started model both arms start from, cached in ``$RLCTL_CACHE``: the reference
+    model's shape (``[workload]`` defaults) made with ``seed``, then ``warm``'s supervised steps."""
+    cache = Path(os.environ.get("RLCTL_CACHE", os.path.expanduser("~/.cache/rlctl")))
+    cache.mkdir(parents=True, exist_ok=True)
+    base = cache / f"tail-bench-{REFERENCE_ARCH}-base-s{seed}"
+    if not (base / "config.json").is_file():
+        staging = base.with_name(f".{base.name}.tmp-{os.getpid()}")
+        init_checkpoint(staging, REFERENCE_ARCH, model_size(128, 4, 2), seed)
+        os.replace(staging, base)
+    return prepare_warmstart(base, cache / f"tail-bench-{REFERENCE_ARCH}-warm-s{seed}", None, seed, warm)
 
 
 def paired_difference(first: list[float], second: list[float]) -> tuple[float, float]:
@@ -284,22 +299,18 @@ def main() -> None:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(int(os.environ.get("RLCTL_TORCH_THREADS", "2")))
-    warm = WarmStartConfig(model=ModelConfig(), steps=args.warmstart_steps,
-                           mix=family_mix(args.warmstart_count_share, args.long_family),
-                           length_alpha=args.warmstart_length_alpha)
-    cache = Path(os.environ.get("RLCTL_CACHE", os.path.expanduser("~/.cache/rlctl")))
-    cache.mkdir(parents=True, exist_ok=True)
-    init_path = prepare_initial_checkpoint(cache / f"warmstart-{config_hash(args.seed, warm)[:16]}.pt", args.seed, warm)
+    warm = HFWarmStartConfig(steps=args.warmstart_steps, mix=family_mix(args.warmstart_count_share, args.long_family),
+                             length_alpha=args.warmstart_length_alpha)
+    model_dir = initial_model(args.seed, warm)
     stats = length_stats(make_dataset(args.dataset, args.seed, mix=rl_mix(args)))  # expected lengths; generated ones per arm below
-    decode_cost = decode_cost_probe(init_path, args.device)
+    decode_cost = decode_cost_probe(model_dir, args.device)
     print(f"[tail_batching] decode ms per step by batch size: {decode_cost}", file=sys.stderr, flush=True)
-    sync = run_arm(False, args, init_path)
-    tail = run_arm(True, args, init_path)
+    sync = run_arm(False, args, model_dir)
+    tail = run_arm(True, args, model_dir)
     initial_eval: list[float] = []
     if args.eval_prompts:
-        engine = TorchEngine(Trainer.from_checkpoint(init_path, distributed=False).model, SamplingConfig(temperature=1.0),
-                             device=args.device)
-        initial_eval = evaluate(engine, args)
+        initial = Policy(model_dir, LoopConfig(device=args.device), TrainerConfig(lr=args.lr))
+        initial_eval = held_out_rewards(initial, model_dir, args, reward_scorer("task"))
     eval_delta, eval_delta_se = paired_difference(tail.pop("eval_per_prompt"), sync.pop("eval_per_prompt"))
     print(json.dumps({
         "config": vars(args),

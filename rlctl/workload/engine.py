@@ -21,13 +21,30 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from rlctl.workload.model import CausalLM, positions_from_mask
 from rlctl.workload.task import EOS_ID, PAD_ID
+
+
+class CausalLM(Protocol):
+    """What the engine needs from a model (``hf_model.HFPolicy``): logits for ids under a mask,
+    and a KV cache with ``select(rows)`` to drop finished rows."""
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                 position_ids: Tensor | None = None, cache: Any = None) -> Tensor: ...
+
+    def new_cache(self, batch_size: int, max_len: int) -> Any: ...
+
+    def parameters(self) -> Any: ...
+
+
+def positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position of each token counted over real tokens only (left padding gets position 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
 
 CancelCheck = Callable[[list[str]], set[str]]
 FinishedSink = Callable[[list["GenResult"]], None]

@@ -39,6 +39,10 @@ class HFWarmStartConfig:
     warmup_steps: int = 30
     task_prompts: int = 8000  # reference-task examples when no data file is given
     torch_threads: int = 0
+    # The reference task's family weights and the Pareto shape of its long answers in those
+    # examples (None: the task's defaults; see rlctl.workload.task.make_dataset).
+    mix: dict[str, float] | None = None
+    length_alpha: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,14 +60,17 @@ def _file_digest(path: Path) -> str:
 
 
 def recipe_hash(source: Path, data_file: Path | None, seed: int, config: HFWarmStartConfig) -> str:
-    parts = {"recipe": RECIPE_VERSION, "seed": seed, "config": asdict(config),
+    # Settings left at None stay out of the hash, so adding one never changes an older recipe's.
+    settings = {key: value for key, value in asdict(config).items() if value is not None}
+    parts = {"recipe": RECIPE_VERSION, "seed": seed, "config": settings,
              "source": {name: _file_digest(source / name) for name in ("config.json", "model.safetensors", "tokenizer.json")
                         if (source / name).is_file()},
              "data": _file_digest(data_file) if data_file is not None else None}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def examples(source: Path, data_file: Path | None, seed: int, task_prompts: int) -> list[Example]:
+def examples(source: Path, data_file: Path | None, seed: int, task_prompts: int,
+             mix: dict[str, float] | None = None, length_alpha: float | None = None) -> list[Example]:
     """(prompt ids, response ids + EOS) pairs, tokenized the way the RL job tokenizes prompts."""
     from rlctl.workload.datafiles import DataError, read_records
     from rlctl.workload.hf_tokenizer import ChatTokenizer, stop_token_ids
@@ -80,7 +87,7 @@ def examples(source: Path, data_file: Path | None, seed: int, task_prompts: int)
                                 "solution (a string)")
             pairs.append((record.prompt, answer))
     else:
-        for prompt in make_dataset(task_prompts, seed + 1_000_003):
+        for prompt in make_dataset(task_prompts, seed + 1_000_003, mix=mix, length_alpha=length_alpha):
             pairs.append(([{"role": "user", "content": str(prompt.meta["question"])}], str(prompt.meta["answer"])))
     return [Example(tokenizer.encode_prompt(prompt), tokenizer.encode(answer) + [eos]) for prompt, answer in pairs]
 
@@ -109,7 +116,7 @@ def train(source: Path, target: Path, data_file: Path | None = None, seed: int =
     started = time.perf_counter()
     policy = load_hf_policy(source, "cpu", "float32")
     model = policy.hf_model
-    data = examples(source, data_file, seed, config.task_prompts)
+    data = examples(source, data_file, seed, config.task_prompts, config.mix, config.length_alpha)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.01)

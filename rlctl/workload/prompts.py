@@ -52,12 +52,17 @@ class PromptSet:
 
 def task_records(spec: JobSpec) -> list[Record]:
     """The reference task's prompts as chat rows (for an HF model without data files)."""
+    return task_record_rows(spec.rollout.dataset_size, spec.seed)
+
+
+def task_record_rows(count: int, seed: int, **dataset_args: Any) -> list[Record]:
+    """``task.make_dataset(count, seed, **dataset_args)`` as chat rows scored by the ``task`` scorer."""
     from rlctl.workload.task import make_dataset
 
     return [Record(file="(reference task)", row=index, prompt=[{"role": "user", "content": str(p.meta["question"])}],
                    ground_truth=str(p.meta["answer"]), data_source=f"{TASK_DATA_SOURCE}/{p.meta['family']}",
                    extra_info={"family": p.meta["family"], "expected_len": p.meta["expected_len"]})
-            for index, p in enumerate(make_dataset(spec.rollout.dataset_size, spec.seed))]
+            for index, p in enumerate(make_dataset(count, seed, **dataset_args))]
 
 
 def _records(spec: JobSpec, files_key: str = "train_files") -> list[Record]:

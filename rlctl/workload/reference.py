@@ -76,14 +76,20 @@ def ensure_reference_model(spec: JobSpec) -> Path:
     return target
 
 
+def model_size(hidden: int, layers: int, heads: int) -> Any:
+    """The reference model's shape for ``[workload]``'s width, depth and heads (``hf_init.ModelSize``)."""
+    from rlctl.workload.hf_init import SIZES, ModelSize
+
+    return ModelSize(hidden=hidden, layers=layers, heads=heads, kv_heads=heads, intermediate=3 * hidden,
+                     vocab=SIZES["tiny"].vocab, max_positions=SIZES["tiny"].max_positions)
+
+
 def _build(spec: JobSpec, target: Path) -> None:
-    from rlctl.workload.hf_init import SIZES, ModelSize, init_checkpoint
+    from rlctl.workload.hf_init import init_checkpoint
     from rlctl.workload.hf_warmstart import HFWarmStartConfig, train
 
     shape = recipe(spec)
-    size = ModelSize(hidden=shape["hidden"], layers=shape["layers"], heads=shape["heads"], kv_heads=shape["heads"],
-                     intermediate=3 * shape["hidden"], vocab=SIZES["tiny"].vocab,
-                     max_positions=SIZES["tiny"].max_positions)
+    size = model_size(shape["hidden"], shape["layers"], shape["heads"])
     base = target.with_name(f".{target.name}.base-{os.getpid()}")
     staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:

@@ -330,7 +330,10 @@ class SandboxedScorer:
                 return ScoreOutcome(0.0, False, error=f"timed out after {self.spec.timeout_s:g} s")
             kind, detail = self._conn.recv()
         except (EOFError, OSError, BrokenPipeError):
-            exit_code = self._process.exitcode if self._process is not None else None
+            exit_code = None
+            if self._process is not None:
+                self._process.join(1.0)  # the pipe closes a moment before the exit status can be read
+                exit_code = self._process.exitcode
             self._stop()
             return ScoreOutcome(0.0, False, error=f"the reward function's process died (exit code {exit_code}) "
                                                   f"after {time.monotonic() - started:.1f} s")

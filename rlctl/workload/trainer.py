@@ -9,9 +9,10 @@ Contract:
   weights that generated the batch; the ratio is 1 at the step, and the clip matters only when the
   caller passes ``old_logprobs`` that differ. Loss = token-mean over the whole batch of the
   clipped surrogate plus ``kl_coef`` x k3 KL to a frozen copy of the initial weights.
-- ``save_checkpoint`` is atomic (temp file in the same folder, fsync, ``os.replace``, fsync of the
-  folder) and holds model, optimizer, scheduler, reference model, step and the python/torch/numpy
-  RNG states. ``load_checkpoint`` followed by ``train_step`` on the retained batches reproduces the
+- The model is a Hugging Face causal LM (``HFPolicy``): weights keep their HF names everywhere.
+- ``save_checkpoint`` writes an HF folder atomically (staged beside the target, then renamed):
+  the model as ``save_pretrained`` writes it, the tokenizer files, and ``trainer_state.pt`` with
+  optimizer, scheduler, reference model, step and the python/torch/numpy RNG states. ``load_checkpoint`` followed by ``train_step`` on the retained batches reproduces the
   uninterrupted run's weights exactly (same process layout, same device). ``state_bytes`` /
   ``load_state_bytes`` are the same payload in memory, for a warm standby's replica.
 - Data parallel when ``WORLD_SIZE`` > 1 (env, ``torch.distributed``: gloo on CPU, nccl on CUDA):
@@ -42,7 +43,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlctl.workload.grpo import GRPOConfig, LossParts, group_advantages, grpo_loss_parts, sequence_logprobs_from_logits
-from rlctl.workload.model import GPT, ModelConfig, load_model
 from rlctl.workload.task import PAD_ID
 
 CHECKPOINT_FORMAT = "rlctl-trainer-ckpt-v1"
@@ -250,41 +250,14 @@ class Trainer:
             trainer.load_checkpoint(source)
         return trainer
 
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, config: TrainerConfig | None = None,
-                        device: str | torch.device = "cpu", distributed: bool | None = None) -> Trainer:
-        """A trainer whose model shape comes from ``path`` (a model file or trainer checkpoint).
-
-        A trainer checkpoint restores everything (``load_checkpoint``); a model file only the weights.
-        An HF model folder goes to ``from_hf`` with its defaults.
-        """
-        source = Path(path)
-        if source.is_dir() and (source / "config.json").is_file():
-            return cls.from_hf(source, config, device, distributed)
-        payload = torch.load(source, map_location="cpu", weights_only=True) if source.is_file() else {}
-        if payload.get("format") != CHECKPOINT_FORMAT:
-            model = load_model(source)
-            if not isinstance(model, GPT):
-                raise TypeError("the trainer trains rlctl GPT models only")
-            return cls(model, config, device, distributed)
-        trainer = cls(GPT(ModelConfig.from_dict(payload["model_config"])), config, device, distributed)
-        trainer._restore(payload)
-        return trainer
-
     def _make_reference(self) -> torch.nn.Module:
         reference = copy.deepcopy(self.model)
         reference.requires_grad_(False)
         return reference.eval()
 
     def model_signature(self) -> dict[str, Any]:
-        """What a checkpoint must match to load here: our GPT's config, or an HF model's names and shapes."""
-        if isinstance(self.model, GPT):
-            return self.model.config.to_dict()
+        """What a checkpoint must match to load here: the model's parameter names and shapes."""
         return {name: list(t.shape) for name, t in self.model.state_dict().items()}
-
-    @property
-    def is_hf(self) -> bool:
-        return not isinstance(self.model, GPT)
 
     def _broadcast_parameters(self) -> None:
         with torch.no_grad():
@@ -391,39 +364,37 @@ class Trainer:
     def save_checkpoint(self, path: str | Path, extra_files: Mapping[str, bytes] | None = None) -> Path | None:
         """Atomically write a full checkpoint (rank 0 only; other ranks return None).
 
-        Our GPT: one file. An HF model: a folder (``save_pretrained`` output, tokenizer files,
-        ``trainer_state.pt`` and ``extra_files`` by name) written beside the target and renamed
-        into place.
+        A folder (``save_pretrained`` output, tokenizer files, ``trainer_state.pt`` and
+        ``extra_files`` by name) written beside the target and renamed into place.
         """
         if self.dist.rank != 0:
             return None
         target = Path(path)
-        if not self.is_hf:
-            atomic_torch_save(self.checkpoint_payload(), target)
-            return target
         payload = self.checkpoint_payload()
         del payload["model"]  # the weights are the folder's safetensors
         staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
-        self.model.save(staging)  # type: ignore[operator]
-        atomic_torch_save(payload, staging / TRAINER_STATE_FILE)
-        for name, data in (extra_files or {}).items():
-            (staging / name).write_bytes(data)
+        try:
+            self.model.save(staging)  # type: ignore[operator]
+            atomic_torch_save(payload, staging / TRAINER_STATE_FILE)
+            for name, data in (extra_files or {}).items():
+                (staging / name).write_bytes(data)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)  # the previous checkpoint stays as it was
+            raise
         _replace_folder(staging, target)
         return target
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore everything ``save_checkpoint`` wrote; returns the restored step."""
         source = Path(path)
-        if source.is_dir():
-            payload = torch.load(source / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
-            if payload.get("format") != CHECKPOINT_FORMAT:
-                raise ValueError(f"{source / TRAINER_STATE_FILE} is not an rlctl trainer state")
-            payload["model"] = read_hf_weights(source, self.model.state_dict())
-            return self._restore(payload)
-        payload = torch.load(source, map_location="cpu", weights_only=True)
+        state_file = source / TRAINER_STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"{source}: no {TRAINER_STATE_FILE} (not a folder an rlctl trainer checkpointed)")
+        payload = torch.load(state_file, map_location="cpu", weights_only=True)
         if payload.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not an rlctl trainer checkpoint")
+            raise ValueError(f"{state_file} is not an rlctl trainer state")
+        payload["model"] = read_hf_weights(source, self.model.state_dict())
         return self._restore(payload)
 
     def _restore(self, payload: Mapping[str, Any]) -> int:

@@ -1,11 +1,22 @@
-"""Deterministic synthetic GRPO batches shared by the trainer tests and the DP worker script."""
+"""Deterministic synthetic GRPO batches and a small random-init HF model, shared by the trainer
+tests and the DP worker script."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
+from rlctl.workload.hf_init import ModelSize, random_policy
 from rlctl.workload.task import TOKENIZER, make_dataset, score
 from rlctl.workload.trainer import TrainSample
+
+# Token ids here are the reference task's (below 43): a vocabulary of 64 holds them.
+SMALL = ModelSize(hidden=64, layers=2, heads=1, kv_heads=1, intermediate=128, vocab=64, max_positions=256)
+
+
+def small_model(seed: int) -> Any:
+    """A random-init Qwen3 of shape ``SMALL`` (an ``HFPolicy``), made in memory."""
+    return random_policy("qwen3", SMALL, seed)
 
 
 def synthetic_batch(seed: int, prompts: int = 4, group_size: int = 4) -> list[TrainSample]:

@@ -13,19 +13,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batches import synthetic_batch
+from batches import small_model, synthetic_batch
 
 from rlctl.workload.grpo import GRPOConfig
-from rlctl.workload.model import ModelConfig, build_model
 from rlctl.workload.trainer import Trainer, TrainerConfig
-
-SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=2, max_seq_len=128)
 
 
 def main(out: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
-    model = build_model(SMALL, seed=11 + rank)  # rank 1 starts different: the broadcast must fix it
+    model = small_model(11 + rank)  # rank 1 starts different: the broadcast must fix it
     trainer = Trainer(model, TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05)))
     metrics = [trainer.train_step(synthetic_batch(seed)) for seed in (1, 2)]
     torch.save({"state": trainer.state_dict_for_publish(), "metrics": metrics, "world": trainer.dist.world_size}, out)

@@ -1,4 +1,5 @@
-"""Model (KV cache, padding, save/load) and TorchEngine (seeds, truncation, cancel, batching)."""
+"""The HF policy under the engine (KV cache, padding, save/load) and TorchEngine (seeds, truncation,
+cancel, batching, streaming), on a small random-init Qwen3 made in memory."""
 
 from __future__ import annotations
 
@@ -13,13 +14,21 @@ from rlctl.workload.engine import (
     GenResult,
     SamplingConfig,
     TorchEngine,
+    positions_from_mask,
     sample_rows,
     sample_uniforms,
 )
-from rlctl.workload.model import GPT, ModelConfig, build_model, load_model, save_model
+from rlctl.workload.hf_init import ModelSize, random_policy
+from rlctl.workload.hf_model import HFPolicy, load_hf_policy
 from rlctl.workload.task import make_dataset
 
-SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=2, max_seq_len=128)
+# A vocabulary as small as the reference task's token ids (43), so a random model's rows hit a
+# chosen stop token at scattered steps.
+SMALL = ModelSize(hidden=64, layers=2, heads=1, kv_heads=1, intermediate=128, vocab=64, max_positions=256)
+
+
+def build_model(size: ModelSize, seed: int) -> HFPolicy:
+    return random_policy("qwen3", size, seed)  # type: ignore[no-any-return]
 
 
 def _requests(n: int, seed_base: int = 0) -> list[GenRequest]:
@@ -32,7 +41,7 @@ def _engine(sampling: SamplingConfig | None = None, seed: int = 0) -> TorchEngin
 
 def test_kv_cache_matches_full_forward() -> None:
     model = build_model(SMALL, seed=1).eval()
-    ids = torch.randint(3, SMALL.vocab_size, (3, 20))
+    ids = torch.randint(3, SMALL.vocab, (3, 20))
     with torch.no_grad():
         full = model(ids)
         cache = model.new_cache(3, 20)
@@ -42,32 +51,28 @@ def test_kv_cache_matches_full_forward() -> None:
 
 def test_left_padding_with_mask_matches_unpadded() -> None:
     model = build_model(SMALL, seed=2).eval()
-    ids = torch.randint(3, SMALL.vocab_size, (2, 10))
+    ids = torch.randint(3, SMALL.vocab, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, :4] = 0
     with torch.no_grad():
-        padded = model(ids, attention_mask=mask)
+        padded = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask))
         alone = model(ids[1:, 4:])
     assert torch.allclose(padded[1, 4:], alone[0], atol=1e-5)
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
     model = build_model(SMALL, seed=3)
-    save_model(model, tmp_path / "m.pt")
-    tmp_path.joinpath("dir").mkdir()
-    save_model(model, tmp_path / "dir")
-    for source in (tmp_path / "m.pt", tmp_path / "dir"):
-        loaded = load_model(source)
-        assert isinstance(loaded, GPT) and loaded.config == SMALL
-        for key, value in model.state_dict().items():
-            assert torch.equal(loaded.state_dict()[key], value)
+    folder = model.save(tmp_path / "model")
+    loaded = load_hf_policy(folder, "cpu", "float32")
+    assert loaded.config.hidden_size == SMALL.hidden and loaded.signature() == model.signature()
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
 
 
 def test_an_hf_folder_loads_as_the_hf_policy() -> None:
-    from rlctl.workload.hf_model import HFPolicy
     from tests.hf_models import tiny_model
 
-    loaded = load_model(tiny_model("llama"))
+    loaded = load_hf_policy(tiny_model("llama"))
     assert isinstance(loaded, HFPolicy) and loaded.config.model_type == "llama"
 
 

@@ -7,8 +7,9 @@ from typing import Any
 
 from rlctl.roles.rollout import CHUNK_TOKENS, Rollout
 from rlctl.workload.engine import SamplingConfig, TorchEngine
-from rlctl.workload.model import ModelConfig, build_model
 from rlctl.workload.task import make_dataset
+
+from .batches import small_model
 
 
 class RecordingWorker:
@@ -35,8 +36,7 @@ def _rollout(worker: RecordingWorker) -> Rollout:
     rollout.step = 3
     rollout.tokens_generated = 0
     # A random model with EOS = token 20: rows end at scattered steps.
-    rollout.engine = TorchEngine(build_model(ModelConfig(d_model=64, n_layers=2, n_heads=2, max_seq_len=128), seed=6),
-                                 SamplingConfig(eos_id=20))
+    rollout.engine = TorchEngine(small_model(6), SamplingConfig(eos_id=20))
     return rollout
 
 

@@ -14,18 +14,17 @@ import pytest
 import torch
 
 from rlctl.workload.grpo import GRPOConfig
-from rlctl.workload.model import GPT, ModelConfig, build_model, load_model
-from rlctl.workload.trainer import Trainer, TrainerConfig, collate, micro_batches
+from rlctl.workload.hf_model import load_hf_policy
+from rlctl.workload.trainer import TRAINER_STATE_FILE, Trainer, TrainerConfig, collate, micro_batches
 
-from .batches import synthetic_batch
+from .batches import small_model, synthetic_batch
 
-SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=2, max_seq_len=128)
 CONFIG = TrainerConfig(lr=1e-3, warmup_steps=2, total_steps=10, grpo=GRPOConfig(kl_coef=0.05))
 HERE = Path(__file__).resolve().parent
 
 
 def _trainer(seed: int) -> Trainer:
-    return Trainer(build_model(SMALL, seed=seed), CONFIG, distributed=False)
+    return Trainer(small_model(seed), CONFIG, distributed=False)
 
 
 def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -70,9 +69,9 @@ def test_micro_batches_sort_by_length_and_respect_the_budget() -> None:
 
 
 def test_micro_batched_step_equals_one_forward_over_the_batch() -> None:
-    whole = Trainer(build_model(SMALL, seed=3), TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=0),
+    whole = Trainer(small_model(3), TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=0),
                     distributed=False)
-    split = Trainer(build_model(SMALL, seed=3), TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=40),
+    split = Trainer(small_model(3), TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=40),
                     distributed=False)
     for step in range(3):
         batch = synthetic_batch(10 + step, prompts=6)
@@ -80,13 +79,20 @@ def test_micro_batched_step_equals_one_forward_over_the_batch() -> None:
         assert metrics_whole["micro_batches"] == 1 and metrics_split["micro_batches"] >= 3
         for key in ("loss", "kl", "clip_frac", "grad_norm", "tokens"):
             assert metrics_split[key] == pytest.approx(metrics_whole[key], rel=1e-4, abs=1e-6), key
+        if step == 0:  # same weights going in: the accumulated gradients are the one-pass gradients
+            for (name, a), b in zip(whole.model.named_parameters(), split.model.parameters()):
+                assert a.grad is not None and b.grad is not None
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7, msg=name)
+    # Adam divides by sqrt(v): where a gradient is at float noise level its sign can differ, which
+    # moves that one weight by up to lr; everything else agrees to float precision.
     for key, value in whole.state_dict_for_publish().items():
-        assert torch.allclose(value, split.state_dict_for_publish()[key], atol=1e-5), key
+        gap = (value - split.state_dict_for_publish()[key]).abs()
+        assert gap.max() <= 1e-4 and int((gap > 1e-5).sum()) <= max(1, value.numel() // 1000), key
 
 
 def test_checkpoint_replay_equals_uninterrupted_run(tmp_path: Path) -> None:
     batches = [synthetic_batch(seed) for seed in range(5)]
-    checkpoint = tmp_path / "ckpt" / "trainer.pt"
+    checkpoint = tmp_path / "ckpt" / "step-000002"
     uninterrupted = _trainer(0)
     for index, batch in enumerate(batches):
         uninterrupted.train_step(batch)
@@ -102,7 +108,7 @@ def test_checkpoint_replay_equals_uninterrupted_run(tmp_path: Path) -> None:
     assert restored.step == uninterrupted.step == 5
     _assert_same_weights(restored.state_dict_for_publish(), uninterrupted.state_dict_for_publish())
     assert restored.scheduler.get_last_lr() == uninterrupted.scheduler.get_last_lr()
-    assert [p.name for p in checkpoint.parent.iterdir()] == ["trainer.pt"]  # no temp file left
+    assert [p.name for p in checkpoint.parent.iterdir()] == ["step-000002"]  # no staging folder left
 
 
 def test_state_served_to_a_standby_replica_resumes_like_the_uninterrupted_run() -> None:
@@ -160,9 +166,9 @@ def _model_only_bytes() -> bytes:
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = _trainer(0)
-    path = tmp_path / "trainer.pt"
+    path = tmp_path / "step-000000"
     trainer.save_checkpoint(path)
-    original = path.read_bytes()
+    original = {f.name: f.read_bytes() for f in path.iterdir()}
     trainer.train_step(synthetic_batch(0))
 
     def broken_save(obj: object, handle: object) -> None:
@@ -172,20 +178,21 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
         trainer.save_checkpoint(path)
-    assert path.read_bytes() == original
-    assert [p.name for p in tmp_path.iterdir()] == ["trainer.pt"]
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == original
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000000"]  # the staging folder is gone
 
 
-def test_checkpoint_loads_as_a_model_and_as_a_trainer(tmp_path: Path) -> None:
+def test_checkpoint_is_an_hf_folder_that_loads_as_a_model_and_as_a_trainer(tmp_path: Path) -> None:
     trainer = _trainer(0)
     trainer.train_step(synthetic_batch(1))
-    path = trainer.save_checkpoint(tmp_path / "c.pt")
-    assert path is not None
-    model = load_model(path)
-    assert isinstance(model, GPT)
-    _assert_same_weights({k: v for k, v in model.state_dict().items()}, trainer.state_dict_for_publish())
-    resumed = Trainer.from_checkpoint(path, CONFIG, distributed=False)
+    path = trainer.save_checkpoint(tmp_path / "step-000001", {"cursor.json": b"{}"})
+    assert path is not None and (path / TRAINER_STATE_FILE).is_file() and (path / "cursor.json").read_bytes() == b"{}"
+    model = load_hf_policy(path, "cpu", "float32")
+    _assert_same_weights(dict(model.state_dict()), trainer.state_dict_for_publish())
+    resumed = Trainer.from_hf(path, CONFIG, distributed=False)
     assert resumed.step == 1
+    with pytest.raises(FileNotFoundError, match=TRAINER_STATE_FILE):
+        _trainer(2).load_checkpoint(tmp_path)
 
 
 def _free_port() -> int:
@@ -211,7 +218,7 @@ def test_two_process_gloo_equals_single_process(tmp_path: Path) -> None:
     results = [torch.load(tmp_path / name, weights_only=True) for name in ("rank0.pt", "rank1.pt", "single.pt")]
     assert [r["world"] for r in results] == [2, 2, 1]
     _assert_same_weights(results[0]["state"], results[1]["state"])  # ranks agree exactly
-    initial = build_model(SMALL, seed=11).state_dict()
+    initial = small_model(11).state_dict()
     for key, value in results[2]["state"].items():
         moved = (value - initial[key]).abs().max().item()
         gap = (results[0]["state"][key] - value).abs().max().item()

@@ -1,71 +1,64 @@
-"""Warm-start caching: trained once per (seed, config), reused while the hash matches."""
+"""The supervised warm-start of an HF folder: trained once per recipe, reused while the hash
+matches, deterministic, and the task mix / long-answer shape are part of the recipe."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
-from rlctl.workload import warmstart
-from rlctl.workload.model import GPT, ModelConfig, load_model
-from rlctl.workload.warmstart import WarmStartConfig, config_hash, prepare_initial_checkpoint
+from rlctl.workload import hf_warmstart
+from rlctl.workload.hf_model import load_hf_policy
+from rlctl.workload.hf_warmstart import SIDECAR, HFWarmStartConfig, examples, prepare_warmstart, recipe_hash
+from tests.hf_models import tiny_model
 
-TINY = WarmStartConfig(model=ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=256), steps=4,
-                       batch_size=8, dataset_size=64, warmup_steps=2)
+TINY = HFWarmStartConfig(steps=8, batch_size=8, task_prompts=64, warmup_steps=2)
 
 
 def test_prepare_trains_once_then_reuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    target = tmp_path / "init.pt"
-    assert prepare_initial_checkpoint(target, seed=1, config=TINY) == target
-    sidecar = json.loads((tmp_path / "init.pt.json").read_text())
-    assert sidecar["config_hash"] == config_hash(1, TINY)
+    source, target = tiny_model("qwen3"), tmp_path / "warm"
+    assert prepare_warmstart(source, target, None, 1, TINY) == target
+    sidecar = json.loads((target / SIDECAR).read_text())
+    assert sidecar["recipe_hash"] == recipe_hash(source, None, 1, TINY)
     assert sidecar["final_loss"] < sidecar["first_loss"]
-    model = load_model(target)
-    assert isinstance(model, GPT) and model.config == TINY.model
+    assert load_hf_policy(target).config.model_type == "qwen3" and (target / "tokenizer.json").is_file()
 
-    def must_not_train(seed: int, config: WarmStartConfig) -> None:
+    def must_not_train(*args: object, **kwargs: object) -> None:
         raise AssertionError("cached warm-start was retrained")
 
-    monkeypatch.setattr(warmstart, "train_supervised", must_not_train)
-    prepare_initial_checkpoint(target, seed=1, config=TINY)
+    monkeypatch.setattr(hf_warmstart, "train", must_not_train)
+    prepare_warmstart(source, target, None, 1, TINY)
     with pytest.raises(AssertionError, match="retrained"):
-        prepare_initial_checkpoint(target, seed=2, config=TINY)  # another seed: another hash
+        prepare_warmstart(source, target, None, 2, TINY)  # another seed: another hash
 
 
-def test_supervised_training_is_deterministic() -> None:
-    first, _ = warmstart.train_supervised(3, TINY)
-    second, _ = warmstart.train_supervised(3, TINY)
-    for key, value in first.state_dict().items():
-        assert (second.state_dict()[key] == value).all()
+def test_supervised_training_is_deterministic(tmp_path: Path) -> None:
+    source = tiny_model("qwen3")
+    hf_warmstart.train(source, tmp_path / "a", None, 3, TINY)
+    hf_warmstart.train(source, tmp_path / "b", None, 3, TINY)
+    first, second = load_hf_policy(tmp_path / "a").state_dict(), load_hf_policy(tmp_path / "b").state_dict()
+    for key, value in first.items():
+        assert torch.equal(second[key], value), key
 
 
-def test_batches_are_length_bucketed() -> None:
-    import random
-
-    from rlctl.workload.task import make_dataset
-
-    batches = warmstart.length_bucketed_batches(make_dataset(200, 0), 20, random.Random(0))
-    spans = [max(len(p.tokens) + p.meta["expected_len"] for p in b) - min(len(p.tokens) + p.meta["expected_len"] for p in b)
-             for b in batches]
-    assert sum(len(b) for b in batches) == 200 and sorted(spans)[len(spans) // 2] <= 4
-
-
-def test_family_mix_is_part_of_the_recipe_and_default_recipes_keep_their_hash() -> None:
-    default = WarmStartConfig(steps=5)
-    assert "mix" not in default.to_dict()  # caches made before the field existed stay valid
-    counting = WarmStartConfig(steps=5, mix={"add": 0.2, "spell": 0.2, "count": 0.6})
-    assert config_hash(0, counting) != config_hash(0, default)
-    assert config_hash(0, counting) == config_hash(0, WarmStartConfig(steps=5, mix={"count": 0.6, "add": 0.2, "spell": 0.2}))
+def test_family_mix_and_length_alpha_are_part_of_the_recipe() -> None:
+    source = tiny_model("qwen3")
+    default = HFWarmStartConfig(steps=5)
+    counting = HFWarmStartConfig(steps=5, mix={"add": 0.2, "spell": 0.2, "count": 0.6})
+    assert recipe_hash(source, None, 0, counting) != recipe_hash(source, None, 0, default)
+    assert recipe_hash(source, None, 0, counting) == recipe_hash(
+        source, None, 0, HFWarmStartConfig(steps=5, mix={"count": 0.6, "add": 0.2, "spell": 0.2}))
+    assert recipe_hash(source, None, 0, HFWarmStartConfig(steps=5, length_alpha=0.2)) != recipe_hash(
+        source, None, 0, default)
 
 
-def test_length_alpha_is_part_of_the_recipe_and_reaches_the_data() -> None:
-    assert "length_alpha" not in WarmStartConfig(steps=5).to_dict()
-    heavier = WarmStartConfig(steps=5, length_alpha=0.2)
-    assert config_hash(0, heavier) != config_hash(0, WarmStartConfig(steps=5))
-
-    from rlctl.workload.task import length_stats, make_dataset
-
-    default_tail = length_stats(make_dataset(2000, 0, mix={"down": 1.0}))
-    heavy_tail = length_stats(make_dataset(2000, 0, mix={"down": 1.0}, length_alpha=heavier.length_alpha))
-    assert heavy_tail["p50"] >= 5 * default_tail["p50"], (default_tail, heavy_tail)
+def test_length_alpha_reaches_the_examples() -> None:
+    source = tiny_model("qwen3")
+    default_tail = examples(source, None, 0, 2000, mix={"down": 1.0})
+    heavy_tail = examples(source, None, 0, 2000, mix={"down": 1.0}, length_alpha=0.2)
+    default_p50 = statistics.median(len(e.response_ids) for e in default_tail)
+    heavy_p50 = statistics.median(len(e.response_ids) for e in heavy_tail)
+    assert heavy_p50 >= 3 * default_p50, (default_p50, heavy_p50)

@@ -1,37 +1,24 @@
-"""A small GPT-style causal language model with a KV cache, plus loading of checkpoints.
+"""The GPT the job ran before the Hugging Face path: kept only as the benchmarks' baseline.
 
-Role: the policy network of the reference GRPO workload. ``GPT`` is a pre-norm transformer
-(RMSNorm, rotary position embeddings, GELU MLP, tied embeddings) sized to train on a
-laptop CPU in minutes; the default ``ModelConfig`` has about 0.8 M parameters.
-
-The interface every engine and trainer relies on (``CausalLM``):
-
-- ``model(input_ids, attention_mask=None, position_ids=None, cache=None) -> logits [B, T, V]``.
-  ``attention_mask`` ([B, K], 1 = real token) covers every key: the cached ones and the new ones.
-  Without a mask the batch is treated as unpadded (right padding is harmless for training since
-  pads come after every real token).
-- ``model.new_cache(batch_size, max_len) -> cache`` with ``cache.select(rows)`` to drop finished
-  rows from a batched decode.
-
-``load_model`` reads our own files (``save_model`` output or a trainer checkpoint) and, for a
-Hugging Face model folder, loads it behind the same interface (``rlctl.workload.hf_model.HFPolicy``).
+Role: ``bench/hf_engine.py`` and ``bench/engine_decode.py`` compare today's engine path against
+it at the same size (rlctl itself trains and serves Hugging Face models only). A pre-norm
+transformer (RMSNorm, rotary positions, GELU MLP, tied embeddings) with its own KV cache,
+behind the engine's ``CausalLM`` interface (``rlctl.workload.engine``), so ``TorchEngine`` runs
+it unchanged. The default ``ModelConfig`` has about 0.8 M parameters.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlctl.workload.engine import positions_from_mask
 from rlctl.workload.task import TOKENIZER
-
-MODEL_FORMAT = "rlctl-gpt-v1"
-MODEL_FILE_NAME = "model.pt"
 
 
 @dataclass(frozen=True)
@@ -101,17 +88,6 @@ class KVCache:
         kept = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
         kept[:, :, :, : self.length] = buffer[:, :, :, : self.length].index_select(1, rows)
         return kept
-
-
-class CausalLM(Protocol):
-    """What engines and trainers need from a model (ours or a wrapped HF one)."""
-
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                 position_ids: Tensor | None = None, cache: Any = None) -> Tensor: ...
-
-    def new_cache(self, batch_size: int, max_len: int) -> Any: ...
-
-    def parameters(self) -> Any: ...
 
 
 class RMSNorm(nn.Module):
@@ -190,11 +166,6 @@ def attention_bias_mask(attention_mask: Tensor, query_len: int) -> Tensor:
     return allowed.unsqueeze(1)
 
 
-def positions_from_mask(attention_mask: Tensor) -> Tensor:
-    """Position of each token counted over real tokens only (left padding gets position 0)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 class GPT(nn.Module):
     """Pre-norm causal transformer with rotary positions and tied input/output embeddings."""
 
@@ -249,49 +220,3 @@ def build_model(config: ModelConfig | None = None, seed: int | None = None) -> G
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(config or ModelConfig())
-
-
-def save_model(model: GPT, path: str | Path) -> Path:
-    """Write ``{format, config, state_dict}`` to ``path`` (a file, or ``path/model.pt`` for a folder)."""
-    target = Path(path)
-    if target.is_dir():
-        target = target / MODEL_FILE_NAME
-    payload = {"format": MODEL_FORMAT, "config": model.config.to_dict(),
-               "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
-    torch.save(payload, target)
-    return target
-
-
-def _load_own_file(path: Path, map_location: str | torch.device) -> GPT:
-    payload = torch.load(path, map_location=map_location, weights_only=True)
-    if payload.get("format") == MODEL_FORMAT:
-        config, state = payload["config"], payload["state_dict"]
-    elif "model_config" in payload and "model" in payload:  # a trainer checkpoint
-        config, state = payload["model_config"], payload["model"]
-    else:
-        raise ValueError(f"{path} is neither an rlctl model file nor an rlctl trainer checkpoint")
-    model = GPT(ModelConfig.from_dict(config))
-    model.load_state_dict(state)
-    return model.to(map_location)
-
-
-def _is_hf_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file() and not (path / MODEL_FILE_NAME).is_file()
-
-
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> CausalLM:
-    """Load a model for generation or training.
-
-    - an rlctl model file, a folder holding ``model.pt``, or a trainer checkpoint -> ``GPT``;
-    - a Hugging Face model folder (``config.json`` + weights) -> ``HFPolicy`` (rlctl.workload.hf_model).
-    """
-    source = Path(path)
-    if _is_hf_dir(source):
-        from rlctl.workload.hf_model import load_hf_policy
-
-        return load_hf_policy(source, device)
-    if source.is_dir():
-        source = source / MODEL_FILE_NAME
-    if not source.is_file():
-        raise FileNotFoundError(source)
-    return _load_own_file(source, device)
