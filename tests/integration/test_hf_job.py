@@ -158,3 +158,44 @@ def _compare_logits(export: Path, checkpoint: Path) -> None:
     ids = torch.arange(3, 40).unsqueeze(0)
     with torch.no_grad():
         torch.testing.assert_close(trainer.model(ids), loaded(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_job_with_held_out_prompts_evaluates_the_final_weights_before_it_ends(tmp_path: Path) -> None:
+    """The job ends only once the final version's held-out evaluation is scored (the trainer keeps
+    serving those weights until then), and every due version is evaluated once."""
+    data = gsm8k_data()
+    tables = f"""
+[model]
+path = "{tiny_model()}"
+max_response_tokens = 24
+
+[data]
+train_files = ["{data / 'train.parquet'}"]
+eval_files = ["{data / 'test.parquet'}"]
+eval_every = 2
+eval_max_prompts = 8
+
+[reward]
+function = "gsm8k"
+timeout_s = 2.0
+"""
+    job_file = write_job(tmp_path, name="heldout", steps=5, spares=0, extra_tables=tables)
+    state_dir = tmp_path / "jobs"
+    launched = rlctl_json(state_dir, "launch", str(job_file))
+    job_id = launched["job_id"]
+    try:
+        wait_for(lambda: status(state_dir, job_id)["job"]["state"] in ("succeeded", "failed", "stopped"), 240,
+                 "the job to end")
+        snap = status(state_dir, job_id)
+        assert snap["job"]["state"] == "succeeded" and snap["job"]["step"] == 5
+        assert [h["version"] for h in snap["held_out"]] == [0, 2, 4, 5]
+        assert all(h["prompts"] == 8 for h in snap["held_out"])
+        events = list(Journal(JobDir(Path(launched["job_dir"])).journal, readonly=True).read())
+        assert not [e for e in events if e.type == "Verdict"]
+        ends = [i for i, e in enumerate(events) if e.type == "JobStateChanged" and e.data["state"] == "stopping"]
+        last_scored = max(i for i, e in enumerate(events) if e.type == "HeldOutScored")
+        assert ends and last_scored < ends[0]  # the stop came after the final evaluation
+    finally:
+        rlctl(state_dir, "stop", job_id, check=False)
+        kill_everything_under(tmp_path)
