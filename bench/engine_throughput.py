@@ -55,7 +55,7 @@ def measure_shape(shape: str, batch: int, new_tokens: int, repeats: int, threads
     from rlctl.gpucheck.fixtures import make_requests
     from rlctl.workload.engine import SamplingConfig, TorchEngine
     from rlctl.workload.engine_vllm import VllmEngine
-    from rlctl.workload.hf_init import init_checkpoint, random_policy
+    from rlctl.workload.hf_init import init_checkpoint
     from rlctl.workload.hf_model import load_hf_policy
 
     torch.set_num_threads(threads)
@@ -63,7 +63,9 @@ def measure_shape(shape: str, batch: int, new_tokens: int, repeats: int, threads
     requests = make_requests(batch)
     with tempfile.TemporaryDirectory(prefix="rlctl-bench-vllm-") as workdir:
         folder = init_checkpoint(workdir, "qwen3", SHAPES[shape], seed=0)
-        model, update = load_hf_policy(folder, "cpu", "float32"), random_policy("qwen3", SHAPES[shape], seed=1)
+        model = load_hf_policy(folder, "cpu", "float32")
+        noise = torch.Generator().manual_seed(1)
+        update = {name: t + 0.01 * torch.randn(t.shape, generator=noise) for name, t in model.state_dict().items()}
         torch_rate = median_rate(TorchEngine(model, sampling, device="cpu"), requests, new_tokens, repeats)
         started = time.perf_counter()
         engine = VllmEngine(folder, sampling)
@@ -71,7 +73,7 @@ def measure_shape(shape: str, batch: int, new_tokens: int, repeats: int, threads
         vllm_rate = median_rate(engine, requests, new_tokens, repeats)
         update_times = []
         for version in range(1, repeats + 1):
-            engine.load_state_dict((update if version % 2 else model).state_dict(), version)
+            engine.load_state_dict(update if version % 2 else model.state_dict(), version)
             update_times.append(engine.last_load_seconds)
         engine.close()
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())

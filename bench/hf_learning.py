@@ -12,7 +12,7 @@ end to end):
 5. held-out reward after RL with the same seeds. The difference is paired per prompt; its
    standard error is over prompts.
 
-    python bench/hf_learning.py [--seeds 0 1 2] [--steps 40] [--warmstart-steps 300] [--lr 1e-4]
+    python bench/hf_learning.py [--seeds 0 1 2] [--steps 80] [--warmstart-steps 300] [--lr 1e-4]
 
 Prints one line per seed, then one JSON object on the last line.
 """
@@ -72,15 +72,15 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--max-new", type=int, default=32)
     parser.add_argument("--warmstart-steps", type=int, default=300)
     parser.add_argument("--train-rows", type=int, default=2000)
-    parser.add_argument("--test-rows", type=int, default=128)
-    parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("--test-rows", type=int, default=256)
+    parser.add_argument("--eval-samples", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -92,6 +92,14 @@ def examples(source: Path, data_file: Path | None, seed: int, task_prompts: int,
     return [Example(tokenizer.encode_prompt(prompt), tokenizer.encode(answer) + [eos]) for prompt, answer in pairs]
 
 
+def length_bucketed_batches(data: list[Example], batch_size: int, rng: random.Random) -> list[list[Example]]:
+    """One epoch of batches of similar total length (little padding), in a shuffled order."""
+    ranked = sorted(data, key=lambda e: len(e.prompt_ids) + len(e.response_ids))
+    batches = [ranked[i:i + batch_size] for i in range(0, len(ranked), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
 def _batch(rows: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -128,9 +136,7 @@ def train(source: Path, target: Path, data_file: Path | None = None, seed: int =
     model.train()
     for _ in range(config.steps):
         if not order:
-            ranked = sorted(data, key=lambda e: len(e.prompt_ids) + len(e.response_ids))
-            order = [ranked[i:i + config.batch_size] for i in range(0, len(ranked), config.batch_size)]
-            rng.shuffle(order)
+            order = length_bucketed_batches(data, config.batch_size, rng)
         ids, attention, labels = _batch(order.pop(), pad_id)
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)

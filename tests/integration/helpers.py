@@ -88,3 +88,20 @@ def kill_everything_under(path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def run_to_end(state_dir: Path, job_file: Path, timeout: float) -> tuple[dict[str, Any], list[Any]]:
+    """Launch ``job_file``, wait until the job ends, and return its final status and its journal's
+    events; the job is stopped and every process under ``job_file``'s folder killed either way."""
+    from rlctl.controller.jobdir import JobDir
+    from rlctl.controller.store import Journal
+
+    launched = rlctl_json(state_dir, "launch", str(job_file))
+    job_id = launched["job_id"]
+    try:
+        wait_for(lambda: status(state_dir, job_id)["job"]["state"] in ("succeeded", "failed", "stopped"), timeout,
+                 f"job {job_id} to end")
+        return status(state_dir, job_id), list(Journal(JobDir(Path(launched["job_dir"])).journal, readonly=True).read())
+    finally:
+        rlctl(state_dir, "stop", job_id, check=False)
+        kill_everything_under(job_file.parent)

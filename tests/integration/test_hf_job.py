@@ -19,7 +19,15 @@ from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from tests.chaos.test_fault_kinds import node_with_role, recovered
 from tests.hf_models import gsm8k_data, tiny_model
-from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, status, wait_for, write_job
+from tests.integration.helpers import (
+    kill_everything_under,
+    rlctl,
+    rlctl_json,
+    run_to_end,
+    status,
+    wait_for,
+    write_job,
+)
 from tests.integration.test_local_job import _alive
 
 # The user's reward file: scores like gsm8k, but raises on some responses and hangs on others.
@@ -37,25 +45,30 @@ REWARD_FILE = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture()
-def job(tmp_path: Path):
+def user_tables(max_response_tokens: int, eval_every: int, eval_max_prompts: int, reward: str) -> str:
+    """``[model]``, ``[data]`` (train and held-out GSM8K-layout parquet) and ``[reward]`` of a user's job."""
     data = gsm8k_data()
-    (tmp_path / "my_reward.py").write_text(REWARD_FILE)
-    tables = f"""
+    return f"""
 [model]
 path = "{tiny_model()}"
-max_response_tokens = 32
+max_response_tokens = {max_response_tokens}
 
 [data]
 train_files = ["{data / 'train.parquet'}"]
 eval_files = ["{data / 'test.parquet'}"]
-eval_every = 4
-eval_max_prompts = 16
+eval_every = {eval_every}
+eval_max_prompts = {eval_max_prompts}
 
 [reward]
-path = "my_reward.py"
-timeout_s = 1.0
+{reward}
 """
+
+
+@pytest.fixture()
+def job(tmp_path: Path):
+    (tmp_path / "my_reward.py").write_text(REWARD_FILE)
+    tables = user_tables(max_response_tokens=32, eval_every=4, eval_max_prompts=16,
+                         reward='path = "my_reward.py"\ntimeout_s = 1.0')
     job_file = write_job(tmp_path, name="userjob", spares=2, max_restarts=20, extra_tables=tables)
     state_dir = tmp_path / "jobs"
     launched = rlctl_json(state_dir, "launch", str(job_file))
@@ -164,38 +177,14 @@ def _compare_logits(export: Path, checkpoint: Path) -> None:
 def test_a_job_with_held_out_prompts_evaluates_the_final_weights_before_it_ends(tmp_path: Path) -> None:
     """The job ends only once the final version's held-out evaluation is scored (the trainer keeps
     serving those weights until then), and every due version is evaluated once."""
-    data = gsm8k_data()
-    tables = f"""
-[model]
-path = "{tiny_model()}"
-max_response_tokens = 24
-
-[data]
-train_files = ["{data / 'train.parquet'}"]
-eval_files = ["{data / 'test.parquet'}"]
-eval_every = 2
-eval_max_prompts = 8
-
-[reward]
-function = "gsm8k"
-timeout_s = 2.0
-"""
-    job_file = write_job(tmp_path, name="heldout", steps=5, spares=0, extra_tables=tables)
-    state_dir = tmp_path / "jobs"
-    launched = rlctl_json(state_dir, "launch", str(job_file))
-    job_id = launched["job_id"]
-    try:
-        wait_for(lambda: status(state_dir, job_id)["job"]["state"] in ("succeeded", "failed", "stopped"), 240,
-                 "the job to end")
-        snap = status(state_dir, job_id)
-        assert snap["job"]["state"] == "succeeded" and snap["job"]["step"] == 5
-        assert [h["version"] for h in snap["held_out"]] == [0, 2, 4, 5]
-        assert all(h["prompts"] == 8 for h in snap["held_out"])
-        events = list(Journal(JobDir(Path(launched["job_dir"])).journal, readonly=True).read())
-        assert not [e for e in events if e.type == "Verdict"]
-        ends = [i for i, e in enumerate(events) if e.type == "JobStateChanged" and e.data["state"] == "stopping"]
-        last_scored = max(i for i, e in enumerate(events) if e.type == "HeldOutScored")
-        assert ends and last_scored < ends[0]  # the stop came after the final evaluation
-    finally:
-        rlctl(state_dir, "stop", job_id, check=False)
-        kill_everything_under(tmp_path)
+    tables = user_tables(max_response_tokens=24, eval_every=2, eval_max_prompts=8,
+                         reward='function = "gsm8k"\ntimeout_s = 2.0')
+    snap, events = run_to_end(tmp_path / "jobs", write_job(tmp_path, name="heldout", steps=5, spares=0,
+                                                           extra_tables=tables), 240)
+    assert snap["job"]["state"] == "succeeded" and snap["job"]["step"] == 5
+    assert [h["version"] for h in snap["held_out"]] == [0, 2, 4, 5]
+    assert all(h["prompts"] == 8 for h in snap["held_out"])
+    assert not [e for e in events if e.type == "Verdict"]
+    ends = [i for i, e in enumerate(events) if e.type == "JobStateChanged" and e.data["state"] == "stopping"]
+    last_scored = max(i for i, e in enumerate(events) if e.type == "HeldOutScored")
+    assert ends and last_scored < ends[0]  # the stop came after the final evaluation

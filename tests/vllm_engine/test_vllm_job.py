@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.controller.jobdir import JobDir
-from rlctl.controller.store import Journal
 from rlctl.jobtemplates import SMALL_JOB, workload_tables
 from tests.hf_models import tiny_model
-from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, status, wait_for
+from tests.integration.helpers import run_to_end
 
 STEPS = 4
 
@@ -27,22 +25,12 @@ def test_a_job_with_a_vllm_rollout_trains_every_step(tmp_path: Path) -> None:
     job += "\n[reward]\ntimeout_s = 2.0\n"
     job_file = tmp_path / "vllmjob.toml"
     job_file.write_text(job)
-    state_dir = tmp_path / "jobs"
-    launched = rlctl_json(state_dir, "launch", str(job_file))
-    job_id = launched["job_id"]
-    try:
-        wait_for(lambda: status(state_dir, job_id)["job"]["state"] in ("succeeded", "failed", "stopped"), 600,
-                 "the vLLM job to end")
-        snap = status(state_dir, job_id)
-        assert snap["job"]["state"] == "succeeded" and snap["job"]["step"] == STEPS, snap["job"]
-        events = list(Journal(JobDir(Path(launched["job_dir"])).journal, readonly=True).read())
-        rollout_slots = {e.data["slot"] for e in events if e.type == "WorkerStarting" and e.data["role"] == "rollout"}
-        phases = [e.data["phase"] for e in events if e.type == "WorkerPhase" and e.data["slot"] in rollout_slots]
-        assert "compiling" in phases  # the vLLM engine's start
-        held = sorted({e.data["version"] for e in events if e.type == "WeightsHeld" and e.data["slot"] in rollout_slots})
-        assert held == list(range(STEPS)), held  # every version loaded into the running engine, in place
-        assert sum(1 for e in events if e.type == "TrajectoryStored") >= STEPS * 4 * 4
-        assert not [e for e in events if e.type == "Verdict"], "a vLLM start or reload looked like a fault"
-    finally:
-        rlctl(state_dir, "stop", job_id, check=False)
-        kill_everything_under(tmp_path)
+    snap, events = run_to_end(tmp_path / "jobs", job_file, 600)
+    assert snap["job"]["state"] == "succeeded" and snap["job"]["step"] == STEPS, snap["job"]
+    rollout_slots = {e.data["slot"] for e in events if e.type == "WorkerStarting" and e.data["role"] == "rollout"}
+    phases = [e.data["phase"] for e in events if e.type == "WorkerPhase" and e.data["slot"] in rollout_slots]
+    assert "compiling" in phases  # the vLLM engine's start
+    held = sorted({e.data["version"] for e in events if e.type == "WeightsHeld" and e.data["slot"] in rollout_slots})
+    assert held == list(range(STEPS)), held  # every version loaded into the running engine, in place
+    assert sum(1 for e in events if e.type == "TrajectoryStored") >= STEPS * 4 * 4
+    assert not [e for e in events if e.type == "Verdict"], "a vLLM start or reload looked like a fault"

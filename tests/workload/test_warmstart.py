@@ -62,3 +62,13 @@ def test_length_alpha_reaches_the_examples() -> None:
     default_p50 = statistics.median(len(e.response_ids) for e in default_tail)
     heavy_p50 = statistics.median(len(e.response_ids) for e in heavy_tail)
     assert heavy_p50 >= 3 * default_p50, (default_p50, heavy_p50)
+
+
+def test_batches_are_length_bucketed() -> None:
+    import random
+
+    data = examples(tiny_model("qwen3"), None, 0, 400)
+    batches = hf_warmstart.length_bucketed_batches(data, 20, random.Random(0))
+    spans = [max(len(e.prompt_ids) + len(e.response_ids) for e in b) - min(len(e.prompt_ids) + len(e.response_ids) for e in b)
+             for b in batches]
+    assert sum(len(b) for b in batches) == 400 and sorted(spans)[len(spans) // 2] <= 4
