@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlctl.backends.base import Backend
+from rlctl.backends.base import Backend, FaultInjector
 from rlctl.controller.jobdir import JobDir
 from rlctl.core.schema import Problem
 from rlctl.core.spec import JobSpec, SpecError, parse_spec
@@ -89,7 +89,17 @@ def make_backend(spec: JobSpec, jobdir: HasPath) -> Backend:
     if spec.backend == "ssh":
         from rlctl.backends.ssh import SshBackend
 
-        return SshBackend.from_config(cluster, jobdir.path)
+        return SshBackend.from_config(cluster, jobdir.path, lab_fault_injector(cluster))
     from rlctl.backends.slurm import SlurmBackend
 
-    return SlurmBackend.from_config(cluster, jobdir.path)
+    return SlurmBackend.from_config(cluster, jobdir.path, lab_fault_injector(cluster))
+
+
+def lab_fault_injector(cluster: dict[str, Any]) -> FaultInjector | None:
+    """The lab's fault injector when the cluster table names an ``rlctl lab`` (``lab_dir``)."""
+    lab_dir = cluster.get("lab_dir")
+    if not lab_dir:
+        return None
+    from rlctl.lab.inject import LabFaultInjector
+
+    return LabFaultInjector(Path(str(lab_dir)))

@@ -79,6 +79,22 @@ class BackendError(RuntimeError):
     """A backend operation failed in a way the caller should report (names the node and step)."""
 
 
+class FaultInjector(Protocol):
+    """Backend-level faults (a partition, a node down, a slow link) carried out on a backend's
+    nodes for ``rlctl inject-fault``. Given to a backend from outside (``rlctl.jobfile`` builds the
+    lab's from ``[cluster.*] lab_dir``), so the backends know nothing of the lab."""
+
+    supported_faults: frozenset[str]
+
+    async def inject(self, node: str, kind: str, params: dict[str, Any]) -> bool:
+        """Apply ``kind`` to the node named ``node``; False for a kind it does not know."""
+        ...
+
+    async def close(self) -> None:
+        """Cancel pending undo timers."""
+        ...
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Contract every backend satisfies. All methods are idempotent unless stated."""

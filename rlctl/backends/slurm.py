@@ -31,15 +31,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 
-from rlctl.backends.base import AgentLaunch, AllocationRequest, BackendError, NodeInfo, ProbeResult
+from rlctl.backends.base import AgentLaunch, AllocationRequest, BackendError, FaultInjector, NodeInfo, ProbeResult
 from rlctl.backends.slurm_states import JobOutcome, JobVerdict, map_job_state, map_node_state
-
-if TYPE_CHECKING:
-    from rlctl.lab.inject import LabFaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +154,7 @@ class SlurmBackend:
         agent_start_timeout_s: float = 30.0,
         command_timeout_s: float = 30.0,
         template_dir: Path | None = None,
-        lab_dir: Path | None = None,
+        fault_injector: FaultInjector | None = None,
         probe_timeout_s: float = 2.0,
     ) -> None:
         self.job_dir = Path(job_dir)
@@ -175,14 +172,9 @@ class SlurmBackend:
         self.replace_timeout_s = replace_timeout_s
         self.agent_start_timeout_s = agent_start_timeout_s
         self.command_timeout_s = command_timeout_s
-        self.lab_dir = lab_dir
         self.probe_timeout_s = probe_timeout_s
         self._slurmd_port: int | None = None
-        self._lab: LabFaultInjector | None = None
-        if lab_dir is not None:
-            from rlctl.lab.inject import LabFaultInjector
-
-            self._lab = LabFaultInjector(lab_dir)
+        self._faults = fault_injector
         self._env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(str(template_dir or find_template_dir())),
             undefined=jinja2.StrictUndefined,
@@ -192,10 +184,10 @@ class SlurmBackend:
         self._state: dict[str, Any] = self._load_state()
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], job_dir: Path) -> SlurmBackend:
+    def from_config(cls, cfg: dict[str, Any], job_dir: Path,
+                    fault_injector: FaultInjector | None = None) -> SlurmBackend:
         """Build from the ``[cluster.slurm]`` table (keys: see docs/backends.md)."""
         conf = cfg.get("slurm_conf")
-        lab_dir = cfg.get("lab_dir")
         return cls(
             job_dir=job_dir,
             partition=str(cfg.get("partition", "")),
@@ -210,14 +202,14 @@ class SlurmBackend:
             allocate_timeout_s=float(cfg.get("allocate_timeout_s", 120.0)),
             replace_timeout_s=float(cfg.get("replace_timeout_s", 60.0)),
             agent_start_timeout_s=float(cfg.get("agent_start_timeout_s", 30.0)),
-            lab_dir=Path(str(lab_dir)) if lab_dir else None,
+            fault_injector=fault_injector,
             probe_timeout_s=float(cfg.get("probe_timeout_s", 2.0)),
         )
 
     @property
     def supported_faults(self) -> frozenset[str]:
         """Backend-level faults ``inject`` can carry out (the controller's API checks this)."""
-        return self._lab.supported_faults if self._lab is not None else frozenset()
+        return self._faults.supported_faults if self._faults is not None else frozenset()
 
     # --- persisted state ---------------------------------------------------------------------
     def _state_path(self) -> Path:
@@ -576,16 +568,16 @@ class SlurmBackend:
         self._save_state()
 
     async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
-        """Lab faults when ``lab_dir`` is set: ``partition``, ``node-down``, ``slow-link`` (and the
-        lab's ``heal``/``node-up``/``slow``; see :mod:`rlctl.lab.inject`); False otherwise."""
-        if self._lab is None:
+        """Backend-level faults through the injector given at construction (the lab's:
+        ``partition``, ``node-down``, ``slow-link``); False without one."""
+        if self._faults is None:
             return False
-        return await self._lab.inject(node.name, kind, params)
+        return await self._faults.inject(node.name, kind, params)
 
     async def close(self) -> None:
-        """Cancel pending lab-fault undo timers; no connections are held between calls."""
-        if self._lab is not None:
-            await self._lab.close()
+        """Cancel the fault injector's pending undo timers; no connections are held between calls."""
+        if self._faults is not None:
+            await self._faults.close()
 
 
 def _sha256(path: Path) -> str:

@@ -18,8 +18,9 @@ Contract (see ``rlctl.backends.base.Backend``):
   sessions, outside the agent's process group). A host that cannot be reached then (partitioned,
   dead) is remembered in the state file and retried by every later ``release``, including the
   one at the end of the job, so a node that comes back is cleaned up.
-* ``inject`` carries out ``partition``, ``node-down`` and ``slow-link`` on lab nodes when
-  ``lab_dir`` is set (``supported_faults`` says which); see :mod:`rlctl.lab.inject`.
+* ``inject`` carries out backend-level faults through the fault injector it was given (for a lab
+  job ``rlctl.jobfile`` gives the lab's: ``partition``, ``node-down``, ``slow-link``;
+  ``supported_faults`` says which).
 
 Remote layout per host (``remote_dir`` may contain ``{node}``, needed when hosts share a
 filesystem, as lab nodes do)::
@@ -42,7 +43,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncssh
 
@@ -50,12 +51,10 @@ from rlctl.backends.base import (
     AgentLaunch,
     AllocationRequest,
     BackendError,
+    FaultInjector,
     NodeInfo,
     ProbeResult,
 )
-
-if TYPE_CHECKING:
-    from rlctl.lab.inject import LabFaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +155,7 @@ class SshBackend:
         command_timeout_s: float = 60.0,
         probe_timeout_s: float = 5.0,
         insecure_no_host_key_check: bool = False,
-        lab_dir: Path | None = None,
+        fault_injector: FaultInjector | None = None,
         release_timeout_s: float | None = None,
     ) -> None:
         names = [h.name for h in hosts]
@@ -178,7 +177,6 @@ class SshBackend:
         self.command_timeout_s = command_timeout_s
         self.probe_timeout_s = probe_timeout_s
         self.insecure = insecure_no_host_key_check
-        self.lab_dir = lab_dir
         # one host's release (connect + stop), bounded so a dead host never stalls the others and
         # below the 15 s the controller gives the release of a failed node
         self.release_timeout_s = release_timeout_s or min(connect_timeout_s, 5.0) + RELEASE_GRACE_S + 2.0
@@ -190,20 +188,17 @@ class SshBackend:
         self._unreleased: dict[str, str] = {}  # host name -> job id ("" = every job dir found)
         self._job_id = ""  # the job these hosts serve (from allocate/start_agent), persisted
         self._load_state()
-        self._lab: LabFaultInjector | None = None
-        if lab_dir is not None:
-            from rlctl.lab.inject import LabFaultInjector
-
-            self._lab = LabFaultInjector(lab_dir)
+        self._faults = fault_injector
 
     @property
     def supported_faults(self) -> frozenset[str]:
         """Backend-level faults ``inject`` can carry out (the controller's API checks this)."""
-        return self._lab.supported_faults if self._lab is not None else frozenset()
+        return self._faults.supported_faults if self._faults is not None else frozenset()
 
     # --- construction from job.toml --------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], job_dir: Path) -> SshBackend:
+    def from_config(cls, cfg: dict[str, Any], job_dir: Path,
+                    fault_injector: FaultInjector | None = None) -> SshBackend:
         """Build from the ``[cluster.ssh]`` table (keys: see docs/backends.md)."""
         user = str(cfg.get("user", "root"))
         port = int(cfg.get("port", 22))
@@ -217,7 +212,6 @@ class SshBackend:
             raise BackendError(f"cluster.ssh.spares names hosts not in the inventory: {', '.join(sorted(unknown))}")
         hosts = [dataclasses.replace(h, spare=h.name in spares) for h in hosts]
         known = cfg.get("known_hosts", "~/.ssh/known_hosts")
-        lab_dir = cfg.get("lab_dir")
         return cls(
             hosts,
             known_hosts=Path(str(known)).expanduser() if known else None,
@@ -230,7 +224,7 @@ class SshBackend:
             command_timeout_s=float(cfg.get("command_timeout_s", 60.0)),
             probe_timeout_s=float(cfg.get("probe_timeout_s", 5.0)),
             insecure_no_host_key_check=bool(cfg.get("insecure_no_host_key_check", False)),
-            lab_dir=Path(str(lab_dir)) if lab_dir else None,
+            fault_injector=fault_injector,
             release_timeout_s=float(cfg["release_timeout_s"]) if cfg.get("release_timeout_s") else None,
         )
 
@@ -579,17 +573,17 @@ class SshBackend:
         return [j for j in out.split() if j]
 
     async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
-        """Lab faults when ``lab_dir`` is set: ``partition``, ``node-down``, ``slow-link``
-        (``delay_ms``; ``duration`` undoes any of them), and the lab's ``heal``/``node-up``/``slow``.
+        """Backend-level faults through the injector given at construction (the lab's:
+        ``partition``, ``node-down``, ``slow-link`` with ``delay_ms``; ``duration`` undoes any of them).
         False (unsupported) otherwise."""
-        if self._lab is None:
+        if self._faults is None:
             return False
-        return await self._lab.inject(self._host(node).name, kind, params)
+        return await self._faults.inject(self._host(node).name, kind, params)
 
     async def close(self) -> None:
         """Close every cached SSH connection. Nodes and agents are left as they are."""
-        if self._lab is not None:
-            await self._lab.close()
+        if self._faults is not None:
+            await self._faults.close()
         conns = list(self._conns.values())
         self._conns.clear()
         for conn in conns:

@@ -16,13 +16,14 @@ from rlctl.agent_bundle import build_agent_zipapp
 from rlctl.backends.base import AgentLaunch, AllocationRequest, NodeInfo
 from rlctl.backends.slurm import SlurmBackend
 from rlctl.backends.slurm_states import JobOutcome, NodeHealth, map_node_state
+from rlctl.lab.inject import LabFaultInjector
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 
 def make_backend(status: lab.LabStatus, job_dir: Path) -> SlurmBackend:
     return SlurmBackend(job_dir=job_dir, partition=status.partition, slurm_conf=status.slurm_conf,
-                        node_workdir=str(job_dir / "work" / "{node}"), lab_dir=LAB_DIR,
+                        node_workdir=str(job_dir / "work" / "{node}"), fault_injector=LabFaultInjector(LAB_DIR),
                         allocate_timeout_s=60, replace_timeout_s=60)
 
 

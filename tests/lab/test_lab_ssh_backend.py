@@ -15,6 +15,7 @@ from rlctl import lab
 from rlctl.agent_bundle import build_agent_zipapp
 from rlctl.backends.base import AgentLaunch, AllocationRequest
 from rlctl.backends.ssh import SshBackend, hosts_from_lab
+from rlctl.lab.inject import LabFaultInjector
 
 pytestmark = pytest.mark.lab
 REMOTE_ROOT = f"/tmp/rlctl-labtest-{os.getpid()}"
@@ -30,7 +31,7 @@ def make_backend(status: lab.LabStatus, job_dir: Path) -> SshBackend:
     hosts = hosts_from_lab([(n.name, n.ip) for n in status.nodes], spares=[status.nodes[-1].name])
     return SshBackend(hosts, known_hosts=status.known_hosts, key_file=status.ssh_key, job_dir=job_dir,
                       remote_dir=f"{REMOTE_ROOT}/{{node}}", probe_timeout_s=3.0,
-                      lab_dir=LAB_DIR)
+                      fault_injector=LabFaultInjector(LAB_DIR))
 
 
 def launch(tmp_path: Path) -> AgentLaunch:
