@@ -25,7 +25,7 @@ app.command("jobs")(status_cmd.jobs)
 app.command("nodes")(status_cmd.nodes)
 app.command("events")(status_cmd.events)
 app.command("stop")(status_cmd.stop)
-app.command("resume")(status_cmd.resume)
+app.command("resume")(launch_cmd.resume)
 
 
 def _register_optional() -> None:

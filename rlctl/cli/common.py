@@ -12,6 +12,8 @@ from rich.console import Console
 from rlctl.controller.api import ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir, find_job, state_root
 
+STATE_DIR_OPTION = typer.Option(None, "--state-dir", help="Where job directories live (default $RLCTL_HOME or ~/.rlctl/jobs).")
+
 console = Console()
 err_console = Console(stderr=True)
 

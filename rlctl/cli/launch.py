@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from rlctl.cli.common import console, err_console, fail, print_json
+from rlctl.cli.common import STATE_DIR_OPTION, client_for, console, err_console, fail, print_json, resolve_job
 from rlctl.controller.api import ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir, new_job_id, state_root
 from rlctl.core.spec import JobSpec, SpecError
@@ -142,10 +142,11 @@ def _plan_text(spec: JobSpec, checks: dict[str, object] | None = None) -> str:
     return "\n".join(lines)
 
 
-def _spawn_controller(jobdir: JobDir) -> subprocess.Popen[bytes]:
+def _spawn_controller(jobdir: JobDir, resume: bool = False) -> subprocess.Popen[bytes]:
+    """The job's controller as a detached process (its output appended to ``controller.out``)."""
     with open(jobdir.path / "controller.out", "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "rlctl.controller", "--job-dir", str(jobdir.path)],
+            [sys.executable, "-m", "rlctl.controller", "--job-dir", str(jobdir.path), *(["--resume"] if resume else [])],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             cwd=str(jobdir.path), env=dict(os.environ),
         )
@@ -185,3 +186,25 @@ def _run_foreground(jobdir: JobDir, spec: JobSpec) -> None:
     console.print(f"running [bold]{jobdir.job_id}[/] in the foreground (log: {jobdir.log_file})")
     code = asyncio.run(Controller(jobdir, spec, build(spec, jobdir)).run())
     raise typer.Exit(code)
+
+
+def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json_out: bool = typer.Option(False, "--json"),
+           state_dir: str = STATE_DIR_OPTION) -> None:
+    """Start a job's controller again after it died; it rebuilds its state from the journal."""
+    from rlctl.jobfile import load_job_dir_spec
+
+    jobdir = resolve_job(job, state_dir)
+    ensure_model(load_job_dir_spec(jobdir))
+    client = client_for(jobdir)
+    if client.available():
+        try:
+            client.call("status")
+            fail(f"{jobdir.job_id} already has a running controller")
+        except ApiError:
+            pass
+    process = _spawn_controller(jobdir, resume=True)
+    _wait_ready(jobdir, process)
+    if json_out:
+        print_json({"job_id": jobdir.job_id, "controller_pid": process.pid})
+    else:
+        console.print(f"resumed {jobdir.job_id} (controller pid {process.pid})")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -11,13 +9,11 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from rlctl.cli.common import client_for, console, fail, job_status, print_json, resolve_job
+from rlctl.cli.common import STATE_DIR_OPTION, client_for, console, fail, job_status, print_json, resolve_job
 from rlctl.cli.render import nodes_table, render_status, status_line, styled
 from rlctl.controller.api import ApiError
 from rlctl.controller.jobdir import JobDir, list_jobs, state_root
 from rlctl.controller.store import Journal
-
-STATE_DIR_OPTION = typer.Option(None, "--state-dir", help="Where job directories live (default $RLCTL_HOME or ~/.rlctl/jobs).")
 
 
 def status(
@@ -152,33 +148,6 @@ def stop(
         print_json({"job_id": jobdir.job_id, "state": state})
     else:
         console.print(f"{jobdir.job_id}: {state}")
-
-
-def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json_out: bool = typer.Option(False, "--json"),
-           state_dir: str = STATE_DIR_OPTION) -> None:
-    """Start a job's controller again after it died; it rebuilds its state from the journal."""
-    from rlctl.cli.launch import _wait_ready, ensure_model
-    from rlctl.jobfile import load_job_dir_spec
-
-    jobdir = resolve_job(job, state_dir)
-    ensure_model(load_job_dir_spec(jobdir))
-    client = client_for(jobdir)
-    if client.available():
-        try:
-            client.call("status")
-            fail(f"{jobdir.job_id} already has a running controller")
-        except ApiError:
-            pass
-    with open(jobdir.path / "controller.out", "ab") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "rlctl.controller", "--job-dir", str(jobdir.path), "--resume"],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(jobdir.path),
-        )
-    _wait_ready(jobdir, process)
-    if json_out:
-        print_json({"job_id": jobdir.job_id, "controller_pid": process.pid})
-    else:
-        console.print(f"resumed {jobdir.job_id} (controller pid {process.pid})")
 
 
 def _brief(data: dict[str, Any]) -> str:
