@@ -100,6 +100,10 @@ class Backend(Protocol):
     """Contract every backend satisfies. All methods are idempotent unless stated."""
 
     name: str
+    #: Whether the nodes are processes on the controller's own machine (the embedded local
+    #: backend): they share its interpreter, filesystem and loopback, and their GPUs are simulated.
+    #: False for real hosts, whose agents reach the controller across a network.
+    on_this_machine: bool
 
     def plan_text(self, request: AllocationRequest) -> str:
         """Human-readable plan for ``launch --dry-run`` (rendered sbatch scripts for Slurm). No side effects."""

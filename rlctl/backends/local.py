@@ -41,6 +41,7 @@ class LocalBackend:
     """Virtual nodes as processes. ``node_root`` is the job's ``nodes/`` directory."""
 
     name = "local"
+    on_this_machine = True
 
     def __init__(self, node_root: Path, capacity: int, gpus_per_node: int, python: str = sys.executable) -> None:
         self.node_root = node_root

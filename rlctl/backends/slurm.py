@@ -135,6 +135,7 @@ class SlurmBackend:
     """Backend over sbatch/srun/squeue/scontrol on this machine (see the module docstring)."""
 
     name = "slurm"
+    on_this_machine = False
 
     def __init__(
         self,

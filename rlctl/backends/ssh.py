@@ -140,6 +140,7 @@ class SshBackend:
     """Backend over a static SSH inventory (see the module docstring for the contract)."""
 
     name = "ssh"
+    on_this_machine = False
 
     def __init__(
         self,

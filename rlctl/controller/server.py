@@ -218,7 +218,7 @@ class Controller:
     async def _bind(self, port: int) -> None:
         host = self._controller_bind_host()
         certificate = None
-        if tls_enabled(str(self.spec.raw["cluster"]["agent_tls"]), self.spec.backend):
+        if tls_enabled(self.spec.agent_tls, crosses_network=not self.backend.on_this_machine):
             certificate = ensure_job_certificate(self.jobdir.path, self.jobdir.job_id)
         self.agent_port = await self.hub.start(host, port, server_context(certificate) if certificate else None)
         bundle_dir = self.jobdir.path / "agent"
@@ -229,7 +229,7 @@ class Controller:
             controller_port=self.agent_port,
             secret_hex=self.jobdir.secret().hex(),
             heartbeat_interval_s=self.spec.fault_tolerance.heartbeat_interval_s,
-            gpu_provider="sim" if self.spec.backend == "local" else "auto",
+            gpu_provider="sim" if self.backend.on_this_machine else "auto",
             sim_gpus=int(self.spec.cluster.get("gpus_per_node", 1)),
             agent_zipapp=bundle.path,
             agent_zipapp_sha256=bundle.sha256,
@@ -417,7 +417,7 @@ class Controller:
 
     def worker_argv_env(self, slot: SlotRecord) -> tuple[list[str], dict[str, str]]:
         role = self.spec.roles[slot.role]
-        python = sys.executable if self.spec.backend == "local" else str(self.spec.cluster.get("python", "python3"))
+        python = sys.executable if self.backend.on_this_machine else str(self.spec.cluster.get("python", "python3"))
         command = self.spec.standby_command if slot.standby else role.command
         argv = [python if part == "python" else part for part in command]
         workload = {
@@ -435,7 +435,7 @@ class Controller:
             "reward": self.spec.reward,
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
-        if self.spec.backend == "local":
+        if self.backend.on_this_machine:
             ucx_defaults["UCX_NET_DEVICES"] = "lo"
         if slot.role == "trainer":
             ucx_defaults.update(self._trainer_nccl_env(slot))
@@ -461,7 +461,7 @@ class Controller:
         "this node's address", as the backend reported it (``NodeInfo.host``).
         """
         configured = self.spec.weights_host
-        if self.spec.backend == "local" or slot.node is None:
+        if self.backend.on_this_machine or slot.node is None:
             return configured
         if not (configured.startswith("127.") or configured == "localhost"):
             return configured
@@ -476,7 +476,7 @@ class Controller:
             return {}
         first = self.model.slots.get("trainer-0")
         master = first.node if first is not None else None
-        host = self.spec.weights_host if self.spec.backend == "local" or master is None else (
+        host = self.spec.weights_host if self.backend.on_this_machine or master is None else (
             self.model.nodes[master].host or master)
         return {"WORLD_SIZE": str(len(group)), "RANK": slot.slot.rsplit("-", 1)[1], "LOCAL_RANK": "0",
                 "MASTER_ADDR": host, "MASTER_PORT": str(trainer_rendezvous_port(self.model.job_id))}
@@ -486,7 +486,7 @@ class Controller:
         from rlctl.workload.nccl_env import NcclBounds, trainer_nccl_settings
 
         bounds = self.spec.fault_tolerance.phase_timeout_s
-        dump_dir = self.jobdir.node_dir(slot.node or "") if self.spec.backend == "local" else Path(".")
+        dump_dir = self.jobdir.node_dir(slot.node or "") if self.backend.on_this_machine else Path(".")
         settings = trainer_nccl_settings(NcclBounds(max_step_s=bounds["training"], checkpoint_s=bounds["checkpointing"],
                                                     dump_dir=dump_dir))
         return {**settings.env, "RLCTL_PG_TIMEOUT_S": str(int(settings.pg_timeout.total_seconds()))}
@@ -504,7 +504,7 @@ class Controller:
         """Send the start command for ``wid`` (already journaled as WorkerStarting) to its node's agent."""
         assert slot.node is not None
         argv, env = self.worker_argv_env(slot)
-        cwd = str(self.jobdir.node_dir(slot.node)) if self.spec.backend == "local" else ""
+        cwd = str(self.jobdir.node_dir(slot.node)) if self.backend.on_this_machine else ""
         ack = await self.hub.command(slot.node, "start_worker", wait=10.0, wid=wid, slot=slot.slot, role=slot.role,
                                      argv=argv, env=env, cwd=cwd)
         if ack is None or not ack.get("ok", False):

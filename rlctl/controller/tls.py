@@ -31,10 +31,11 @@ class JobCertificate:
     cert_pem: str
 
 
-def tls_enabled(setting: str, backend: str) -> bool:
-    """``[cluster] agent_tls``: ``auto`` is on wherever agents cross a network (ssh, slurm)."""
+def tls_enabled(setting: str, crosses_network: bool) -> bool:
+    """``[cluster] agent_tls``: ``auto`` is on wherever agents reach the controller across a
+    network (the ssh and slurm backends), off for the local backend's processes."""
     if setting == "auto":
-        return backend != "local"
+        return crosses_network
     return setting == "on"
 
 

@@ -426,6 +426,7 @@ class JobSpec:
     rollout: RolloutSpec
     weights_transport: str
     weights_host: str
+    agent_tls: str
     raw: dict[str, Any] = field(repr=False)
 
     @property
@@ -592,6 +593,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         ),
         weights_transport=values["weights"]["transport"],
         weights_host=values["weights"]["host"],
+        agent_tls=values["cluster"]["agent_tls"],
         raw=values,
     )
 

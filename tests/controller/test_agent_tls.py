@@ -32,8 +32,13 @@ def test_the_job_certificate_is_private_made_once_and_remade_if_half_written(tmp
 
 
 def test_auto_is_on_where_agents_cross_a_network() -> None:
-    assert [tls_enabled("auto", b) for b in ("local", "ssh", "slurm")] == [False, True, True]
-    assert tls_enabled("on", "local") and not tls_enabled("off", "slurm")
+    from rlctl.backends.local import LocalBackend
+    from rlctl.backends.slurm import SlurmBackend
+    from rlctl.backends.ssh import SshBackend
+
+    crossing = [not backend.on_this_machine for backend in (LocalBackend, SshBackend, SlurmBackend)]
+    assert [tls_enabled("auto", c) for c in crossing] == [False, True, True]
+    assert tls_enabled("on", crosses_network=False) and not tls_enabled("off", crosses_network=True)
 
 
 def test_a_config_with_a_broken_certificate_is_refused() -> None:
