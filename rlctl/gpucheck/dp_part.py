@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.gpucheck.nccl_part import free_port
-from rlctl.gpucheck.report import CheckFailed, Figures, Skip
+from rlctl.gpucheck.outcome import CheckFailed, Figures, Skip
 from rlctl.gpucheck.torch_parts import require_cuda
 
 RUN_TIMEOUT_S = 300.0

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlctl.gpucheck.report import CheckFailed, Figures, Skip
+from rlctl.gpucheck.outcome import CheckFailed, Figures, Skip
 from rlctl.gpucheck.torch_parts import require_cuda
 from rlctl.workload.nccl_env import NcclBounds, NcclSettings, dump_files, merged_env, trainer_nccl_settings
 

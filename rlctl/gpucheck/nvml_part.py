@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Any
 
-from rlctl.gpucheck.report import CheckFailed, Figures, Skip
+from rlctl.gpucheck.outcome import CheckFailed, Figures, Skip
 
 EVENT_WAIT_MS = 500
 COST_WARMUP = 10

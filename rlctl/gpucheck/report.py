@@ -13,16 +13,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-Figures = dict[str, Any]
+from rlctl.gpucheck.outcome import Figures, Skip
+
 REPORT_FORMAT = 1
-
-
-class Skip(Exception):
-    """A part's requirement is missing on this machine; the message is the reason."""
-
-
-class CheckFailed(Exception):
-    """A part ran and a value was out of range; the message says which."""
 
 
 def run_part(name: str, part: Callable[[], Figures]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from rlctl.gpucheck.fixtures import make_requests, synthetic_samples
-from rlctl.gpucheck.report import CheckFailed, Figures, Skip
+from rlctl.gpucheck.outcome import CheckFailed, Figures, Skip
 
 ROLLOUT_BATCH = 64
 ROLLOUT_NEW_TOKENS = 64

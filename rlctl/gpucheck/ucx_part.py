@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from rlctl.gpucheck.report import CheckFailed, Figures, Skip
+from rlctl.gpucheck.outcome import CheckFailed, Figures, Skip
 from rlctl.gpucheck.torch_parts import require_cuda
 
 TRANSFER_BYTES = 256 * 2**20

@@ -12,7 +12,7 @@ import tempfile
 import time
 
 from rlctl.gpucheck.fixtures import make_requests
-from rlctl.gpucheck.report import CheckFailed, Figures, Skip
+from rlctl.gpucheck.outcome import CheckFailed, Figures, Skip
 from rlctl.gpucheck.torch_parts import MODEL_SIZES, ROLLOUT_BATCH, ROLLOUT_NEW_TOKENS, require_cuda
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from rlctl.gpucheck.nvml_part import facts_problems, sample_problems
-from rlctl.gpucheck.report import PART_NAMES, CheckFailed, Skip, run_part
+from rlctl.gpucheck.outcome import CheckFailed, Skip
+from rlctl.gpucheck.report import PART_NAMES, run_part
 
 ROOT = Path(__file__).resolve().parents[2]
 STATUSES = {"ok", "skipped", "failed"}
