@@ -68,6 +68,7 @@ class SwarmBackend:
     """Hands the controller N node names; the swarm in the parent process plays their agents."""
 
     name = "swarm"
+    on_this_machine = False  # as a real cluster: TLS by default, real GPU providers (none start here)
 
     def plan_text(self, request: AllocationRequest) -> str:
         return "swarm"
@@ -101,7 +102,7 @@ class SwarmBackend:
 def serve(job_dir: Path) -> None:
     """Child process: the real controller with the swarm backend."""
     from rlctl.controller.server import Controller, setup_logging
-    from rlctl.jobfile import load_job_file
+    from rlctl.jobfile import load_job_file, make_workload
 
     _raise_fd_limit()
     jobdir = JobDir(job_dir)
@@ -113,7 +114,7 @@ def serve(job_dir: Path) -> None:
         gc.disable()
     profile_to = os.environ.get("RLCTL_BENCH_PROFILE")
     if not profile_to:
-        asyncio.run(Controller(jobdir, spec, SwarmBackend()).run())
+        asyncio.run(Controller(jobdir, spec, SwarmBackend(), make_workload(spec)).run())
         return
     import cProfile
     import signal
@@ -121,7 +122,7 @@ def serve(job_dir: Path) -> None:
     profiler = cProfile.Profile()
     signal.signal(signal.SIGUSR1, lambda *_: profiler.dump_stats(profile_to))
     profiler.enable()
-    asyncio.run(Controller(jobdir, spec, SwarmBackend()).run())
+    asyncio.run(Controller(jobdir, spec, SwarmBackend(), make_workload(spec)).run())
 
 
 async def connect(node: str, secret: bytes, port: int,
@@ -296,6 +297,10 @@ def measure(nodes: int, seconds: float, tmp: Path, tls: bool) -> dict[str, Any]:
     root.mkdir()
     jobdir = JobDir(root / "scale-job")
     jobdir.create(JOB.format(rollouts=nodes - 2, tls="on" if tls else "off"))
+    from rlctl.jobfile import load_job_file
+    from rlctl.workload.reference import ensure_reference_model
+
+    ensure_reference_model(load_job_file(jobdir.spec_file))  # its tokenizer gives the controller its prompts, as at launch
     env = dict(os.environ, RLCTL_MEASURE_HEARTBEAT_LATENCY="1")
     child = subprocess.Popen([sys.executable, __file__, "--serve", str(jobdir.path)], env=env)
     try:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from rlctl.backends.base import Backend, FaultInjector
 from rlctl.controller.jobdir import JobDir
+from rlctl.controller.seam import Workload
 from rlctl.core.schema import Problem
 from rlctl.core.spec import JobSpec, SpecError, parse_spec
 
@@ -93,6 +94,13 @@ def make_backend(spec: JobSpec, jobdir: HasPath) -> Backend:
     from rlctl.backends.slurm import SlurmBackend
 
     return SlurmBackend.from_config(cluster, jobdir.path, lab_fault_injector(cluster))
+
+
+def make_workload(spec: JobSpec) -> Workload:
+    """The workload the controller runs (the reference GRPO roles on the spec's model and data)."""
+    from rlctl.workload.seam import GrpoWorkload
+
+    return GrpoWorkload(spec)
 
 
 def lab_fault_injector(cluster: dict[str, Any]) -> FaultInjector | None:

@@ -181,10 +181,11 @@ def _run_foreground(jobdir: JobDir, spec: JobSpec) -> None:
 
     from rlctl.controller.server import Controller, setup_logging
     from rlctl.jobfile import make_backend as build
+    from rlctl.jobfile import make_workload
 
     setup_logging(jobdir.log_file)
     console.print(f"running [bold]{jobdir.job_id}[/] in the foreground (log: {jobdir.log_file})")
-    code = asyncio.run(Controller(jobdir, spec, build(spec, jobdir)).run())
+    code = asyncio.run(Controller(jobdir, spec, build(spec, jobdir), make_workload(spec)).run())
     raise typer.Exit(code)
 
 

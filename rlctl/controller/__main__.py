@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.server import Controller, setup_logging
-from rlctl.jobfile import load_job_dir_spec, make_backend
+from rlctl.jobfile import load_job_dir_spec, make_backend, make_workload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(jobdir.log_file)
     spec = load_job_dir_spec(jobdir)
     backend = make_backend(spec, jobdir)
-    controller = Controller(jobdir, spec, backend, resume=args.resume)
+    controller = Controller(jobdir, spec, backend, make_workload(spec), resume=args.resume)
     return asyncio.run(controller.run())
 
 

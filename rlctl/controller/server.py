@@ -29,6 +29,7 @@ from rlctl.controller.api import ApiServer
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.ops import DataOps, OpError
 from rlctl.controller.recovery import Recovery
+from rlctl.controller.seam import Workload
 from rlctl.controller.store import Journal
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
 from rlctl.core import detector as det
@@ -38,7 +39,6 @@ from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
 from rlctl.core.spec import JobSpec
 from rlctl.core.states import JobState, NodeState, WorkerState
-from rlctl.workload.reference import model_path_for
 
 log = logging.getLogger("rlctl.controller")
 
@@ -53,16 +53,16 @@ PROBE_TTL_S = 2.0
 
 
 class Controller:
-    def __init__(self, jobdir: JobDir, spec: JobSpec, backend: Backend, resume: bool = False) -> None:
+    def __init__(self, jobdir: JobDir, spec: JobSpec, backend: Backend, workload: Workload,
+                 resume: bool = False) -> None:
         self.jobdir = jobdir
         self.spec = spec
         self.backend = backend
+        self.workload = workload
         self.resume = resume
         self.journal = Journal(jobdir.journal)
         self.model = JobModel(job_id=jobdir.job_id)
-        from rlctl.workload.prompts import load_held_out_prompts, load_prompts
-
-        self.scheduler = RoundScheduler(config_from_spec(spec), load_prompts(spec), load_held_out_prompts(spec))
+        self.scheduler = RoundScheduler(config_from_spec(spec), workload.prompts(), workload.held_out_prompts())
         self.model.scheduler = self.scheduler
         ft = spec.fault_tolerance
         self.detector = det.Detector(det.config_from_spec(ft))
@@ -431,7 +431,7 @@ class Controller:
             "max_new_tokens": self.spec.rollout.max_new_tokens,
             "worker_batch": self.spec.rollout.worker_batch,
             "dataset_size": self.spec.rollout.dataset_size,
-            "model": {**self.spec.model, "path": str(model_path_for(self.spec))},
+            "model": {**self.spec.model, "path": self.workload.model_path()},
             "reward": self.spec.reward,
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
@@ -482,14 +482,10 @@ class Controller:
                 "MASTER_ADDR": host, "MASTER_PORT": str(trainer_rendezvous_port(self.model.job_id))}
 
     def _trainer_nccl_env(self, slot: SlotRecord) -> dict[str, str]:
-        """PyTorch NCCL watchdog and flight-recorder settings sized from the job's phase bounds."""
-        from rlctl.workload.nccl_env import NcclBounds, trainer_nccl_settings
-
+        """The workload's trainer settings (collective watchdogs) sized from the job's phase bounds."""
         bounds = self.spec.fault_tolerance.phase_timeout_s
         dump_dir = self.jobdir.node_dir(slot.node or "") if self.backend.on_this_machine else Path(".")
-        settings = trainer_nccl_settings(NcclBounds(max_step_s=bounds["training"], checkpoint_s=bounds["checkpointing"],
-                                                    dump_dir=dump_dir))
-        return {**settings.env, "RLCTL_PG_TIMEOUT_S": str(int(settings.pg_timeout.total_seconds()))}
+        return self.workload.trainer_env(bounds["training"], bounds["checkpointing"], dump_dir)
 
     async def start_worker(self, slot: SlotRecord) -> None:
         if slot.node is None:

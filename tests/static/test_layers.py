@@ -7,9 +7,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # (folder, module prefix it must not import): the core stays pure, the production backends know
-# nothing of the lab (its fault injector is handed to them by rlctl.jobfile).
+# nothing of the lab (its fault injector is handed to them by rlctl.jobfile), and the controller
+# reaches the workload only through the seam it is given (rlctl.controller.seam).
 FORBIDDEN = [("rlctl/core", "rlctl.controller"), ("rlctl/core", "rlctl.backends"), ("rlctl/core", "rlctl.workload"),
-             ("rlctl/backends", "rlctl.lab")]
+             ("rlctl/backends", "rlctl.lab"), ("rlctl/controller", "rlctl.workload")]
 
 
 def imported_modules(path: Path) -> set[str]:
