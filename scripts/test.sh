@@ -18,7 +18,12 @@ if [ "${RLCTL_SKIP_VLLM:-0}" != 1 ]; then
   bash scripts/vllm-cpu-env.sh && "$ROOT/.venv-vllm/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_engine
   vllm_code=$?
   set -e
-  [ "$vllm_code" = 0 ] || echo "the vLLM tier failed (exit $vllm_code)" >&2
+  if [ "$vllm_code" = 0 ]; then
+    export RLCTL_VLLM_TIER_RAN="passed"
+  else
+    echo "the vLLM tier failed (exit $vllm_code)" >&2
+    export RLCTL_VLLM_TIER_RAN="failed, exit $vllm_code"
+  fi
 fi
 
 set +e

@@ -8,6 +8,7 @@ tests skip; the import-hygiene test still runs.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -17,7 +18,10 @@ VLLM_MISSING = importlib.util.find_spec("vllm") is None
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not VLLM_MISSING:
         return
-    skip = pytest.mark.skip(reason="vllm is not importable here (make .venv-vllm: bash scripts/vllm-cpu-env.sh)")
+    ran = os.environ.get("RLCTL_VLLM_TIER_RAN")  # set by scripts/test.sh after the tier ran in .venv-vllm
+    reason = (f"vllm is not importable here; this test ran in .venv-vllm earlier in this run ({ran})" if ran
+              else "vllm is not importable here (make .venv-vllm: bash scripts/vllm-cpu-env.sh)")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(skip)
