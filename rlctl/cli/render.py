@@ -14,6 +14,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from rlctl.core.events import EventKind
+
 DETAIL_NODES = 24
 ATTENTION_STATES = frozenset({"suspect", "failed", "draining", "starting", "allocating"})
 STATE_STYLE = {
@@ -182,7 +184,7 @@ def events_table(status: dict[str, Any]) -> Table:
     table.add_column("type", width=18)
     table.add_column("detail", overflow="fold")
     for ev in status.get("events", [])[-8:]:
-        style = "red" if ev["type"] in ("Verdict", "FaultInjected") else ("yellow" if ev["type"] == "ActionTaken" else "")
+        style = "red" if ev["type"] in (EventKind.VERDICT, EventKind.FAULT_INJECTED) else ("yellow" if ev["type"] == EventKind.ACTION_TAKEN else "")
         table.add_row(str(ev["seq"]), Text(ev["type"], style=style), ev["summary"])
     return table
 

@@ -16,6 +16,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlctl.core.events import EventKind
+
 if TYPE_CHECKING:
     from rlctl.controller.server import Controller
 
@@ -95,7 +97,7 @@ class ApiServer:
         if kind in ("xid",) and "code" not in params:
             return {"ok": False, "error": "kind xid needs a code (e.g. --code 79)"}
         fault_id = f"inj-{uuid.uuid4().hex[:8]}"
-        self.c.record("FaultInjected", fault_id=fault_id, node=node, kind=kind, params=params)
+        self.c.record(EventKind.FAULT_INJECTED, fault_id=fault_id, node=node, kind=kind, params=params)
         self.c.spawn(self._carry_out(node, kind, params, backend_kind))
         return {"ok": True, "fault_id": fault_id, "node": node, "kind": kind}
 

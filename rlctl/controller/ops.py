@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rlctl.core.events import Event, event
+from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import SlotRecord
 from rlctl.core.states import WorkerState
 
@@ -99,7 +99,7 @@ class DataOps:
         results = list(args.get("results", []))
         events = self.c.scheduler.submit(slot.slot, slot.wid or "", results, now)
         self.c.commit_decided(events)
-        accepted = sum(1 for e in events if e.type in ("TrajectoryStored", "PromptDeferred"))
+        accepted = sum(1 for e in events if e.type in (EventKind.TRAJECTORY_STORED, EventKind.PROMPT_DEFERRED))
         return {"accepted": accepted, "cancel": self.c.scheduler.cancelled_among([str(r.get("item_id")) for r in results])}
 
     # ------------------------------------------------------------------------------- reward
@@ -143,7 +143,7 @@ class DataOps:
         if failed:
             on_error = str(self.c.spec.reward["on_error"])
             failures = [
-                event("RewardFunctionFailed", now, function=str(s.get("function", ""))[:200], item_id=str(s["item_id"]),
+                event(EventKind.REWARD_FUNCTION_FAILED, now, function=str(s.get("function", ""))[:200], item_id=str(s["item_id"]),
                       prompt_id=getattr(scheduler.find_sample(str(s["item_id"])), "prompt_id", ""), error=str(s["error"])[:500], on_error=on_error)
                 for s in failed
             ]
@@ -154,7 +154,7 @@ class DataOps:
                 return {"accepted": 0}
         events = self.c.scheduler.submit_scores(slot.wid or "", scores, now)
         self.c.commit_decided(events)
-        return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == "RewardsStored")}
+        return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == EventKind.REWARDS_STORED)}
 
     # ------------------------------------------------------------------------------ trainer
 
@@ -222,9 +222,9 @@ class DataOps:
         version = int(args["version"])
         events: list[Event] = []
         if "metrics" in args and version - 1 not in self.c.model.step_metrics:
-            events.append(event("StepTrained", now, step=version - 1, metrics=dict(args["metrics"])))
+            events.append(event(EventKind.STEP_TRAINED, now, step=version - 1, metrics=dict(args["metrics"])))
         state = {"state_source": dict(args["state_source"])} if isinstance(args.get("state_source"), dict) else {}
-        events.append(event("WeightsPublished", now, version=version, slot=slot.slot, source=dict(args["source"]), **state))
+        events.append(event(EventKind.WEIGHTS_PUBLISHED, now, version=version, slot=slot.slot, source=dict(args["source"]), **state))
         self.c.commit(events)
         self.c.on_weights_published(version, now)
         return {}
@@ -236,14 +236,14 @@ class DataOps:
 
     def op_trainer_checkpointed(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "trainer")
-        self.c.commit([event("Checkpointed", now, step=int(args["step"]), path=str(args["path"]))])
+        self.c.commit([event(EventKind.CHECKPOINTED, now, step=int(args["step"]), path=str(args["path"]))])
         return {}
 
     def op_trainer_restored(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "trainer")
         replayed = [int(s) for s in args.get("replayed_steps", [])]
         self.c.commit(
-            [event("TrainerRestored", now, slot=slot.slot, checkpoint_step=args.get("checkpoint_step"), replayed_steps=replayed,
+            [event(EventKind.TRAINER_RESTORED, now, slot=slot.slot, checkpoint_step=args.get("checkpoint_step"), replayed_steps=replayed,
                    state_step=args.get("state_step"))]
         )
         return {}
@@ -251,7 +251,7 @@ class DataOps:
     # ------------------------------------------------------------------------------ weights
 
     def op_weights_held(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self.c.commit([event("WeightsHeld", now, version=int(args["version"]), slot=slot.slot, source=dict(args["source"]))])
+        self.c.commit([event(EventKind.WEIGHTS_HELD, now, version=int(args["version"]), slot=slot.slot, source=dict(args["source"]))])
         return {}
 
     def op_weights_source(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
@@ -259,7 +259,7 @@ class DataOps:
         version = int(args.get("version", self.c.model.published_version))
         failed = args.get("failed_source")
         if isinstance(failed, dict):
-            self.c.commit([event("WeightsSourceFailed", now, version=version, source=failed, reporter=slot.slot,
+            self.c.commit([event(EventKind.WEIGHTS_SOURCE_FAILED, now, version=version, source=failed, reporter=slot.slot,
                                  error=str(args.get("error", ""))[:200])])
         return {"weights_source": self.c.weights_source(version, exclude_slot=slot.slot)}
 

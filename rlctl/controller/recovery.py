@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from rlctl.backends.base import NodeInfo
 from rlctl.core import detector as det
 from rlctl.core import policy
+from rlctl.core.events import EventKind
 from rlctl.core.model import SlotRecord
 from rlctl.core.states import JobState, NodeState, WorkerState
 
@@ -182,7 +183,7 @@ class Recovery:
             return
         self._handled.add(key)
         fault_id = self._fault_id_for(verdict)
-        self.c.record("Verdict", node=verdict.node, slot=verdict.slot, verdict=verdict.verdict, fault=fault_id,
+        self.c.record(EventKind.VERDICT, node=verdict.node, slot=verdict.slot, verdict=verdict.verdict, fault=fault_id,
                       fault_kind=verdict.fault, action=verdict.action, reason=verdict.reason,
                       evidence_since=verdict.evidence_since)
         steps = policy.plan(self.c.model, verdict, self.c.spec.fault_tolerance.max_restarts_per_slot)
@@ -190,7 +191,7 @@ class Recovery:
             self._handled.discard(key)
             return
         if self.c.model.life.can_move(JobState.RECOVERING):
-            self.c.record("JobStateChanged", state=JobState.RECOVERING.value, reason=verdict.reason[:120])
+            self.c.record(EventKind.JOB_STATE_CHANGED, state=JobState.RECOVERING.value, reason=verdict.reason[:120])
         self.c.spawn(self._run_plan(steps, verdict, fault_id, key))
 
     def _fault_id_for(self, verdict: det.Verdict) -> str:
@@ -228,7 +229,7 @@ class Recovery:
         lost = 0
         if step.kind in ("restart-worker", "stop-worker", "fail-node", "stop-all"):
             lost = self._release_items(step, verdict)
-        c.record("ActionTaken", action=step.kind, node=args.get("node", verdict.node), slot=args.get("slot"),
+        c.record(EventKind.ACTION_TAKEN, action=step.kind, node=args.get("node", verdict.node), slot=args.get("slot"),
                  reason=verdict.reason[:200], fault_ids=[fault_id], trajectories_lost=0, items_requeued=lost,
                  **{k: v for k, v in args.items() if k in ("standby_slot", "to_step", "exclude_node", "drain")})
         if step.kind == "restart-worker":
@@ -241,7 +242,7 @@ class Recovery:
         elif step.kind == "move-slot":
             node = model.nodes[args["node"]]
             target = NodeState.ACTIVE
-            c.record("NodeStateChanged", node=node.name, state=target.value, reason=f"takes over {args['slot']}",
+            c.record(EventKind.NODE_STATE_CHANGED, node=node.name, state=target.value, reason=f"takes over {args['slot']}",
                      role=model.slots[args["slot"]].role)
         elif step.kind == "stop-worker":
             slot = model.slots[args["slot"]]
@@ -252,13 +253,13 @@ class Recovery:
         elif step.kind == "activate-standby":
             standby_node = model.slots[args["slot"]].node  # the ActionTaken above moved the role onto the standby's node
             if standby_node is not None and model.nodes[standby_node].life.can_move(NodeState.ACTIVE):
-                c.record("NodeStateChanged", node=standby_node, state=NodeState.ACTIVE.value,
+                c.record(EventKind.NODE_STATE_CHANGED, node=standby_node, state=NodeState.ACTIVE.value,
                          reason=f"warm standby takes over {args['slot']}", role=model.slots[args["slot"]].role)
         elif step.kind == "retire-standby":
             standby = model.slots.get(args["standby_slot"])
             if standby is not None:
                 await c.stop_worker(standby, grace_s=0.5)
-                c.record("ActionTaken", action="vacate-slot", node=standby.node or "", slot=standby.slot,
+                c.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=standby.node or "", slot=standby.slot,
                          reason="spare node re-used", fault_ids=[])
         elif step.kind == "request-node":
             await self._request_node(args["slot"], args["exclude_node"], fault_id)
@@ -295,13 +296,13 @@ class Recovery:
         c = self.c
         node = c.model.nodes[name]
         if node.life.can_move(NodeState.FAILED):
-            c.record("NodeStateChanged", node=name, state=NodeState.FAILED.value, reason=reason[:200],
+            c.record(EventKind.NODE_STATE_CHANGED, node=name, state=NodeState.FAILED.value, reason=reason[:200],
                      exclude=c.spec.fault_tolerance.exclude_failed_nodes)
         c.detector.forget(name)
         live = (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT, WorkerState.STOPPING)
         for slot in c.model.slots.values():
             if slot.node == name and slot.wid and slot.life is not None and slot.life.state in live:
-                c.record("WorkerExited", slot=slot.slot, wid=slot.wid, exit_code=None, signal="node-failed")
+                c.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=None, signal="node-failed")
         info = c.node_infos.get(name) or NodeInfo(name, node.host, node.backend_ref)
         try:
             await asyncio.wait_for(c.backend.release([info]), 15.0)
@@ -309,11 +310,11 @@ class Recovery:
             log.warning("releasing failed node %s: %s", name, exc)
         for slot in c.model.slots.values():
             if slot.node == name and slot.standby:
-                c.record("ActionTaken", action="vacate-slot", node=name, slot=slot.slot, reason="spare node failed",
+                c.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=name, slot=slot.slot, reason="spare node failed",
                          fault_ids=[])
         for target in (NodeState.DRAINING, NodeState.RELEASED):
             if c.model.nodes[name].life.can_move(target):
-                c.record("NodeStateChanged", node=name, state=target.value, reason="failed node given back")
+                c.record(EventKind.NODE_STATE_CHANGED, node=name, state=target.value, reason="failed node given back")
 
     async def _make_standby(self, name: str) -> None:
         """Turn a healthy node whose role moved away into a spare running a warm trainer standby."""
@@ -323,11 +324,11 @@ class Recovery:
             return
         for target in (NodeState.READY, NodeState.STANDBY):
             if c.model.nodes[name].life.can_move(target):
-                c.record("NodeStateChanged", node=name, state=target.value, reason="role moved away: kept as a spare",
+                c.record(EventKind.NODE_STATE_CHANGED, node=name, state=target.value, reason="role moved away: kept as a spare",
                          role="spare")
         slot_name = f"standby-{name}"
         wid = c.model.next_wid(slot_name)
-        c.record("WorkerStarting", slot=slot_name, wid=wid, node=name, role="trainer", generation=1, standby=True)
+        c.record(EventKind.WORKER_STARTING, slot=slot_name, wid=wid, node=name, role="trainer", generation=1, standby=True)
         await c.start_worker_as(c.model.slots[slot_name], wid)
 
     async def _new_node(self, bad_node: str) -> NodeInfo | None:
@@ -347,16 +348,16 @@ class Recovery:
         fresh = await self._new_node(exclude_node)
         slot = c.model.slots[slot_name]
         if fresh is None:
-            c.record("ActionTaken", action="vacate-slot", node=exclude_node, slot=slot_name,
+            c.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=exclude_node, slot=slot_name,
                      reason="no replacement node available: the job continues degraded", fault_ids=[fault_id],
                      degraded=True)
             if slot.role == "trainer":
                 c.request_stop("failed: trainer lost and no node to restore it on")
             return
         c.node_infos[fresh.name] = fresh
-        c.record("NodeAllocated", node=fresh.name, host=fresh.host, role=slot.role, slot=slot_name,
+        c.record(EventKind.NODE_ALLOCATED, node=fresh.name, host=fresh.host, role=slot.role, slot=slot_name,
                  backend_ref=fresh.backend_ref)
-        c.record("ActionTaken", action="move-slot", node=fresh.name, slot=slot_name, reason="replacement node", fault_ids=[])
+        c.record(EventKind.ACTION_TAKEN, action="move-slot", node=fresh.name, slot=slot_name, reason="replacement node", fault_ids=[])
         await c.start_agent(fresh)
 
     async def _request_spare(self, exclude_node: str) -> None:
@@ -368,7 +369,7 @@ class Recovery:
             log.info("no node for a new spare: the job continues with fewer spares")
             return
         c.node_infos[fresh.name] = fresh
-        c.record("NodeAllocated", node=fresh.name, host=fresh.host, role="spare",
+        c.record(EventKind.NODE_ALLOCATED, node=fresh.name, host=fresh.host, role="spare",
                  slot=f"standby-{fresh.name}" if c.spec.warm_spares else "", role_of_slot="trainer", standby=True,
                  backend_ref=fresh.backend_ref)
         await c.start_agent(fresh)
@@ -380,12 +381,12 @@ class Recovery:
         if (model.life.state == JobState.RECOVERING and not model.open_faults() and not self._busy_slots
                 and all(s.life is not None and s.life.state == WorkerState.RUNNING for s in model.slots.values()
                         if s.node is not None and not s.standby)):
-            self.c.record("JobStateChanged", state=JobState.RUNNING.value, reason="recovered")
+            self.c.record(EventKind.JOB_STATE_CHANGED, state=JobState.RUNNING.value, reason="recovered")
 
     def _suspect(self, name: str, reason: str) -> None:
         node = self.c.model.nodes[name]
         if node.life.can_move(NodeState.SUSPECT) and node.life.state != NodeState.SUSPECT:
-            self.c.record("NodeStateChanged", node=name, state=NodeState.SUSPECT.value, reason=reason[:200])
+            self.c.record(EventKind.NODE_STATE_CHANGED, node=name, state=NodeState.SUSPECT.value, reason=reason[:200])
 
     def _probe(self, name: str) -> None:
         if name in self.c.probing:

@@ -10,6 +10,7 @@ from typing import Any
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
+from rlctl.core.events import EventKind
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
@@ -55,16 +56,16 @@ def build_report(jobdir: JobDir) -> tuple[dict[str, Any], Timeline]:
     try:
         for ev in journal.read():
             model.apply(ev)
-            if ev.type == "WeightsPublished":
+            if ev.type == EventKind.WEIGHTS_PUBLISHED:
                 timeline.steps.append((ev.at, int(ev.data["version"])))
                 timeline.ettr.append((ev.at, model.ledger.ettr()))
-            elif ev.type == "StepTrained" and ev.data["metrics"].get("mean_reward") is not None:
+            elif ev.type == EventKind.STEP_TRAINED and ev.data["metrics"].get("mean_reward") is not None:
                 timeline.rewards.append((ev.at, float(ev.data["metrics"]["mean_reward"])))
-            elif ev.type == "RewardsStored":
+            elif ev.type == EventKind.REWARDS_STORED:
                 tally.add(ev.data["scores"])
-            elif ev.type == "RewardFunctionFailed":
+            elif ev.type == EventKind.REWARD_FUNCTION_FAILED:
                 tally.failures += 1
-            elif ev.type == "HeldOutScored":
+            elif ev.type == EventKind.HELD_OUT_SCORED:
                 timeline.held_out.append((ev.at, float(ev.data["reward_mean"])))
     finally:
         journal.close()

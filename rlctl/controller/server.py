@@ -33,7 +33,7 @@ from rlctl.controller.seam import Workload
 from rlctl.controller.store import Journal
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
 from rlctl.core import detector as det
-from rlctl.core.events import Event, event
+from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import GpuSummary, JobModel, SlotRecord
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
@@ -122,7 +122,7 @@ class Controller:
             self.model.scheduler = scheduler
         return stored
 
-    def record(self, type_: str, **data: Any) -> list[Event]:
+    def record(self, type_: EventKind, **data: Any) -> list[Event]:
         return self.commit([event(type_, time.time(), **data)])
 
     # ----------------------------------------------------------------------------- startup
@@ -156,7 +156,7 @@ class Controller:
     async def _start_fresh(self) -> None:
         spec = self.spec
         self.record(
-            "JobSubmitted",
+            EventKind.JOB_SUBMITTED,
             job_id=self.jobdir.job_id,
             spec_file=str(self.jobdir.spec_file),
             backend=spec.backend,
@@ -164,8 +164,8 @@ class Controller:
             steps=spec.steps,
         )
         await self._bind(port=0)
-        self.record("ControllerStarted", pid=os.getpid(), resumed=False, agent_port=self.agent_port)
-        self.record("JobStateChanged", state=JobState.STARTING.value, reason="allocating nodes")
+        self.record(EventKind.CONTROLLER_STARTED, pid=os.getpid(), resumed=False, agent_port=self.agent_port)
+        self.record(EventKind.JOB_STATE_CHANGED, state=JobState.STARTING.value, reason="allocating nodes")
         request = AllocationRequest(
             job_id=self.jobdir.job_id,
             nodes_by_role={name: role.nodes for name, role in spec.roles.items()},
@@ -186,14 +186,14 @@ class Controller:
                 node = queue.pop(0)
                 self.node_infos[node.name] = node
                 events.append(
-                    event("NodeAllocated", now, node=node.name, host=node.host, role=role_name, slot=f"{role_name}-{index}",
+                    event(EventKind.NODE_ALLOCATED, now, node=node.name, host=node.host, role=role_name, slot=f"{role_name}-{index}",
                           backend_ref=node.backend_ref)
                 )
         for index, node in enumerate(queue):
             self.node_infos[node.name] = node
             slot = f"standby-{index}" if self.spec.warm_spares else ""
             events.append(
-                event("NodeAllocated", now, node=node.name, host=node.host, role="spare", slot=slot,
+                event(EventKind.NODE_ALLOCATED, now, node=node.name, host=node.host, role="spare", slot=slot,
                       role_of_slot="trainer", standby=True, backend_ref=node.backend_ref)
             )
         return events
@@ -203,7 +203,7 @@ class Controller:
             self.model.apply(ev)
         info = self.jobdir.read_controller()
         await self._bind(port=int(info.get("agent_port", 0)))
-        self.record("ControllerStarted", pid=os.getpid(), resumed=True, agent_port=self.agent_port)
+        self.record(EventKind.CONTROLLER_STARTED, pid=os.getpid(), resumed=True, agent_port=self.agent_port)
         for node in self.model.nodes.values():
             self.node_infos[node.name] = NodeInfo(name=node.name, host=node.host, backend_ref=node.backend_ref)
         await self.backend.adopt(list(self.node_infos.values()))
@@ -253,7 +253,7 @@ class Controller:
             await self.backend.start_agent(node, self.launch)
         except Exception as exc:  # noqa: BLE001 - one node's failure must not stop the others
             log.warning("starting the agent on %s failed: %s", node.name, exc)
-            self.record("FaultSignal", node=node.name, kind="agent-start-failed", detail=str(exc)[:300])
+            self.record(EventKind.FAULT_SIGNAL, node=node.name, kind="agent-start-failed", detail=str(exc)[:300])
 
     # ---------------------------------------------------------------------------- agents
 
@@ -265,12 +265,12 @@ class Controller:
         record = self.model.nodes[node]
         returning = record.incarnation != 0  # a node that registered before (agent or controller restart)
         self.detector.heartbeat(node, time.time())
-        self.record("AgentRegistered", node=node, incarnation=int(hello.get("incarnation", 0)),
+        self.record(EventKind.AGENT_REGISTERED, node=node, incarnation=int(hello.get("incarnation", 0)),
                     facts=dict(hello.get("facts", {})))
         record.last_heartbeat_at = time.time()
         if record.life.state in (NodeState.STARTING, NodeState.SUSPECT):
             target = NodeState.READY if record.life.state == NodeState.STARTING else _restored_state(self.model, node)
-            self.record("NodeStateChanged", node=node, state=target.value, reason="agent registered")
+            self.record(EventKind.NODE_STATE_CHANGED, node=node, state=target.value, reason="agent registered")
         self.probes.pop(node, None)
         reported = {w.get("wid"): w for w in hello.get("facts", {}).get("workers", []) if isinstance(w, dict)}
         for slot in self.model.slots_on_node(node):
@@ -281,7 +281,7 @@ class Controller:
                 continue
             live = (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT)
             if returning and slot.life is not None and slot.life.state in live and slot.wid:
-                self.record("WorkerExited", slot=slot.slot, wid=slot.wid, exit_code=None, signal="lost-while-disconnected")
+                self.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=None, signal="lost-while-disconnected")
                 self.recovery.on_worker_gone(slot, None, "lost-while-disconnected")
                 continue
             if self._wants_worker(slot):
@@ -291,7 +291,7 @@ class Controller:
     def _settle_node_role(self, node: str) -> None:
         target = self.model.placement_state(node)
         if target is not None:
-            self.record("NodeStateChanged", node=node, state=target.value,
+            self.record(EventKind.NODE_STATE_CHANGED, node=node, state=target.value,
                         reason="placed" if target == NodeState.ACTIVE else "kept as a spare")
 
     def _wants_worker(self, slot: SlotRecord) -> bool:
@@ -303,7 +303,7 @@ class Controller:
 
     async def on_gone(self, node: str, reason: str) -> None:
         if node in self.model.nodes:
-            self.record("AgentDisconnected", node=node, reason=reason)
+            self.record(EventKind.AGENT_DISCONNECTED, node=node, reason=reason)
 
     async def on_message(self, node: str, message: dict[str, Any]) -> None:
         kind = message["type"]
@@ -316,12 +316,12 @@ class Controller:
             elif kind == "worker_phase":
                 slot = self.model.slot_of_wid(str(message.get("wid")))
                 if slot is not None:
-                    self.record("WorkerPhase", slot=slot.slot, wid=slot.wid, phase=str(message.get("phase")),
+                    self.record(EventKind.WORKER_PHASE, slot=slot.slot, wid=slot.wid, phase=str(message.get("phase")),
                                 step=int(message.get("step") or 0))
             elif kind == "worker_started":
                 slot = self.model.slot_of_wid(str(message.get("wid")))
                 if slot is not None:
-                    self.record("WorkerStarted", slot=slot.slot, wid=slot.wid, pid=int(message.get("pid") or 0))
+                    self.record(EventKind.WORKER_STARTED, slot=slot.slot, wid=slot.wid, pid=int(message.get("pid") or 0))
             elif kind == "worker_exited":
                 self._on_worker_exited(node, message)
             elif kind == "fault_signal":
@@ -353,7 +353,7 @@ class Controller:
             slot.progress = progress
             self.detector.progress(slot.wid or "", progress, now, busy=slot.phase in det.THROUGHPUT_PHASES)
         if record.life.state == NodeState.SUSPECT:
-            self.record("NodeStateChanged", node=node, state=_restored_state(self.model, node).value,
+            self.record(EventKind.NODE_STATE_CHANGED, node=node, state=_restored_state(self.model, node).value,
                         reason="heartbeats resumed: suspicion refuted")
 
     def _on_worker_exited(self, node: str, message: dict[str, Any]) -> None:
@@ -362,7 +362,7 @@ class Controller:
             return
         code = message.get("exit_code")
         sig = message.get("signal")
-        self.record("WorkerExited", slot=slot.slot, wid=slot.wid, exit_code=code, signal=sig)
+        self.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=code, signal=sig)
         if slot.wid in self.stopping_wids:
             # We asked it to stop. If nothing replaced it meanwhile (its node was unreachable when
             # the others were restarted) and the job wants the slot filled, start it now.
@@ -375,7 +375,7 @@ class Controller:
         kind = str(message.get("kind"))
         code = message.get("code")
         detail = str(message.get("message") or "")[:300]
-        self.record("FaultSignal", node=node, kind=kind, detail=detail, code=code, gpu=message.get("gpu"),
+        self.record(EventKind.FAULT_SIGNAL, node=node, kind=kind, detail=detail, code=code, gpu=message.get("gpu"),
                     worker=message.get("worker"))
         fault, action = det.classify_signal(kind, int(code) if code is not None else None)
         if action == "observe":
@@ -492,7 +492,7 @@ class Controller:
             return
         generation = slot.generation + 1
         wid = self.model.next_wid(slot.slot)
-        self.record("WorkerStarting", slot=slot.slot, wid=wid, node=slot.node, role=slot.role, generation=generation,
+        self.record(EventKind.WORKER_STARTING, slot=slot.slot, wid=wid, node=slot.node, role=slot.role, generation=generation,
                     standby=slot.standby)
         await self.start_worker_as(slot, wid)
 
@@ -511,7 +511,7 @@ class Controller:
             return
         self.stopping_wids.add(slot.wid)
         if slot.life is not None and slot.life.can_move(WorkerState.STOPPING):
-            self.record("WorkerPhase", slot=slot.slot, wid=slot.wid, phase="stopping", step=slot.phase_step)
+            self.record(EventKind.WORKER_PHASE, slot=slot.slot, wid=slot.wid, phase="stopping", step=slot.phase_step)
         await self.hub.command(slot.node, "stop_worker", wait=grace_s + 5.0, wid=slot.wid, grace_s=grace_s)
 
     # --------------------------------------------------------------------------------- weights
@@ -567,7 +567,7 @@ class Controller:
         model = self.model
         state = model.life.state
         if state == JobState.STARTING and self._all_roles_running():
-            self.record("JobStateChanged", state=JobState.RUNNING.value, reason="every role has a running worker")
+            self.record(EventKind.JOB_STATE_CHANGED, state=JobState.RUNNING.value, reason="every role has a running worker")
         if model.life.state == JobState.RUNNING and not self._heap_frozen:
             self._freeze_heap()
         if model.life.state in (JobState.RUNNING, JobState.RECOVERING) and not self.stopping:
@@ -626,7 +626,7 @@ class Controller:
                 heard += 1
             elif node.life.state not in (NodeState.RELEASED, NodeState.FAILED):
                 silent[node.name] = node.last_heartbeat_at
-        self.record("HeartbeatSummary", beats=self._beats_since_summary, nodes=heard,
+        self.record(EventKind.HEARTBEAT_SUMMARY, beats=self._beats_since_summary, nodes=heard,
                     window_s=round(now - self._last_summary, 3), fresh_since=fresh_since, silent=silent)
         self._beats_since_summary = 0
         self._last_summary = now
@@ -649,7 +649,7 @@ class Controller:
         self.stop_reason = reason
         self._stop_requested_by = "success" if succeeded else "operator"
         if self.model.life.can_move(JobState.STOPPING):
-            self.record("JobStateChanged", state=JobState.STOPPING.value, reason=reason)
+            self.record(EventKind.JOB_STATE_CHANGED, state=JobState.STOPPING.value, reason=reason)
 
     async def _finish(self) -> None:
         await self._release_everything()
@@ -674,16 +674,16 @@ class Controller:
         for node in live:
             for target in (NodeState.DRAINING, NodeState.RELEASED):
                 if node.life.can_move(target):
-                    self.record("NodeStateChanged", node=node.name, state=target.value, reason="job ended")
+                    self.record(EventKind.NODE_STATE_CHANGED, node=node.name, state=target.value, reason="job ended")
 
     def _force_state(self, state: JobState, reason: str) -> None:
         life = self.model.life
         if life.state.terminal:
             return
         if life.state != JobState.STOPPING and life.can_move(JobState.STOPPING):
-            self.record("JobStateChanged", state=JobState.STOPPING.value, reason=reason)
+            self.record(EventKind.JOB_STATE_CHANGED, state=JobState.STOPPING.value, reason=reason)
         if self.model.life.can_move(state):
-            self.record("JobStateChanged", state=state.value, reason=reason)
+            self.record(EventKind.JOB_STATE_CHANGED, state=state.value, reason=reason)
 
     # -------------------------------------------------------------------------------- views
 

@@ -9,48 +9,91 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 EVENT_SCHEMA_VERSION = 1
 
+class EventKind(StrEnum):
+    """Every kind of event the journal may hold. A ``StrEnum``: a kind equals its name as a string,
+    which is what the journal stores."""
+
+    JOB_SUBMITTED = "JobSubmitted"
+    JOB_STATE_CHANGED = "JobStateChanged"
+    NODE_ALLOCATED = "NodeAllocated"
+    NODE_STATE_CHANGED = "NodeStateChanged"
+    AGENT_REGISTERED = "AgentRegistered"
+    AGENT_DISCONNECTED = "AgentDisconnected"
+    HEARTBEAT_SUMMARY = "HeartbeatSummary"
+    WORKER_STARTING = "WorkerStarting"
+    WORKER_STARTED = "WorkerStarted"
+    WORKER_PHASE = "WorkerPhase"
+    WORKER_EXITED = "WorkerExited"
+    FAULT_INJECTED = "FaultInjected"
+    FAULT_SIGNAL = "FaultSignal"
+    VERDICT = "Verdict"
+    ACTION_TAKEN = "ActionTaken"
+    FAULT_RECOVERED = "FaultRecovered"
+    ROUND_STARTED = "RoundStarted"
+    ITEMS_DISPATCHED = "ItemsDispatched"
+    ITEMS_RETURNED = "ItemsReturned"
+    TRAJECTORY_STORED = "TrajectoryStored"
+    PROMPT_DEFERRED = "PromptDeferred"
+    REWARDS_STORED = "RewardsStored"
+    REWARD_FUNCTION_FAILED = "RewardFunctionFailed"
+    SCORING_DISPATCHED = "ScoringDispatched"
+    BATCH_FORMED = "BatchFormed"
+    EPOCH_STARTED = "EpochStarted"
+    WEIGHTS_PUBLISHED = "WeightsPublished"
+    WEIGHTS_HELD = "WeightsHeld"
+    WEIGHTS_SOURCE_FAILED = "WeightsSourceFailed"
+    STEP_TRAINED = "StepTrained"
+    CHECKPOINTED = "Checkpointed"
+    TRAINER_RESTORED = "TrainerRestored"
+    CONTROLLER_STARTED = "ControllerStarted"
+    SCHEDULER_ROLLED_BACK = "SchedulerRolledBack"
+    HELD_OUT_STARTED = "HeldOutStarted"
+    HELD_OUT_SCORED = "HeldOutScored"
+
+
 # Every event type the journal may hold, with the data keys it must carry.
-EVENT_TYPES: dict[str, tuple[str, ...]] = {
-    "JobSubmitted": ("job_id", "spec_file", "backend", "policy"),
-    "JobStateChanged": ("state", "reason"),
-    "NodeAllocated": ("node", "host", "role", "slot"),
-    "NodeStateChanged": ("node", "state", "reason"),
-    "AgentRegistered": ("node", "incarnation", "facts"),
-    "AgentDisconnected": ("node", "reason"),
-    "HeartbeatSummary": ("beats", "nodes", "window_s"),
-    "WorkerStarting": ("slot", "wid", "node", "role"),
-    "WorkerStarted": ("slot", "wid", "pid"),
-    "WorkerPhase": ("slot", "wid", "phase", "step"),
-    "WorkerExited": ("slot", "wid", "exit_code", "signal"),
-    "FaultInjected": ("fault_id", "node", "kind", "params"),
-    "FaultSignal": ("node", "kind", "detail"),
-    "Verdict": ("node", "slot", "verdict", "fault", "reason"),
-    "ActionTaken": ("action", "node", "slot", "reason"),
-    "FaultRecovered": ("fault_ids", "slot", "node"),
-    "RoundStarted": ("step", "kind", "weights_version", "max_new_tokens", "prompts", "target_groups"),
-    "ItemsDispatched": ("slot", "wid", "item_ids"),
-    "ItemsReturned": ("item_ids", "reason"),
-    "TrajectoryStored": ("item_id", "response_tokens", "truncated", "weights_version", "slot"),
-    "PromptDeferred": ("prompt_id", "step"),
-    "RewardsStored": ("scores",),
-    "RewardFunctionFailed": ("function", "item_id", "prompt_id", "error", "on_error"),
-    "ScoringDispatched": ("slot", "wid", "item_ids"),
-    "BatchFormed": ("step", "kind", "prompt_ids", "returned_prompt_ids"),
-    "EpochStarted": ("epoch", "order"),
-    "WeightsPublished": ("version", "slot", "source"),
-    "WeightsHeld": ("version", "slot", "source"),
-    "WeightsSourceFailed": ("version", "source", "reporter", "error"),
-    "StepTrained": ("step", "metrics"),
-    "Checkpointed": ("step", "path"),
-    "TrainerRestored": ("slot", "checkpoint_step", "replayed_steps"),
-    "ControllerStarted": ("pid", "resumed"),
-    "SchedulerRolledBack": ("to_step",),
-    "HeldOutStarted": ("version", "prompts", "max_new_tokens"),
-    "HeldOutScored": ("version", "prompts", "reward_mean", "reward_std_err", "accuracy"),
+EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
+    EventKind.JOB_SUBMITTED: ("job_id", "spec_file", "backend", "policy"),
+    EventKind.JOB_STATE_CHANGED: ("state", "reason"),
+    EventKind.NODE_ALLOCATED: ("node", "host", "role", "slot"),
+    EventKind.NODE_STATE_CHANGED: ("node", "state", "reason"),
+    EventKind.AGENT_REGISTERED: ("node", "incarnation", "facts"),
+    EventKind.AGENT_DISCONNECTED: ("node", "reason"),
+    EventKind.HEARTBEAT_SUMMARY: ("beats", "nodes", "window_s"),
+    EventKind.WORKER_STARTING: ("slot", "wid", "node", "role"),
+    EventKind.WORKER_STARTED: ("slot", "wid", "pid"),
+    EventKind.WORKER_PHASE: ("slot", "wid", "phase", "step"),
+    EventKind.WORKER_EXITED: ("slot", "wid", "exit_code", "signal"),
+    EventKind.FAULT_INJECTED: ("fault_id", "node", "kind", "params"),
+    EventKind.FAULT_SIGNAL: ("node", "kind", "detail"),
+    EventKind.VERDICT: ("node", "slot", "verdict", "fault", "reason"),
+    EventKind.ACTION_TAKEN: ("action", "node", "slot", "reason"),
+    EventKind.FAULT_RECOVERED: ("fault_ids", "slot", "node"),
+    EventKind.ROUND_STARTED: ("step", "kind", "weights_version", "max_new_tokens", "prompts", "target_groups"),
+    EventKind.ITEMS_DISPATCHED: ("slot", "wid", "item_ids"),
+    EventKind.ITEMS_RETURNED: ("item_ids", "reason"),
+    EventKind.TRAJECTORY_STORED: ("item_id", "response_tokens", "truncated", "weights_version", "slot"),
+    EventKind.PROMPT_DEFERRED: ("prompt_id", "step"),
+    EventKind.REWARDS_STORED: ("scores",),
+    EventKind.REWARD_FUNCTION_FAILED: ("function", "item_id", "prompt_id", "error", "on_error"),
+    EventKind.SCORING_DISPATCHED: ("slot", "wid", "item_ids"),
+    EventKind.BATCH_FORMED: ("step", "kind", "prompt_ids", "returned_prompt_ids"),
+    EventKind.EPOCH_STARTED: ("epoch", "order"),
+    EventKind.WEIGHTS_PUBLISHED: ("version", "slot", "source"),
+    EventKind.WEIGHTS_HELD: ("version", "slot", "source"),
+    EventKind.WEIGHTS_SOURCE_FAILED: ("version", "source", "reporter", "error"),
+    EventKind.STEP_TRAINED: ("step", "metrics"),
+    EventKind.CHECKPOINTED: ("step", "path"),
+    EventKind.TRAINER_RESTORED: ("slot", "checkpoint_step", "replayed_steps"),
+    EventKind.CONTROLLER_STARTED: ("pid", "resumed"),
+    EventKind.SCHEDULER_ROLLED_BACK: ("to_step",),
+    EventKind.HELD_OUT_STARTED: ("version", "prompts", "max_new_tokens"),
+    EventKind.HELD_OUT_SCORED: ("version", "prompts", "reward_mean", "reward_std_err", "accuracy"),
 }
 
 
@@ -62,15 +105,18 @@ class EventError(ValueError):
 class Event:
     """One fact. ``seq`` is assigned by the journal; ``at`` is controller wall time (seconds)."""
 
-    type: str
+    type: EventKind
     at: float
     data: dict[str, Any] = field(default_factory=dict)
     seq: int = 0
 
     def __post_init__(self) -> None:
-        required = EVENT_TYPES.get(self.type)
-        if required is None:
-            raise EventError(f"unknown event type {self.type!r}")
+        try:
+            kind = EventKind(self.type)
+        except ValueError:
+            raise EventError(f"unknown event type {self.type!r}") from None
+        object.__setattr__(self, "type", kind)  # a kind read back from the journal is a plain string
+        required = EVENT_TYPES[kind]
         missing = [key for key in required if key not in self.data]
         if missing:
             raise EventError(f"event {self.type} lacks {', '.join(missing)}")
@@ -83,12 +129,12 @@ class Event:
         body = json.loads(payload)
         if body.get("v") != EVENT_SCHEMA_VERSION:
             raise EventError(f"event {seq} has schema version {body.get('v')!r}, expected {EVENT_SCHEMA_VERSION}")
-        return cls(type=type_, at=at, data=body["data"], seq=seq)
+        return cls(type=type_, at=at, data=body["data"], seq=seq)  # type: ignore[arg-type]
 
     def as_dict(self) -> dict[str, Any]:
         return {"seq": self.seq, "type": self.type, "at": self.at, "data": self.data}
 
 
-def event(type_: str, at: float, **data: Any) -> Event:
-    """Shorthand constructor: ``event("Verdict", now, node=..., ...)``."""
+def event(type_: EventKind, at: float, **data: Any) -> Event:
+    """Shorthand constructor: ``event(EventKind.VERDICT, now, node=..., ...)``."""
     return Event(type=type_, at=at, data=data)

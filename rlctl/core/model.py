@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.core.ettr import EttrLedger
-from rlctl.core.events import Event
+from rlctl.core.events import Event, EventKind
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.states import JobState, Lifecycle, NodeState, WorkerState
 
 RECENT_EVENTS = 200
-QUIET_EVENTS = frozenset({"HeartbeatSummary", "ItemsDispatched", "ScoringDispatched", "TrajectoryStored", "RewardsStored"})
+QUIET_EVENTS = frozenset({EventKind.HEARTBEAT_SUMMARY, EventKind.ITEMS_DISPATCHED, EventKind.SCORING_DISPATCHED, EventKind.TRAJECTORY_STORED, EventKind.REWARDS_STORED})
 
 
 @dataclass(frozen=True)

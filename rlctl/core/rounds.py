@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlctl.core.events import Event, event
+from rlctl.core.events import Event, EventKind, event
 
 if TYPE_CHECKING:
     from rlctl.core.spec import JobSpec
@@ -212,7 +212,7 @@ class RoundScheduler:
             chosen = [s.item_id for s in self.held_out.samples.values() if s.status == PENDING][:capacity]
         if not chosen:
             return []
-        return self._emit([], event("ItemsDispatched", at, slot=slot, wid=wid, item_ids=chosen))
+        return self._emit([], event(EventKind.ITEMS_DISPATCHED, at, slot=slot, wid=wid, item_ids=chosen))
 
     def submit(self, slot: str, wid: str, results: list[dict[str, Any]], at: float) -> list[Event]:
         """Store generated samples from ``wid``; defer long-tail prompts; maybe close the round."""
@@ -227,16 +227,16 @@ class RoundScheduler:
             in_round = held_out is None and rnd is not None
             version = rnd.weights_version if in_round and rnd is not None else self._held_out_version()
             if int(result.get("weights_version", -1)) != version:
-                self._emit(out, event("ItemsReturned", at, item_ids=[sample.item_id], reason="stale-weights"))
+                self._emit(out, event(EventKind.ITEMS_RETURNED, at, item_ids=[sample.item_id], reason="stale-weights"))
                 continue
             truncated = bool(result.get("truncated"))
             if in_round and rnd is not None and truncated and rnd.kind == "short" and sample.prompt_id not in rnd.deferred:
-                self._emit(out, event("PromptDeferred", at, prompt_id=sample.prompt_id, step=rnd.step))
+                self._emit(out, event(EventKind.PROMPT_DEFERRED, at, prompt_id=sample.prompt_id, step=rnd.step))
                 continue
             self._emit(
                 out,
                 event(
-                    "TrajectoryStored",
+                    EventKind.TRAJECTORY_STORED,
                     at,
                     item_id=sample.item_id,
                     response_tokens=[int(t) for t in result.get("response_tokens", [])],
@@ -261,7 +261,7 @@ class RoundScheduler:
             chosen += [s.item_id for s in self.held_out.samples.values() if s.status == DONE][:capacity - len(chosen)]
         if not chosen:
             return []
-        return self._emit([], event("ScoringDispatched", at, slot=slot, wid=wid, item_ids=chosen))
+        return self._emit([], event(EventKind.SCORING_DISPATCHED, at, slot=slot, wid=wid, item_ids=chosen))
 
     def submit_scores(self, wid: str, scores: list[dict[str, Any]], at: float) -> list[Event]:
         """Store rewards from reward worker ``wid``; close the round when the batch is full."""
@@ -280,7 +280,7 @@ class RoundScheduler:
                 entry["metrics"] = {str(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
             accepted.append(entry)
         if accepted:
-            self._emit(out, event("RewardsStored", at, scores=accepted))
+            self._emit(out, event(EventKind.REWARDS_STORED, at, scores=accepted))
         self._maybe_close(out, at)
         self._maybe_finish_held_out(out, at)
         return out
@@ -298,7 +298,7 @@ class RoundScheduler:
         """Evaluate weights ``version`` on the held-out prompts (see the module docstring)."""
         if not self.held_out_prompts or self.held_out is not None:
             return []
-        return self._emit([], event("HeldOutStarted", at, version=version, prompts=list(self.held_out_prompts),
+        return self._emit([], event(EventKind.HELD_OUT_STARTED, at, version=version, prompts=list(self.held_out_prompts),
                                     max_new_tokens=self.config.max_new_tokens))
 
     def _maybe_finish_held_out(self, out: list[Event], at: float) -> None:
@@ -310,7 +310,7 @@ class RoundScheduler:
         n = len(rewards)
         mean = sum(rewards) / n
         std_err = (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 / n ** 0.5 if n > 1 else 0.0
-        self._emit(out, event("HeldOutScored", at, version=run.version, prompts=n, reward_mean=round(mean, 6),
+        self._emit(out, event(EventKind.HELD_OUT_SCORED, at, version=run.version, prompts=n, reward_mean=round(mean, 6),
                               reward_std_err=round(std_err, 6), accuracy=round(sum(correct) / n, 6)))
 
     def release_worker(self, wid: str, reason: str, at: float) -> list[Event]:
@@ -323,11 +323,11 @@ class RoundScheduler:
         held = [s.item_id for s in samples if s.wid == wid and s.status in (INFLIGHT, SCORING)]
         if not held:
             return []
-        return self._emit([], event("ItemsReturned", at, item_ids=held, reason=reason))
+        return self._emit([], event(EventKind.ITEMS_RETURNED, at, item_ids=held, reason=reason))
 
     def rollback(self, to_step: int, at: float) -> list[Event]:
         """Full-restart baseline: forget batches from ``to_step`` on; their prompts go back to the pool."""
-        return self._emit([], event("SchedulerRolledBack", at, to_step=to_step))
+        return self._emit([], event(EventKind.SCHEDULER_ROLLED_BACK, at, to_step=to_step))
 
     # ------------------------------------------------------------------------------ queries
 
@@ -575,7 +575,7 @@ class RoundScheduler:
         else:
             cap, target = cfg.max_new_tokens, len(prompts) if kind == "long" else min(cfg.batch_prompts, len(prompts))
         return event(
-            "RoundStarted",
+            EventKind.ROUND_STARTED,
             at,
             step=step,
             kind=kind,
@@ -591,7 +591,7 @@ class RoundScheduler:
         excluded = set(leftover) | set(self.long_queue)
         rest = sorted(p for p in self.prompts if p not in excluded)
         random.Random(self.config.seed * 1_000_003 + epoch).shuffle(rest)
-        return event("EpochStarted", at, epoch=epoch, order=leftover + rest)
+        return event(EventKind.EPOCH_STARTED, at, epoch=epoch, order=leftover + rest)
 
     def _maybe_close(self, out: list[Event], at: float) -> None:
         rnd = self.round
@@ -610,5 +610,5 @@ class RoundScheduler:
         returned = [p for p in live if p not in chosen]
         self._emit(
             out,
-            event("BatchFormed", at, step=rnd.step, kind=rnd.kind, prompt_ids=chosen, returned_prompt_ids=returned),
+            event(EventKind.BATCH_FORMED, at, step=rnd.step, kind=rnd.kind, prompt_ids=chosen, returned_prompt_ids=returned),
         )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.controller.store import Journal
-from rlctl.core.events import Event
+from rlctl.core.events import Event, EventKind
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.spec import JobSpec
@@ -65,7 +65,7 @@ def _median(values: list[float], default: float) -> float:
 def _role_of_slot(events: list[Event]) -> dict[str, str]:
     roles: dict[str, str] = {}
     for ev in events:
-        if ev.type == "WorkerStarting":
+        if ev.type == EventKind.WORKER_STARTING:
             roles[ev.data["slot"]] = ev.data["role"]
     return roles
 
@@ -75,9 +75,9 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
     base = base or CostModel()
     t0 = events[0].at
     model = replay(events, spec)
-    first_publish = next((e.at for e in events if e.type == "WeightsPublished"), t0)
-    allocated = next((e.at for e in events if e.type == "NodeAllocated"), t0)
-    registered = [e.at for e in events if e.type == "AgentRegistered"]
+    first_publish = next((e.at for e in events if e.type == EventKind.WEIGHTS_PUBLISHED), t0)
+    allocated = next((e.at for e in events if e.type == EventKind.NODE_ALLOCATED), t0)
+    registered = [e.at for e in events if e.type == EventKind.AGENT_REGISTERED]
     starting: dict[str, float] = {}
     init_by_role: dict[str, list[float]] = {"trainer": [], "rollout": [], "reward": []}
     roles = _role_of_slot(events)
@@ -93,29 +93,29 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
     standby_refill_s: list[float] = []
     for ev in events:
         d = ev.data
-        if ev.type == "WorkerStarting":
+        if ev.type == EventKind.WORKER_STARTING:
             (standby_starting if d.get("standby") else starting)[d["wid"]] = ev.at
-        elif ev.type == "WorkerPhase" and d["phase"] == "standby" and d["wid"] in standby_starting:
+        elif ev.type == EventKind.WORKER_PHASE and d["phase"] == "standby" and d["wid"] in standby_starting:
             started = standby_starting.pop(d["wid"])
             # Loads at launch compete with every other role starting at once; a refill during
             # recovery (the one that matters for the next takeover) loads alone.
             (standby_refill_s if started > first_publish else standby_s).append(ev.at - started)
-        elif ev.type == "WeightsHeld" and roles.get(d["slot"]) == "rollout":
+        elif ev.type == EventKind.WEIGHTS_HELD and roles.get(d["slot"]) == "rollout":
             _first_ready(model, starting, init_by_role["rollout"], d["slot"], ev.at)
-        elif ev.type == "WorkerPhase" and roles.get(d["slot"]) == "reward" and d["phase"] == "waiting-for-work":
+        elif ev.type == EventKind.WORKER_PHASE and roles.get(d["slot"]) == "reward" and d["phase"] == "waiting-for-work":
             if d["wid"] in starting:
                 init_by_role["reward"].append(ev.at - starting.pop(d["wid"]))
-        elif ev.type == "WorkerPhase" and d["phase"] == "checkpointing":
+        elif ev.type == EventKind.WORKER_PHASE and d["phase"] == "checkpointing":
             ckpt_started = ev.at
-        elif ev.type == "Checkpointed" and ckpt_started is not None:
+        elif ev.type == EventKind.CHECKPOINTED and ckpt_started is not None:
             checkpoint_s.append(ev.at - ckpt_started)
             ckpt_started = None
-        elif ev.type == "RoundStarted":
+        elif ev.type == EventKind.ROUND_STARTED:
             round_open[int(d["step"])] = ev.at
-        elif ev.type == "TrajectoryStored":
+        elif ev.type == EventKind.TRAJECTORY_STORED:
             last_trajectory = ev.at
             lengths.append(max(1, len(d["response_tokens"])))
-        elif ev.type == "BatchFormed" and int(d["step"]) in round_open:
+        elif ev.type == EventKind.BATCH_FORMED and int(d["step"]) in round_open:
             gen_s.append(last_trajectory - round_open.pop(int(d["step"])))
             reward_s.append(ev.at - last_trajectory)
     trainer_init = first_publish - max(registered[:1] or [allocated])
@@ -152,7 +152,7 @@ def _length_fit(lengths: list[int]) -> dict[str, float]:
 
 def _fault_free_cycle(events: list[Event], model: JobModel) -> float | None:
     """Median time between consecutive weight publications whose interval no fault touched."""
-    publishes = [e.at for e in events if e.type == "WeightsPublished" and e.data["slot"] and e.data["version"] > 0]
+    publishes = [e.at for e in events if e.type == EventKind.WEIGHTS_PUBLISHED and e.data["slot"] and e.data["version"] > 0]
     windows = [(f.occurred_at, f.recovered_at or f.occurred_at) for f in model.faults.values()]
     gaps = [b - a for a, b in itertools.pairwise(publishes)
             if b > a and not any(start < b and end > a for start, end in windows)]
@@ -184,9 +184,9 @@ def _trace(events: list[Event]) -> list[SimFault]:
     out: list[SimFault] = []
     for ev in events:
         d = ev.data
-        if ev.type == "NodeAllocated" or ev.type == "NodeStateChanged" and "role" in d:
+        if ev.type == EventKind.NODE_ALLOCATED or ev.type == EventKind.NODE_STATE_CHANGED and "role" in d:
             role_of_node[d["node"]] = d["role"]
-        elif ev.type == "FaultInjected":
+        elif ev.type == EventKind.FAULT_INJECTED:
             kind = INJECTED_TO_SIM.get(d["kind"])
             if kind is None:
                 continue
@@ -208,7 +208,7 @@ def predict_from_events(events: list[Event], spec: JobSpec, seed: int = 0) -> di
 
     measured = replay(events, spec)
     cost = measure_cost_model(events, spec)
-    policy = next((e.data["policy"] for e in events if e.type == "JobSubmitted"), spec.fault_tolerance.policy)
+    policy = next((e.data["policy"] for e in events if e.type == EventKind.JOB_SUBMITTED), spec.fault_tolerance.policy)
     steps = measured.total_steps or spec.steps
     result = simulate(spec, cost, TraceFailures(_trace(events)), SimConfig(policy=policy, steps=steps, seed=seed,
                                                                            duration_s=10 * measured.ledger.wall + 3600))

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlctl.core.events import Event, event
+from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING, RoundScheduler
 from rlctl.core.spec import JobSpec
@@ -46,7 +46,7 @@ REWARD_CAPACITY = 64  # rlctl/roles/reward.py CAPACITY
 SLOW_TICK_S = 1.0
 SLOW_PEERS = 15
 HEARTBEAT_SUMMARY_EVERY_STEPS = 1
-PLACEMENT_EVENTS = frozenset({"NodeAllocated", "ActionTaken", "WorkerStarting"})
+PLACEMENT_EVENTS = frozenset({EventKind.NODE_ALLOCATED, EventKind.ACTION_TAKEN, EventKind.WORKER_STARTING})
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class Simulation:
 
     # ------------------------------------------------------------------------------ events
 
-    def emit(self, type_: str, **data: Any) -> Event:
+    def emit(self, type_: EventKind, **data: Any) -> Event:
         """Apply one event to the model (scheduler included), as Controller.commit does."""
         ev = event(type_, self.now, **data)
         self._apply(ev)
@@ -174,10 +174,10 @@ class Simulation:
 
     def _launch(self) -> None:
         spec = self.spec
-        self.emit("JobSubmitted", job_id=self.model.job_id, spec_file=spec.source, backend="sim",
+        self.emit(EventKind.JOB_SUBMITTED, job_id=self.model.job_id, spec_file=spec.source, backend="sim",
                   policy=self.config.policy, steps=self.total_steps)
-        self.emit("ControllerStarted", pid=0, resumed=False)
-        self.emit("JobStateChanged", state=JobState.STARTING.value, reason="allocating nodes")
+        self.emit(EventKind.CONTROLLER_STARTED, pid=0, resumed=False)
+        self.emit(EventKind.JOB_STATE_CHANGED, state=JobState.STARTING.value, reason="allocating nodes")
         self.q.after(self.cost.init.allocate_s, self._allocated)
 
     def _allocated(self) -> None:
@@ -205,10 +205,10 @@ class Simulation:
             return
         truth.partitioned, truth.silent_since, truth.agent_connected = False, None, True
         self.detector.heartbeat(name, self.now)
-        self.emit("AgentRegistered", node=name, incarnation=int(self.now * 1000), facts={"gpu_provider": "sim"})
+        self.emit(EventKind.AGENT_REGISTERED, node=name, incarnation=int(self.now * 1000), facts={"gpu_provider": "sim"})
         if record.life.state in (NodeState.STARTING, NodeState.SUSPECT):
             target = NodeState.READY if record.life.state == NodeState.STARTING else _restored_state(self.model, name)
-            self.emit("NodeStateChanged", node=name, state=target.value, reason="agent registered")
+            self.emit(EventKind.NODE_STATE_CHANGED, node=name, state=target.value, reason="agent registered")
         self._adopt_or_start_workers(name)
         self._settle_node_role(name)
         self._update_capacity()
@@ -220,7 +220,7 @@ class Simulation:
             if worker is not None and worker.alive and worker.node == name:
                 continue
             if slot.life is not None and slot.life.state in (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT) and slot.wid:
-                self.emit("WorkerExited", slot=slot.slot, wid=slot.wid, exit_code=None, signal="lost-while-disconnected")
+                self.emit(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=None, signal="lost-while-disconnected")
                 self.recovery.on_worker_gone(slot, None, "lost-while-disconnected")
                 continue
             if self._wants_worker(slot):
@@ -236,7 +236,7 @@ class Simulation:
     def _settle_node_role(self, name: str) -> None:
         target = self.model.placement_state(name)
         if target is not None:
-            self.emit("NodeStateChanged", node=name, state=target.value,
+            self.emit(EventKind.NODE_STATE_CHANGED, node=name, state=target.value,
                       reason="placed" if target == NodeState.ACTIVE else "kept as a spare")
 
     def agent_connected(self, name: str) -> bool:
@@ -257,7 +257,7 @@ class Simulation:
             return
         generation = slot.generation + 1
         wid = self.model.next_wid(slot.slot) if hasattr(self.model, "next_wid") else f"{slot.slot}.{generation}"
-        self.emit("WorkerStarting", slot=slot.slot, wid=wid, node=slot.node, role=slot.role, generation=generation,
+        self.emit(EventKind.WORKER_STARTING, slot=slot.slot, wid=wid, node=slot.node, role=slot.role, generation=generation,
                   standby=slot.standby)
         self.start_worker_as(slot, wid)
 
@@ -266,7 +266,7 @@ class Simulation:
         assert slot.node is not None
         if not self.agent_connected(slot.node):
             return  # the command is lost; the agent's registration reports the slot as lost
-        self.emit("WorkerStarted", slot=slot.slot, wid=wid, pid=slot.generation)
+        self.emit(EventKind.WORKER_STARTED, slot=slot.slot, wid=wid, pid=slot.generation)
         worker = WorkerTruth(wid, slot.slot, slot.role, slot.node, self.now)
         self.workers[wid] = worker
         init = self.cost.init
@@ -278,13 +278,13 @@ class Simulation:
         if slot.node is None or slot.wid is None:
             return
         if slot.life is not None and slot.life.can_move(WorkerState.STOPPING):
-            self.emit("WorkerPhase", slot=slot.slot, wid=slot.wid, phase="stopping", step=slot.phase_step)
+            self.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=slot.wid, phase="stopping", step=slot.phase_step)
             slot.life.move(WorkerState.STOPPING, self.now, "stop requested")  # as the live controller does
         worker = self.workers.get(slot.wid)
         if worker is None or not worker.alive or not self.agent_connected(slot.node):
             return
         self._kill(worker)
-        self.emit("WorkerExited", slot=slot.slot, wid=slot.wid, exit_code=0, signal=None)
+        self.emit(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=0, signal=None)
         self.recovery.on_worker_gone(slot, 0, None)
 
     def _kill(self, worker: WorkerTruth) -> None:
@@ -308,7 +308,7 @@ class Simulation:
         worker, slot = current
         worker.loaded = True
         if slot.standby:
-            self.emit("WorkerPhase", slot=slot.slot, wid=wid, phase="standby", step=0)
+            self.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="standby", step=0)
             worker.ready = True
             self._update_capacity()
         elif slot.role == "rollout":
@@ -333,7 +333,7 @@ class Simulation:
             self._reward_ready(worker, slot)
 
     def _reward_ready(self, worker: WorkerTruth, slot: SlotRecord) -> None:
-        self.emit("WorkerPhase", slot=slot.slot, wid=worker.wid, phase="waiting-for-work", step=self.model.published_version)
+        self.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=worker.wid, phase="waiting-for-work", step=self.model.published_version)
         worker.ready = True
         self._update_capacity()
 
@@ -351,7 +351,7 @@ class Simulation:
         worker, slot = current
         worker.syncing = False
         version = self.model.published_version
-        self.emit("WeightsHeld", version=version, slot=slot.slot, source={"transport": "sim", "version": version})
+        self.emit(EventKind.WEIGHTS_HELD, version=version, slot=slot.slot, source={"transport": "sim", "version": version})
         worker.ready = True
         self._update_capacity()
 
@@ -376,10 +376,10 @@ class Simulation:
             # TrainerRole.restore_held_state: the standby's in-memory copy is newer than the checkpoint
             state_step = worker.state_step
             replay = [s for s in replay if s >= state_step]
-            self.emit("WorkerPhase", slot=slot.slot, wid=wid, phase="loading", step=state_step)
+            self.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="loading", step=state_step)
             seconds += self.cost.step.checkpoint_load_s
         elif checkpoint_step is not None:
-            self.emit("WorkerPhase", slot=slot.slot, wid=wid, phase="loading", step=checkpoint_step)
+            self.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="loading", step=checkpoint_step)
             seconds += self.cost.step.checkpoint_load_s
         worker.state_step = -1
         seconds += sum(jittered(self.cost.step.train_s, self.cost.step.jitter, self.rng) for _ in replay)
@@ -391,7 +391,7 @@ class Simulation:
         if current is None or current[0].hung_at is not None:
             return
         worker, slot = current
-        self.emit("WeightsPublished", version=target, slot=slot.slot, source={"transport": "sim", "checksum": f"v{target}"})
+        self.emit(EventKind.WEIGHTS_PUBLISHED, version=target, slot=slot.slot, source={"transport": "sim", "checksum": f"v{target}"})
         if recovering:
             # Workaround (see docs/sim.md): the live trainer reports `trainer.restored` only when it
             # loaded a checkpoint or replayed batches; a restart before the first checkpoint would
@@ -400,9 +400,9 @@ class Simulation:
             # re-classifies a replayed step's training time as lost per report (docs/sim.md).
             fresh = [s for s in replay if s not in self._replay_reported]
             self._replay_reported.update(fresh)
-            self.emit("TrainerRestored", slot=slot.slot, checkpoint_step=checkpoint_step, replayed_steps=fresh,
+            self.emit(EventKind.TRAINER_RESTORED, slot=slot.slot, checkpoint_step=checkpoint_step, replayed_steps=fresh,
                       state_step=state_step)
-        self.emit("WorkerPhase", slot=slot.slot, wid=wid, phase="waiting-for-batch", step=target)
+        self.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="waiting-for-batch", step=target)
         worker.ready = True
         if self.model.productive_since is not None:
             for other in self.workers.values():
@@ -415,7 +415,7 @@ class Simulation:
         away like heartbeats: thousands of identical WorkerPhase events per step change nothing)."""
         slots = self.role_slots("trainer")
         if slots and slots[0].wid:
-            self.emit("WorkerPhase", slot=slots[0].slot, wid=slots[0].wid, phase=phase, step=step)
+            self.emit(EventKind.WORKER_PHASE, slot=slots[0].slot, wid=slots[0].wid, phase=phase, step=step)
 
     def trainer_rate(self) -> float:
         return self.role_rate("trainer")
@@ -558,7 +558,7 @@ class Simulation:
         working = self._working_slots("rollout")
         if working:
             slot = working[0]
-            self.emit("WeightsHeld", version=version, slot=slot.slot, source={"transport": "sim", "version": version})
+            self.emit(EventKind.WEIGHTS_HELD, version=version, slot=slot.slot, source={"transport": "sim", "version": version})
 
     def _resume_round(self) -> None:
         rnd = self.scheduler.round
@@ -701,7 +701,7 @@ class Simulation:
     def _checkpoint_done(self) -> None:
         version = self.model.published_version + 1
         self.task = None
-        self.emit("Checkpointed", step=version, path=f"sim://checkpoints/step-{version:06d}")
+        self.emit(EventKind.CHECKPOINTED, step=version, path=f"sim://checkpoints/step-{version:06d}")
         self._publish(version)
 
     def _state_copied(self, wid: str, version: int) -> None:
@@ -714,8 +714,8 @@ class Simulation:
     def _publish(self, version: int) -> None:
         """DataOps.op_trainer_publish: StepTrained for the step, then WeightsPublished."""
         trainer = self.role_slots("trainer")[0]
-        self.emit("StepTrained", step=version - 1, metrics={"mean_reward": 1.0})
-        self.emit("WeightsPublished", version=version, slot=trainer.slot, source={"transport": "sim", "checksum": f"v{version}"})
+        self.emit(EventKind.STEP_TRAINED, step=version - 1, metrics={"mean_reward": 1.0})
+        self.emit(EventKind.WEIGHTS_PUBLISHED, version=version, slot=trainer.slot, source={"transport": "sim", "checksum": f"v{version}"})
         self._trainer_phase("waiting-for-batch", version)
         self._replay_reported.clear()
         if self.spec.replicate_trainer_state and self.layout.nodes["trainer"] == 1:
@@ -727,7 +727,7 @@ class Simulation:
         self.last_step_s = max(1.0, self.now - self.step_started_at)
         if version % HEARTBEAT_SUMMARY_EVERY_STEPS == 0:
             nodes = self._beating_nodes()
-            self.emit("HeartbeatSummary", beats=int(nodes * self.last_step_s / self.interval), nodes=nodes,
+            self.emit(EventKind.HEARTBEAT_SUMMARY, beats=int(nodes * self.last_step_s / self.interval), nodes=nodes,
                       window_s=round(self.last_step_s, 3))
         self.stage = "idle"
         if version >= self.model.total_steps:
@@ -772,7 +772,7 @@ class Simulation:
         """Controller.tick: STARTING → RUNNING once every role has a running worker."""
         model = self.model
         if model.life.state == JobState.STARTING and self._all_roles_running():
-            self.emit("JobStateChanged", state=JobState.RUNNING.value, reason="every role has a running worker")
+            self.emit(EventKind.JOB_STATE_CHANGED, state=JobState.RUNNING.value, reason="every role has a running worker")
             self.advance()
 
     def _all_roles_running(self) -> bool:
@@ -789,12 +789,12 @@ class Simulation:
         self._stop_reason = reason
         self._succeeded = succeeded
         if self.model.life.can_move(JobState.STOPPING):
-            self.emit("JobStateChanged", state=JobState.STOPPING.value, reason=reason)
+            self.emit(EventKind.JOB_STATE_CHANGED, state=JobState.STOPPING.value, reason=reason)
 
     def _finish(self) -> None:
         final = JobState.SUCCEEDED if getattr(self, "_succeeded", False) else JobState.STOPPED
         if self.model.life.can_move(final):
-            self.emit("JobStateChanged", state=final.value, reason=getattr(self, "_stop_reason", "stopped"))
+            self.emit(EventKind.JOB_STATE_CHANGED, state=final.value, reason=getattr(self, "_stop_reason", "stopped"))
 
     # ------------------------------------------------------------------------------- faults
 
@@ -810,7 +810,7 @@ class Simulation:
         worker = self.workers.get(slot.wid or "") if slot else None
         self.fault_seq += 1
         fault_id = f"sim-{self.fault_seq:05d}"
-        self.emit("FaultInjected", fault_id=fault_id, node=name, kind=fault.kind,
+        self.emit(EventKind.FAULT_INJECTED, fault_id=fault_id, node=name, kind=fault.kind,
                   params={**fault.params, "cause": fault.cause})
         self.stats.faults_injected += 1
         self.stats.faults_by_kind[fault.cause or fault.kind] = self.stats.faults_by_kind.get(fault.cause or fault.kind, 0) + 1

@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from rlctl.core import detector as det
+from rlctl.core.events import EventKind
 from rlctl.core.model import SlotRecord
 from rlctl.core.states import NodeState
 from rlctl.sim import observe
@@ -80,7 +81,7 @@ def _exit_reported(sim: Simulation, wid: str, exit_code: int) -> None:
     slot = sim.model.slots.get(worker.slot) if worker else None
     if worker is None or slot is None or slot.wid != wid or not sim.agent_connected(worker.node):
         return
-    sim.emit("WorkerExited", slot=slot.slot, wid=wid, exit_code=exit_code, signal=None)
+    sim.emit(EventKind.WORKER_EXITED, slot=slot.slot, wid=wid, exit_code=exit_code, signal=None)
     sim.recovery.on_worker_gone(slot, exit_code, None)
 
 
@@ -93,7 +94,7 @@ def _fault_signal(sim: Simulation, node: str, kind: str, code: int | None, detai
             return  # the hung process was already restarted: its watchdog never fires
     if not sim.agent_connected(node):
         return
-    sim.emit("FaultSignal", node=node, kind=kind, detail=detail[:300], code=code, gpu=0, worker=wid)
+    sim.emit(EventKind.FAULT_SIGNAL, node=node, kind=kind, detail=detail[:300], code=code, gpu=0, worker=wid)
     verdict = observe.signal_verdict(sim.model, node, kind, code, detail, sim.now)
     if verdict is not None:
         sim.recovery.handle(verdict)
@@ -230,5 +231,5 @@ def _heal_slow(sim: Simulation, wid: str, fault_id: str) -> None:
     fault = sim.model.faults.get(fault_id)
     if fault is not None and fault.open and fault.detected_at is None:
         # A transient slow-down that healed before anyone noticed: the simulator knows it ended.
-        sim.emit("FaultRecovered", fault_ids=[fault_id], slot=fault.slot, node=fault.node)
+        sim.emit(EventKind.FAULT_RECOVERED, fault_ids=[fault_id], slot=fault.slot, node=fault.node)
         sim.recovery.update_job_state()

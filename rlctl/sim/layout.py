@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlctl.core.events import Event, event
+from rlctl.core.events import Event, EventKind, event
 from rlctl.core.spec import JobSpec
 from rlctl.sim.costmodel import ClusterCost
 
@@ -63,13 +63,13 @@ def placement_events(layout: Layout, at: float) -> list[Event]:
     for role in ROLE_ORDER:
         for slot_index in range(layout.nodes[role]):
             name = node_name(index)
-            events.append(event("NodeAllocated", at, node=name, host=name, role=role, slot=f"{role}-{slot_index}",
+            events.append(event(EventKind.NODE_ALLOCATED, at, node=name, host=name, role=role, slot=f"{role}-{slot_index}",
                                 backend_ref=name))
             index += 1
     for spare_index in range(layout.spares):
         name = node_name(index)
         slot = f"standby-{spare_index}" if layout.warm_spares else ""
-        events.append(event("NodeAllocated", at, node=name, host=name, role="spare", slot=slot, role_of_slot="trainer",
+        events.append(event(EventKind.NODE_ALLOCATED, at, node=name, host=name, role="spare", slot=slot, role_of_slot="trainer",
                             standby=True, backend_ref=name))
         index += 1
     return events

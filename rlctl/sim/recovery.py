@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from rlctl.core import detector as det
 from rlctl.core import policy
+from rlctl.core.events import EventKind
 from rlctl.core.model import SlotRecord
 from rlctl.core.states import JobState, NodeState, WorkerState
 from rlctl.sim import observe
@@ -63,7 +64,7 @@ class SimRecovery:
             return
         self._handled.add(key)
         fault_id = self._fault_id_for(verdict)
-        sim.emit("Verdict", node=verdict.node, slot=verdict.slot, verdict=verdict.verdict, fault=fault_id,
+        sim.emit(EventKind.VERDICT, node=verdict.node, slot=verdict.slot, verdict=verdict.verdict, fault=fault_id,
                  fault_kind=verdict.fault, action=verdict.action, reason=verdict.reason,
                  evidence_since=verdict.evidence_since)
         sim.stats.verdicts[verdict.fault] = sim.stats.verdicts.get(verdict.fault, 0) + 1
@@ -73,7 +74,7 @@ class SimRecovery:
             self._handled.discard(key)
             return
         if model.life.can_move(JobState.RECOVERING):
-            sim.emit("JobStateChanged", state=JobState.RECOVERING.value, reason=verdict.reason[:120])
+            sim.emit(EventKind.JOB_STATE_CHANGED, state=JobState.RECOVERING.value, reason=verdict.reason[:120])
         slots = {s.args.get("slot") for s in steps if s.args.get("slot")}
         self._busy_slots.update(s for s in slots if s)
         self._continue(self._run_plan(steps, verdict, fault_id, key, {s for s in slots if s}))
@@ -82,7 +83,7 @@ class SimRecovery:
         """Recovery._suspect."""
         node = self.sim.model.nodes[name]
         if node.life.can_move(NodeState.SUSPECT) and node.life.state != NodeState.SUSPECT:
-            self.sim.emit("NodeStateChanged", node=name, state=NodeState.SUSPECT.value, reason=reason[:200])
+            self.sim.emit(EventKind.NODE_STATE_CHANGED, node=name, state=NodeState.SUSPECT.value, reason=reason[:200])
 
     def update_job_state(self) -> None:
         """Recovery.update_job_state: RECOVERING → RUNNING once nothing is open or busy."""
@@ -91,7 +92,7 @@ class SimRecovery:
             return
         if all(s.life is not None and s.life.state == WorkerState.RUNNING for s in model.slots.values()
                if s.node is not None and not s.standby):
-            sim.emit("JobStateChanged", state=JobState.RUNNING.value, reason="recovered")
+            sim.emit(EventKind.JOB_STATE_CHANGED, state=JobState.RUNNING.value, reason="recovered")
             sim.advance()
 
     # ------------------------------------------------------------------------------ plans
@@ -127,7 +128,7 @@ class SimRecovery:
         requeued = 0
         if step.kind in ("restart-worker", "stop-worker", "fail-node", "stop-all"):
             requeued = self._release_items(step, verdict)
-        sim.emit("ActionTaken", action=step.kind, node=args.get("node", verdict.node), slot=args.get("slot"),
+        sim.emit(EventKind.ACTION_TAKEN, action=step.kind, node=args.get("node", verdict.node), slot=args.get("slot"),
                  reason=verdict.reason[:200], fault_ids=[fault_id], trajectories_lost=0, items_requeued=requeued,
                  **{k: v for k, v in args.items() if k in ("standby_slot", "to_step", "exclude_node", "drain")})
         if requeued:
@@ -145,7 +146,7 @@ class SimRecovery:
         elif step.kind == "move-slot":
             node = model.nodes[args["node"]]
             if node.life.can_move(NodeState.ACTIVE):
-                sim.emit("NodeStateChanged", node=node.name, state=NodeState.ACTIVE.value,
+                sim.emit(EventKind.NODE_STATE_CHANGED, node=node.name, state=NodeState.ACTIVE.value,
                          reason=f"takes over {args['slot']}", role=model.slots[args["slot"]].role)
         elif step.kind == "stop-worker":
             slot = model.slots[args["slot"]]
@@ -162,7 +163,7 @@ class SimRecovery:
             standby = model.slots.get(args["standby_slot"])
             if standby is not None:
                 sim.stop_worker(standby)
-                sim.emit("ActionTaken", action="vacate-slot", node=standby.node or "", slot=standby.slot,
+                sim.emit(EventKind.ACTION_TAKEN, action="vacate-slot", node=standby.node or "", slot=standby.slot,
                          reason="spare node re-used", fault_ids=[])
         elif step.kind == "request-node":
             yield from self._request_node(args["slot"], args["exclude_node"])
@@ -204,7 +205,7 @@ class SimRecovery:
         sim, model = self.sim, self.sim.model
         node = model.nodes[name]
         if node.life.can_move(NodeState.FAILED):
-            sim.emit("NodeStateChanged", node=name, state=NodeState.FAILED.value, reason=reason[:200],
+            sim.emit(EventKind.NODE_STATE_CHANGED, node=name, state=NodeState.FAILED.value, reason=reason[:200],
                      exclude=sim.spec.fault_tolerance.exclude_failed_nodes)
         sim.detector.forget(name)
         truth = sim.nodes.get(name)
@@ -219,18 +220,18 @@ class SimRecovery:
         yield 0.0
         for slot in list(model.slots.values()):
             if slot.node == name and slot.standby:
-                sim.emit("ActionTaken", action="vacate-slot", node=name, slot=slot.slot, reason="spare node failed",
+                sim.emit(EventKind.ACTION_TAKEN, action="vacate-slot", node=name, slot=slot.slot, reason="spare node failed",
                          fault_ids=[])
         for target in (NodeState.DRAINING, NodeState.RELEASED):
             if model.nodes[name].life.can_move(target):
-                sim.emit("NodeStateChanged", node=name, state=target.value, reason="failed node given back")
+                sim.emit(EventKind.NODE_STATE_CHANGED, node=name, state=target.value, reason="failed node given back")
 
     def _activate_standby(self, slot_name: str, standby_slot: str) -> Iterator[float]:
         """The ActionTaken already moved the role onto the standby's node; the standby now runs it."""
         sim, model = self.sim, self.sim.model
         slot = model.slots[slot_name]
         if slot.node is not None and model.nodes[slot.node].life.can_move(NodeState.ACTIVE):
-            sim.emit("NodeStateChanged", node=slot.node, state=NodeState.ACTIVE.value,
+            sim.emit(EventKind.NODE_STATE_CHANGED, node=slot.node, state=NodeState.ACTIVE.value,
                      reason=f"warm standby takes over {slot_name}", role=slot.role)
         yield 0.3  # the standby polls standby.wait every 0.3 s
         worker = sim.workers.get(slot.wid or "")
@@ -244,11 +245,11 @@ class SimRecovery:
             return
         for target in (NodeState.READY, NodeState.STANDBY):
             if model.nodes[name].life.can_move(target):
-                sim.emit("NodeStateChanged", node=name, state=target.value, reason="role moved away: kept as a spare",
+                sim.emit(EventKind.NODE_STATE_CHANGED, node=name, state=target.value, reason="role moved away: kept as a spare",
                          role="spare")
         slot_name = f"standby-{name}"
         wid = model.next_wid(slot_name)
-        sim.emit("WorkerStarting", slot=slot_name, wid=wid, node=name, role="trainer", generation=1, standby=True)
+        sim.emit(EventKind.WORKER_STARTING, slot=slot_name, wid=wid, node=name, role="trainer", generation=1, standby=True)
         sim.start_worker_as(model.slots[slot_name], wid)
         yield 0.0
 
@@ -257,7 +258,7 @@ class SimRecovery:
         sim = self.sim
         yield sim.cost.recovery.slurm_realloc_s
         fresh = sim.new_node()
-        sim.emit("NodeAllocated", node=fresh, host=fresh, role="spare",
+        sim.emit(EventKind.NODE_ALLOCATED, node=fresh, host=fresh, role="spare",
                  slot=f"standby-{fresh}" if sim.spec.warm_spares else "", role_of_slot="trainer", standby=True,
                  backend_ref=fresh)
         sim.start_agent(fresh, sim.cost.init.agent_start_s)
@@ -267,6 +268,6 @@ class SimRecovery:
         yield sim.cost.recovery.slurm_realloc_s
         fresh = sim.new_node()
         slot = model.slots[slot_name]
-        sim.emit("NodeAllocated", node=fresh, host=fresh, role=slot.role, slot=slot_name, backend_ref=fresh)
-        sim.emit("ActionTaken", action="move-slot", node=fresh, slot=slot_name, reason="replacement node", fault_ids=[])
+        sim.emit(EventKind.NODE_ALLOCATED, node=fresh, host=fresh, role=slot.role, slot=slot_name, backend_ref=fresh)
+        sim.emit(EventKind.ACTION_TAKEN, action="move-slot", node=fresh, slot=slot_name, reason="replacement node", fault_ids=[])
         sim.start_agent(fresh, sim.cost.init.agent_start_s)
