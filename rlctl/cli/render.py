@@ -46,15 +46,19 @@ def reward_text(status: dict[str, Any]) -> Text:
             text.append("reward " if not text.plain else "  ")
             text.append(f"{kind} {entry['mean']:.3f}", style={"short": "cyan", "long": "magenta"}.get(kind, ""))
             text.append(f" (avg {entry['steps']})", style="dim")
+    return text
+
+
+def held_out_text(status: dict[str, Any]) -> Text:
+    """The latest held-out reward, the version it scored and the first evaluation's (empty without one)."""
     held_out = status.get("held_out") or []
+    text = Text()
     if held_out:
         first, last = held_out[0], held_out[-1]
-        text.append("reward " if not text.plain else "  ")
-        text.append(f"held-out {last['reward_mean']:.3f}", style="green")
+        text.append(f"held-out reward {last['reward_mean']:.3f}", style="green")
+        text.append(f" ± {last['reward_std_err']:.3f} at v{last['version']}", style="dim")
         if len(held_out) > 1:
-            text.append(f" (v{first['version']} {first['reward_mean']:.3f})", style="dim")
-        else:
-            text.append(f" (v{last['version']})", style="dim")
+            text.append(f"  (v{first['version']}: {first['reward_mean']:.3f})", style="dim")
     return text
 
 
@@ -73,10 +77,7 @@ def header(status: dict[str, Any]) -> Panel:
     controller = status.get("controller", {})
     if not controller.get("live"):
         sub.append("   (controller not running: view rebuilt from the journal)", style="yellow")
-    rows = [line, sub]
-    rewards = reward_text(status)
-    if rewards.plain:
-        rows.insert(1, rewards)
+    rows = [line] + [text for text in (reward_text(status), held_out_text(status)) if text.plain] + [sub]
     return Panel(Group(*rows), title="rlctl", border_style="blue")
 
 
@@ -129,12 +130,12 @@ def round_panel(status: dict[str, Any]) -> Panel:
     line.append(f"  cap {rnd['max_new_tokens']} tokens  groups {done}/{rnd['groups_target']}  "
                 f"samples {rnd['samples_generated']}/{rnd['samples_total']}  longest {rnd['longest_response']}  "
                 f"deferred {rnd['deferred']}  long queue {rnd['long_queue']}  pool {rnd['pool']}  epoch {rnd['epoch']}")
-    bar = ProgressBar(total=target, completed=min(done, target), width=60)
-    rows: list[Any] = [line, bar]
+    rows: list[Any] = [line]
     held_out = rnd.get("held_out")
     if held_out:
         rows.append(Text(f"held-out evaluation of v{held_out['version']}: "
                          f"{held_out['samples_scored']}/{held_out['samples_total']} scored", style="green"))
+    rows.append(ProgressBar(total=target, completed=min(done, target), width=60))
     return Panel(Group(*rows), title="rollout round", border_style=kind_style)
 
 
@@ -196,6 +197,8 @@ def status_line(status: dict[str, Any]) -> str:
         f"{job['id']} {job['state']}", f"step {job['step']}/{job['total_steps']}", f"ETTR {job['ettr'] * 100:.1f}%",
         reward_text(status).plain or "reward -",
     ]
+    if held_out_text(status).plain:
+        parts.append(held_out_text(status).plain)
     if "step" in rnd:
         parts.append(f"{rnd['kind']} round {rnd['groups_done']}/{rnd['groups_target']} longest {rnd['longest_response']}")
     unhealthy = [n["name"] for n in status["nodes"] if n["state"] in ("suspect", "failed")]

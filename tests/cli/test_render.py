@@ -63,3 +63,15 @@ def test_reward_is_a_moving_average_per_round_kind() -> None:
     assert long_run["short"] == {"mean": 17.0, "steps": 5}
     line = status_line(_status())
     assert "reward short 0.486 (avg 5)  long 0.200 (avg 3)" in line
+
+
+def test_held_out_reward_shows_in_the_header_and_a_running_evaluation_in_the_round_panel() -> None:
+    status = _status()
+    status["held_out"] = [{"version": 0, "prompts": 32, "reward_mean": 0.48, "reward_std_err": 0.03, "accuracy": 0.4},
+                          {"version": 10, "prompts": 32, "reward_mean": 0.612, "reward_std_err": 0.03, "accuracy": 0.5}]
+    status["round"]["held_out"] = {"version": 12, "samples_total": 32, "samples_scored": 5}
+    lines = _lines(80, status)
+    assert all(len(line) <= 80 for line in lines)
+    assert any("held-out reward 0.612 ± 0.030 at v10  (v0: 0.480)" in line for line in lines)
+    progress = [line for line in lines if "held-out evaluation of v12: 5/32 scored" in line]
+    assert len(progress) == 1 and "━" not in progress[0]  # its own line, not run into the progress bar
