@@ -22,7 +22,6 @@ class Timeline:
     steps: list[tuple[float, int]] = field(default_factory=list)
     ettr: list[tuple[float, float]] = field(default_factory=list)
     rewards: list[tuple[float, float]] = field(default_factory=list)
-    held_out: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -65,8 +64,6 @@ def build_report(jobdir: JobDir) -> tuple[dict[str, Any], Timeline]:
                 tally.add(ev.data["scores"])
             elif ev.type == EventKind.REWARD_FUNCTION_FAILED:
                 tally.failures += 1
-            elif ev.type == EventKind.HELD_OUT_SCORED:
-                timeline.held_out.append((ev.at, float(ev.data["reward_mean"])))
     finally:
         journal.close()
     end = model.life.since if model.life.state.terminal else model.ledger.last_at

@@ -217,21 +217,20 @@ class RoundScheduler:
     def submit(self, slot: str, wid: str, results: list[dict[str, Any]], at: float) -> list[Event]:
         """Store generated samples from ``wid``; defer long-tail prompts; maybe close the round."""
         out: list[Event] = []
-        rnd = self.round
         for result in results:
-            item_id = str(result.get("item_id"))
-            held_out = self._held_out_sample(item_id)
-            sample = held_out or (rnd.samples.get(item_id) if rnd is not None and not rnd.closed else None)
-            if sample is None or sample.status != INFLIGHT or sample.wid != wid:
+            found = self._live_sample(str(result.get("item_id")))
+            if found is None:
                 continue
-            in_round = held_out is None and rnd is not None
-            version = rnd.weights_version if in_round and rnd is not None else self._held_out_version()
+            sample, owner = found
+            if sample.status != INFLIGHT or sample.wid != wid:
+                continue
+            version = owner.weights_version if isinstance(owner, Round) else owner.version
             if int(result.get("weights_version", -1)) != version:
                 self._emit(out, event(EventKind.ITEMS_RETURNED, at, item_ids=[sample.item_id], reason="stale-weights"))
                 continue
             truncated = bool(result.get("truncated"))
-            if in_round and rnd is not None and truncated and rnd.kind == "short" and sample.prompt_id not in rnd.deferred:
-                self._emit(out, event(EventKind.PROMPT_DEFERRED, at, prompt_id=sample.prompt_id, step=rnd.step))
+            if isinstance(owner, Round) and truncated and owner.kind == "short" and sample.prompt_id not in owner.deferred:
+                self._emit(out, event(EventKind.PROMPT_DEFERRED, at, prompt_id=sample.prompt_id, step=owner.step))
                 continue
             self._emit(
                 out,
@@ -266,12 +265,10 @@ class RoundScheduler:
     def submit_scores(self, wid: str, scores: list[dict[str, Any]], at: float) -> list[Event]:
         """Store rewards from reward worker ``wid``; close the round when the batch is full."""
         out: list[Event] = []
-        rnd = self.round
         accepted = []
         for score in scores:
-            item_id = str(score.get("item_id"))
-            sample = self._held_out_sample(item_id) or (
-                rnd.samples.get(item_id) if rnd is not None and not rnd.closed else None)
+            found = self._live_sample(str(score.get("item_id")))
+            sample = found[0] if found is not None else None
             if sample is None or sample.status != SCORING or sample.wid != wid:
                 continue
             entry = {"item_id": sample.item_id, "reward": float(score["reward"]), "correct": bool(score.get("correct"))}
@@ -557,8 +554,15 @@ class RoundScheduler:
                 found.append(sample)
         return found
 
-    def _held_out_version(self) -> int:
-        return self.held_out.version if self.held_out is not None else -1
+    def _live_sample(self, item_id: str) -> tuple[Sample, Round | HeldOutRun] | None:
+        """A sample that can still take a result: of the open round or of the running held-out
+        evaluation, with what it belongs to."""
+        if self.held_out is not None and item_id in self.held_out.samples:
+            return self.held_out.samples[item_id], self.held_out
+        rnd = self.round
+        if rnd is not None and not rnd.closed and item_id in rnd.samples:
+            return rnd.samples[item_id], rnd
+        return None
 
     def _held_out_sample(self, item_id: str) -> Sample | None:
         return self.held_out.samples.get(item_id) if self.held_out is not None else None

@@ -113,12 +113,11 @@ def reward_scorer(function: str = "auto") -> Scorer:
 
     spec = RewardSpec.from_table({"function": function})
     loaded = load_function(spec)
-    builtin = function if ":" not in function else None
 
     def score(prompt: PromptRef, text: str, truncated: bool) -> tuple[float, bool]:
         meta = prompt.meta
         outcome = call_function(loaded, ScoreRequest(str(meta.get("data_source", "")), text, meta.get("ground_truth"),
-                                                     dict(meta.get("extra_info") or {}), truncated), builtin)
+                                                     dict(meta.get("extra_info") or {}), truncated), spec.builtin)
         return outcome.score, outcome.correct
     return score
 

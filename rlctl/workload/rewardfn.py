@@ -59,6 +59,11 @@ class RewardSpec:
                    on_error=str(table.get("on_error", cls.on_error)))
 
     @property
+    def builtin(self) -> str | None:
+        """The built-in function's name when this spec names one (``call_function`` needs it)."""
+        return self.function if not self.path and self.function in _BUILTIN_FUNCTIONS else None
+
+    @property
     def label(self) -> str:
         """How messages and events name the function."""
         if self.path:
@@ -252,7 +257,7 @@ async def _await(awaitable: Any) -> Any:
 def _child_main(conn: Any, spec_data: dict[str, Any], base_dir: str | None) -> None:
     """The sandbox process: load the function once, then answer one request per message."""
     spec = RewardSpec(**spec_data)
-    builtin = spec.function if not spec.path and spec.function in _BUILTIN_FUNCTIONS else None
+    builtin = spec.builtin
     try:
         function = load_function(spec, Path(base_dir) if base_dir else None)
     except RewardFunctionError as exc:

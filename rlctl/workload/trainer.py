@@ -12,7 +12,8 @@ Contract:
 - The model is a Hugging Face causal LM (``HFPolicy``): weights keep their HF names everywhere.
 - ``save_checkpoint`` writes an HF folder atomically (staged beside the target, then renamed):
   the model as ``save_pretrained`` writes it, the tokenizer files, and ``trainer_state.pt`` with
-  optimizer, scheduler, reference model, step and the python/torch/numpy RNG states. ``load_checkpoint`` followed by ``train_step`` on the retained batches reproduces the
+  optimizer, scheduler, reference model, step and the python/torch/numpy RNG states.
+  ``load_checkpoint`` followed by ``train_step`` on the retained batches reproduces the
   uninterrupted run's weights exactly (same process layout, same device). ``state_bytes`` /
   ``load_state_bytes`` are the same payload in memory, for a warm standby's replica.
 - Data parallel when ``WORLD_SIZE`` > 1 (env, ``torch.distributed``: gloo on CPU, nccl on CUDA):
