@@ -138,7 +138,7 @@ def config_from_spec(spec: JobSpec) -> SchedulerConfig:
         overprovision=tail.overprovision,
         long_batch=spec.long_batch,
         seed=spec.seed,
-        held_out_every=int(spec.data.get("eval_every", 0)) if spec.data.get("eval_files") else 0,
+        held_out_every=int(spec.data["eval_every"]),  # without held-out prompts nothing is ever due
     )
 
 
