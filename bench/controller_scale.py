@@ -69,6 +69,7 @@ class SwarmBackend:
 
     name = "swarm"
     on_this_machine = False  # as a real cluster: TLS by default, real GPU providers (none start here)
+    supported_faults: frozenset[str] = frozenset()
 
     def plan_text(self, request: AllocationRequest) -> str:
         return "swarm"
@@ -102,7 +103,8 @@ class SwarmBackend:
 def serve(job_dir: Path) -> None:
     """Child process: the real controller with the swarm backend."""
     from rlctl.controller.server import Controller, setup_logging
-    from rlctl.jobfile import load_job_file, make_workload
+    from rlctl.jobfile import make_workload
+    from rlctl.specfile import load_job_file
 
     _raise_fd_limit()
     jobdir = JobDir(job_dir)
@@ -297,7 +299,7 @@ def measure(nodes: int, seconds: float, tmp: Path, tls: bool) -> dict[str, Any]:
     root.mkdir()
     jobdir = JobDir(root / "scale-job")
     jobdir.create(JOB.format(rollouts=nodes - 2, tls="on" if tls else "off"))
-    from rlctl.jobfile import load_job_file
+    from rlctl.specfile import load_job_file
     from rlctl.workload.reference import ensure_reference_model
 
     ensure_reference_model(load_job_file(jobdir.spec_file))  # its tokenizer gives the controller its prompts, as at launch

@@ -36,7 +36,7 @@ REMOTE_ROOT = f"/tmp/rlctl-bench-{os.getpid()}"  # writable by the lab's login u
 def launch_for(bundle_dir: Path, job_id: str) -> AgentLaunch:
     bundle = build_agent_zipapp(bundle_dir)
     return AgentLaunch(job_id=job_id, controller_host=lab.CONTROLLER_IP, controller_port=1, secret_hex="ef" * 32,
-                       heartbeat_interval_s=1.0, gpu_provider="none", sim_gpus=0, agent_zipapp=bundle.path,
+                       gpu_provider="none", sim_gpus=0, agent_zipapp=bundle.path,
                        agent_zipapp_sha256=bundle.sha256)
 
 

@@ -24,11 +24,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlctl.jobfile import load_job_file
 from rlctl.sim.costmodel import CostModel, load_cost_model
-from rlctl.sim.engine import SimConfig
+from rlctl.sim.engine import SimConfig, simulate
 from rlctl.sim.faults import StepFailures
-from rlctl.sim.report import compare, median_runs, plot_ledger, plot_sweeps, simulate
+from rlctl.sim.report import compare, median_runs, plot_ledger, plot_sweeps
+from rlctl.specfile import load_job_file
 
 POLICIES = ("role", "full-restart")
 UNTIL_DURATION = 10**9  # steps: run until the virtual duration ends

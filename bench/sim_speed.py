@@ -24,10 +24,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlctl.jobfile import load_job_file
+from rlctl.sim.calibrate import make_failure_model
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
-from rlctl.sim.faults import make_failure_model
+from rlctl.specfile import load_job_file
 
 GPUS = 8192
 DAYS = 7.0

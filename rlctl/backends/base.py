@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from rlctl.core.launchplan import AllocationRequest
+
+__all__ = ["AgentLaunch", "AllocationRequest", "Backend", "BackendError", "FaultInjector", "NodeInfo", "ProbeResult"]
+
 
 @dataclass(frozen=True)
 class NodeInfo:
@@ -31,7 +35,6 @@ class AgentLaunch:
     controller_host: str
     controller_port: int
     secret_hex: str
-    heartbeat_interval_s: float
     gpu_provider: str
     sim_gpus: int
     agent_zipapp: Path
@@ -49,7 +52,6 @@ class AgentLaunch:
             "workdir": workdir,
             "gpu_provider": self.gpu_provider,
             "sim_gpus": self.sim_gpus,
-            "heartbeat_interval_s": self.heartbeat_interval_s,
         }
         if self.tls_cert_pem:
             config["tls_cert_pem"] = self.tls_cert_pem
@@ -62,17 +64,6 @@ class ProbeResult:
 
     reachable: bool
     detail: str
-
-
-@dataclass(frozen=True)
-class AllocationRequest:
-    """Nodes wanted per role, plus spares. ``exclude`` names nodes never to be used."""
-
-    job_id: str
-    nodes_by_role: dict[str, int]
-    spares: int
-    gpus_per_node: dict[str, int]
-    exclude: frozenset[str] = frozenset()
 
 
 class BackendError(RuntimeError):
@@ -104,6 +95,11 @@ class Backend(Protocol):
     #: backend): they share its interpreter, filesystem and loopback, and their GPUs are simulated.
     #: False for real hosts, whose agents reach the controller across a network.
     on_this_machine: bool
+
+    @property
+    def supported_faults(self) -> frozenset[str]:
+        """The backend-level faults ``inject`` can carry out here (none without a fault injector)."""
+        ...
 
     def plan_text(self, request: AllocationRequest) -> str:
         """Human-readable plan for ``launch --dry-run`` (rendered sbatch scripts for Slurm). No side effects."""

@@ -42,6 +42,7 @@ class LocalBackend:
 
     name = "local"
     on_this_machine = True
+    supported_faults: frozenset[str] = frozenset()  # the agents simulate every fault here
 
     def __init__(self, node_root: Path, capacity: int, gpus_per_node: int, python: str = sys.executable) -> None:
         self.node_root = node_root

@@ -27,7 +27,7 @@ def launch(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object for scripts."),
 ) -> None:
     """Validate JOB_FILE, plan roles onto nodes and start the job."""
-    from rlctl.jobfile import load_job_file
+    from rlctl.specfile import load_job_file
 
     try:
         spec = load_job_file(job_file)
@@ -115,29 +115,15 @@ def _workload_lines(checks: dict[str, object]) -> list[str]:
 
 
 def _plan_text(spec: JobSpec, checks: dict[str, object] | None = None) -> str:
-    from rlctl.backends.base import AllocationRequest
-    from rlctl.jobfile import make_backend
+    from rlctl.jobfile import render_launch
 
-    request = AllocationRequest(
-        job_id=f"{spec.name}-(dry-run)",
-        nodes_by_role={n: r.nodes for n, r in spec.roles.items()},
-        spares=spec.spare_nodes,
-        gpus_per_node={n: r.gpus_per_node for n, r in spec.roles.items()},
-    )
-
-    class _Scratch:
-        path = Path("/nonexistent-dry-run")
-
-    backend = make_backend(spec, _Scratch())
+    *plan_lines, rendered = render_launch(spec)
     lines = [
-        f"job {spec.name}: {spec.steps} steps, policy {spec.fault_tolerance.policy}, backend {spec.backend}",
-        "roles: " + ", ".join(f"{n} x{r.nodes} ({r.gpus_per_node} GPU/node): {' '.join(r.command)}"
-                              for n, r in spec.roles.items()),
-        f"spares: {spec.spare_nodes} ({'warm trainer standby' if spec.warm_spares else 'cold'})",
+        *plan_lines,
         (f"rollout: batch {spec.rollout.batch_prompts} prompts x {spec.rollout.group_size} samples, "
          f"tail batching {'on' if spec.rollout.tail_batching.enabled else 'off'}"),
         *_workload_lines(checks or {}),
-        backend.plan_text(request),
+        rendered,
     ]
     return "\n".join(lines)
 
@@ -192,7 +178,7 @@ def _run_foreground(jobdir: JobDir, spec: JobSpec) -> None:
 def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json_out: bool = typer.Option(False, "--json"),
            state_dir: str = STATE_DIR_OPTION) -> None:
     """Start a job's controller again after it died; it rebuilds its state from the journal."""
-    from rlctl.jobfile import load_job_dir_spec
+    from rlctl.specfile import load_job_dir_spec
 
     jobdir = resolve_job(job, state_dir)
     ensure_model(load_job_dir_spec(jobdir))

@@ -30,11 +30,12 @@ def sim(
 ) -> None:
     """Simulate JOB_FILE's job on a virtual clock with a cost model and a failure model."""
     from rlctl.core.spec import SpecError
-    from rlctl.jobfile import load_job_file
+    from rlctl.sim.calibrate import make_failure_model
     from rlctl.sim.costmodel import CostModelError, load_cost_model
-    from rlctl.sim.engine import SimConfig
-    from rlctl.sim.faults import make_failure_model, parse_duration
-    from rlctl.sim.report import POLICIES, compare_policies, plot_ledger, simulate
+    from rlctl.sim.engine import POLICIES, SimConfig, compare_policies, simulate
+    from rlctl.sim.faults import parse_duration
+    from rlctl.sim.report import plot_ledger
+    from rlctl.specfile import load_job_file
 
     try:
         spec = load_job_file(job_file)

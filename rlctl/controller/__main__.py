@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.server import Controller, setup_logging
-from rlctl.jobfile import load_job_dir_spec, make_backend, make_workload
+from rlctl.jobfile import make_backend, make_workload
+from rlctl.specfile import load_job_dir_spec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """The local API between the CLI and a running controller: a 0600 unix socket, JSON lines.
 
-Requests: ``status``, ``stop``, ``inject`` (node, kind, params). The CLI never talks to nodes;
+Requests: ``status``, ``diagnostics``, ``stop``, ``inject`` (node, kind, params), each answered by
+the handler the controller gave the server. The CLI never talks to nodes;
 it asks the controller. ``ApiClient`` is synchronous and imports nothing heavy.
 """
 
@@ -12,14 +13,10 @@ import logging
 import os
 import socket
 import time
-import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from rlctl.core.events import EventKind
-
-if TYPE_CHECKING:
-    from rlctl.controller.server import Controller
+from typing import Any
 
 log = logging.getLogger("rlctl.controller.api")
 
@@ -33,13 +30,24 @@ class ApiError(RuntimeError):
     """The controller refused a request or could not be reached."""
 
 
+@dataclass(frozen=True)
+class ApiHandlers:
+    """What each request does: the controller hands these in."""
+
+    status: Callable[[], dict[str, Any]]
+    diagnostics: Callable[[float], dict[str, Any]]
+    stop: Callable[[str], None]
+    inject: Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
 class ApiServer:
-    def __init__(self, controller: Controller) -> None:
-        self.c = controller
+    def __init__(self, socket_path: Path, handlers: ApiHandlers) -> None:
+        self.socket_path = socket_path
+        self.handlers = handlers
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> None:
-        path = self.c.jobdir.api_socket
+        path = self.socket_path
         if path.exists():
             path.unlink()
         old_umask = os.umask(0o177)
@@ -53,7 +61,7 @@ class ApiServer:
         if self._server is not None:
             self._server.close()
         try:
-            self.c.jobdir.api_socket.unlink()
+            self.socket_path.unlink()
         except FileNotFoundError:
             pass
 
@@ -73,60 +81,16 @@ class ApiServer:
     async def dispatch(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "status":
-            return {"ok": True, "status": self.c.snapshot()}
+            return {"ok": True, "status": self.handlers.status()}
         if op == "diagnostics":
-            return {"ok": True, "diagnostics": self.c.diagnostics(float(request.get("since_mono") or 0.0))}
+            return {"ok": True, "diagnostics": self.handlers.diagnostics(float(request.get("since_mono") or 0.0))}
         if op == "stop":
-            self.c.request_stop(str(request.get("reason") or "stopped by the operator"))
+            self.handlers.stop(str(request.get("reason") or "stopped by the operator"))
             return {"ok": True}
         if op == "inject":
-            return await self.inject(str(request.get("node")), str(request.get("kind")), dict(request.get("params") or {}))
+            return await self.handlers.inject(str(request.get("node")), str(request.get("kind")),
+                                              dict(request.get("params") or {}))
         return {"ok": False, "error": f"unknown op {op!r}"}
-
-    async def inject(self, node: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
-        model = self.c.model
-        if node not in model.nodes:
-            return {"ok": False, "error": f"node {node!r} is not in job {model.job_id}; nodes: {', '.join(sorted(model.nodes))}"}
-        if kind not in FAULT_KINDS:
-            return {"ok": False, "error": f"unknown fault kind {kind!r}; valid kinds: {', '.join(FAULT_KINDS)}"}
-        # A backend that can really break the node (the lab: kill every process of the machine,
-        # cut its link) does so; otherwise node-down is the agent's simulation of it.
-        backend_kind = kind in BACKEND_FAULTS and (kind not in AGENT_FAULTS or _backend_supports(self.c, kind))
-        if backend_kind and not _backend_supports(self.c, kind):
-            return {"ok": False, "error": f"the {self.c.backend.name} backend cannot inject {kind!r} (the lab can)"}
-        if kind in ("xid",) and "code" not in params:
-            return {"ok": False, "error": "kind xid needs a code (e.g. --code 79)"}
-        fault_id = f"inj-{uuid.uuid4().hex[:8]}"
-        self.c.record(EventKind.FAULT_INJECTED, fault_id=fault_id, node=node, kind=kind, params=params)
-        self.c.spawn(self._carry_out(node, kind, params, backend_kind))
-        return {"ok": True, "fault_id": fault_id, "node": node, "kind": kind}
-
-    async def _carry_out(self, node: str, kind: str, params: dict[str, Any], backend_kind: bool) -> None:
-        delay = float(params.get("after") or 0.0)
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if backend_kind:
-            info = self.c.node_infos[node]
-            try:
-                done = await self.c.backend.inject(info, kind, params)
-            except Exception as exc:  # noqa: BLE001  # runs as a background task: say what failed, never drop it
-                log.warning("the %s backend could not inject %s on %s: %s", self.c.backend.name, kind, node, exc)
-                return
-            if not done:
-                log.warning("the %s backend did not carry out %s on %s", self.c.backend.name, kind, node)
-            return
-        slot = self.c.model.slot_on_node(node)
-        agent_params = dict(params)
-        if slot is not None and slot.wid:
-            agent_params.setdefault("wid", slot.wid)
-        ack = await self.c.hub.command(node, "inject", wait=10.0, kind=kind, params=agent_params)
-        if ack is not None and not ack.get("ok", True):
-            log.warning("agent on %s refused %s: %s", node, kind, ack.get("error"))
-
-
-def _backend_supports(controller: Controller, kind: str) -> bool:
-    supported: frozenset[str] = getattr(controller.backend, "supported_faults", frozenset())
-    return kind in supported
 
 
 class ApiClient:

@@ -6,14 +6,13 @@ journals its events before it replies, and answers from the job model. See docs/
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import SlotRecord
+from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.states import WorkerState
-
-if TYPE_CHECKING:
-    from rlctl.controller.server import Controller
 
 WAIT_S = 0.2
 
@@ -23,8 +22,10 @@ class OpError(ValueError):
 
 
 class DataOps:
-    def __init__(self, controller: Controller) -> None:
-        self.c = controller
+    def __init__(self, orchestrator: Orchestrator, on_weights_published: Callable[[float], None]) -> None:
+        """``on_weights_published(now)`` is told each time the trainer published a new version."""
+        self.orc = orchestrator
+        self.on_weights_published = on_weights_published
         self._replies: dict[tuple[str, str], dict[str, Any]] = {}
         self.last_request_at: dict[str, float] = {}
 
@@ -47,21 +48,21 @@ class DataOps:
 
     def op_rollout_get_work(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "rollout")
-        scheduler = self.c.scheduler
+        scheduler = self.orc.scheduler
         rnd = scheduler.round
-        if self.c.model.life.state.terminal or self.c.stopping:
+        if self.orc.model.life.state.terminal or self.orc.stopping:
             return {"stop": True}
-        if slot.slot in self.c.routed_away or not self._takes_work(slot):
+        if not self._takes_work(slot):
             return {"wait_s": WAIT_S}
         wid = slot.wid or ""
         kind, held = scheduler.work_held_by(wid, "inflight")
         if not held:
-            self.c.commit_decided(scheduler.dispatch(slot.slot, wid, int(args.get("capacity", 8)), now))
+            self.orc.shell.commit_decided(scheduler.dispatch(slot.slot, wid, int(args.get("capacity", 8)), now))
             kind, held = scheduler.work_held_by(wid, "inflight")
         if not held:
             return {"wait_s": WAIT_S}
         if kind == "held-out" and scheduler.held_out is not None:
-            step, round_kind = self.c.model.step, "held-out"
+            step, round_kind = self.orc.model.step, "held-out"
             version, max_new_tokens = scheduler.held_out.version, scheduler.held_out.max_new_tokens
         elif rnd is not None:
             step, round_kind, version, max_new_tokens = rnd.step, rnd.kind, rnd.weights_version, rnd.max_new_tokens
@@ -72,7 +73,7 @@ class DataOps:
             "round": round_kind,
             "weights_version": version,
             "max_new_tokens": max_new_tokens,
-            "weights_source": self.c.weights_source(version, exclude_slot=slot.slot),
+            "weights_source": self.orc.model.weights_source(version, exclude_slot=slot.slot),
             "items": [
                 {
                     "item_id": s.item_id,
@@ -91,30 +92,30 @@ class DataOps:
         self._require(slot, "rollout")
         results = list(args.get("results", []))
         if results:
-            self.c.commit_decided(self.c.scheduler.submit(slot.slot, slot.wid or "", results, now))
-        return {"cancel": self.c.scheduler.cancelled_among([str(i) for i in args.get("item_ids", [])])}
+            self.orc.shell.commit_decided(self.orc.scheduler.submit(slot.slot, slot.wid or "", results, now))
+        return {"cancel": self.orc.scheduler.cancelled_among([str(i) for i in args.get("item_ids", [])])}
 
     def op_rollout_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "rollout")
         results = list(args.get("results", []))
-        events = self.c.scheduler.submit(slot.slot, slot.wid or "", results, now)
-        self.c.commit_decided(events)
+        events = self.orc.scheduler.submit(slot.slot, slot.wid or "", results, now)
+        self.orc.shell.commit_decided(events)
         accepted = sum(1 for e in events if e.type in (EventKind.TRAJECTORY_STORED, EventKind.PROMPT_DEFERRED))
-        return {"accepted": accepted, "cancel": self.c.scheduler.cancelled_among([str(r.get("item_id")) for r in results])}
+        return {"accepted": accepted, "cancel": self.orc.scheduler.cancelled_among([str(r.get("item_id")) for r in results])}
 
     # ------------------------------------------------------------------------------- reward
 
     def op_reward_get_work(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "reward")
-        scheduler = self.c.scheduler
-        if self.c.model.life.state.terminal or self.c.stopping:
+        scheduler = self.orc.scheduler
+        if self.orc.model.life.state.terminal or self.orc.stopping:
             return {"stop": True}
         if not self._takes_work(slot):
             return {"wait_s": WAIT_S}
         wid = slot.wid or ""
         _, held = scheduler.work_held_by(wid, "scoring")
         if not held:
-            self.c.commit_decided(scheduler.dispatch_scoring(slot.slot, wid, int(args.get("capacity", 32)), now))
+            self.orc.shell.commit_decided(scheduler.dispatch_scoring(slot.slot, wid, int(args.get("capacity", 32)), now))
             _, held = scheduler.work_held_by(wid, "scoring")
         if not held:
             return {"wait_s": WAIT_S}
@@ -138,47 +139,47 @@ class DataOps:
         sample keeps its zero score, or with ``on_error = "fail"`` the job stops as failed."""
         self._require(slot, "reward")
         scores = list(args.get("scores", []))
-        scheduler = self.c.scheduler
+        scheduler = self.orc.scheduler
         failed = [s for s in scores if s.get("error")]
         if failed:
-            on_error = str(self.c.spec.reward["on_error"])
+            on_error = str(self.orc.spec.reward["on_error"])
             failures = [
                 event(EventKind.REWARD_FUNCTION_FAILED, now, function=str(s.get("function", ""))[:200], item_id=str(s["item_id"]),
                       prompt_id=getattr(scheduler.find_sample(str(s["item_id"])), "prompt_id", ""), error=str(s["error"])[:500], on_error=on_error)
                 for s in failed
             ]
-            self.c.commit(failures)
+            self.orc.shell.commit(failures)
             if on_error == "fail":
                 first = failures[0].data
-                self.c.request_stop(f"failed: reward function {first['function']} on {first['item_id']}: {first['error']}")
+                self.orc.request_stop(f"failed: reward function {first['function']} on {first['item_id']}: {first['error']}")
                 return {"accepted": 0}
-        events = self.c.scheduler.submit_scores(slot.wid or "", scores, now)
-        self.c.commit_decided(events)
+        events = self.orc.scheduler.submit_scores(slot.wid or "", scores, now)
+        self.orc.shell.commit_decided(events)
         return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == EventKind.REWARDS_STORED)}
 
     # ------------------------------------------------------------------------------ trainer
 
     def op_standby_wait(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """A warm standby asks whether it has been given a role yet."""
-        if self.c.model.life.state.terminal or self.c.stopping:
+        if self.orc.model.life.state.terminal or self.orc.stopping:
             return {"stop": True}
         if slot.standby:
             reply: dict[str, Any] = {"standby": True, "wait_s": 0.3}
-            offer = self.c.model.live_trainer_state()
+            offer = self.orc.model.live_trainer_state()
             if offer is not None and offer.version > int(args.get("trainer_state_step", -1)):
                 reply["trainer_state"] = {"step": offer.version, "source": offer.source}
             return reply
         return {"role": slot.role, "slot": slot.slot}
 
     def op_trainer_init(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        model = self.c.model
+        model = self.orc.model
         if slot.standby:
             return {"standby": True, "wait_s": 0.5}
         self._require(slot, "trainer")
         checkpoint_step = model.checkpoint_step if model.checkpoint_step >= 0 else None
         start = checkpoint_step or 0
         target = model.published_version
-        replay = [s for s in range(start, target) if self.c.scheduler.batch_for(s) is not None]
+        replay = [s for s in range(start, target) if self.orc.scheduler.batch_for(s) is not None]
         return {
             "checkpoint": model.checkpoint_path or None,
             "checkpoint_step": checkpoint_step,
@@ -186,18 +187,18 @@ class DataOps:
             "target_checksum": model.published_checksum,
             "replay_batches": replay,
             "total_steps": model.total_steps,
-            "checkpoint_every": self.c.spec.checkpoint_every,
+            "checkpoint_every": self.orc.spec.checkpoint_every,
         }
 
     def op_trainer_get_batch(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "trainer")
         step = int(args["step"])
-        if step >= self.c.model.total_steps:
+        if step >= self.orc.model.total_steps:
             return {"stop": True}
-        batch = self.c.scheduler.batch_for(step)
+        batch = self.orc.scheduler.batch_for(step)
         if batch is None:
             return {"wait_s": WAIT_S}
-        prompts = self.c.scheduler.prompts
+        prompts = self.orc.scheduler.prompts
         return {
             "step": step,
             "round": batch.kind,
@@ -221,28 +222,28 @@ class DataOps:
         self._require(slot, "trainer")
         version = int(args["version"])
         events: list[Event] = []
-        if "metrics" in args and version - 1 not in self.c.model.step_metrics:
+        if "metrics" in args and version - 1 not in self.orc.model.step_metrics:
             events.append(event(EventKind.STEP_TRAINED, now, step=version - 1, metrics=dict(args["metrics"])))
         state = {"state_source": dict(args["state_source"])} if isinstance(args.get("state_source"), dict) else {}
         events.append(event(EventKind.WEIGHTS_PUBLISHED, now, version=version, slot=slot.slot, source=dict(args["source"]), **state))
-        self.c.commit(events)
-        self.c.on_weights_published(version, now)
+        self.orc.shell.commit(events)
+        self.on_weights_published(now)
         return {}
 
     def op_trainer_cursor(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Where the data stands at the checkpoint of ``step`` (written beside it)."""
         self._require(slot, "trainer")
-        return self.c.scheduler.cursor_at(int(args["step"]))
+        return self.orc.scheduler.cursor_at(int(args["step"]))
 
     def op_trainer_checkpointed(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "trainer")
-        self.c.commit([event(EventKind.CHECKPOINTED, now, step=int(args["step"]), path=str(args["path"]))])
+        self.orc.shell.commit([event(EventKind.CHECKPOINTED, now, step=int(args["step"]), path=str(args["path"]))])
         return {}
 
     def op_trainer_restored(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "trainer")
         replayed = [int(s) for s in args.get("replayed_steps", [])]
-        self.c.commit(
+        self.orc.shell.commit(
             [event(EventKind.TRAINER_RESTORED, now, slot=slot.slot, checkpoint_step=args.get("checkpoint_step"), replayed_steps=replayed,
                    state_step=args.get("state_step"))]
         )
@@ -251,26 +252,26 @@ class DataOps:
     # ------------------------------------------------------------------------------ weights
 
     def op_weights_held(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self.c.commit([event(EventKind.WEIGHTS_HELD, now, version=int(args["version"]), slot=slot.slot, source=dict(args["source"]))])
+        self.orc.shell.commit([event(EventKind.WEIGHTS_HELD, now, version=int(args["version"]), slot=slot.slot, source=dict(args["source"]))])
         return {}
 
     def op_weights_source(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """A holder of ``version``; a holder the caller could not fetch from is struck off first."""
-        version = int(args.get("version", self.c.model.published_version))
+        version = int(args.get("version", self.orc.model.published_version))
         failed = args.get("failed_source")
         if isinstance(failed, dict):
-            self.c.commit([event(EventKind.WEIGHTS_SOURCE_FAILED, now, version=version, source=failed, reporter=slot.slot,
+            self.orc.shell.commit([event(EventKind.WEIGHTS_SOURCE_FAILED, now, version=version, source=failed, reporter=slot.slot,
                                  error=str(args.get("error", ""))[:200])])
-        return {"weights_source": self.c.weights_source(version, exclude_slot=slot.slot)}
+        return {"weights_source": self.orc.model.weights_source(version, exclude_slot=slot.slot)}
 
     def op_job_wait(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """A worker with nothing left to do waits here until the job ends."""
-        if self.c.model.life.state.terminal or self.c.stopping:
+        if self.orc.model.life.state.terminal or self.orc.stopping:
             return {"stop": True}
         return {"wait_s": 0.5}
 
     def op_job_info(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        model = self.c.model
+        model = self.orc.model
         return {"step": model.step, "total_steps": model.total_steps, "state": model.life.state.value}
 
     @staticmethod

@@ -54,6 +54,7 @@ class EventKind(StrEnum):
     SCHEDULER_ROLLED_BACK = "SchedulerRolledBack"
     HELD_OUT_STARTED = "HeldOutStarted"
     HELD_OUT_SCORED = "HeldOutScored"
+    HEARTBEAT = "Heartbeat"
 
 
 # Every event type the journal may hold, with the data keys it must carry.
@@ -94,7 +95,11 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.SCHEDULER_ROLLED_BACK: ("to_step",),
     EventKind.HELD_OUT_STARTED: ("version", "prompts", "max_new_tokens"),
     EventKind.HELD_OUT_SCORED: ("version", "prompts", "reward_mean", "reward_std_err", "accuracy"),
+    EventKind.HEARTBEAT: ("node",),
 }
+# Applied to the model but never journaled: one per node per second is too many to keep. What they
+# changed is journaled in summary (HeartbeatSummary); a resumed controller starts their clocks anew.
+TRANSIENT_EVENTS = frozenset({EventKind.HEARTBEAT})
 
 
 class EventError(ValueError):

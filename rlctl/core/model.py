@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.core.ettr import EttrLedger
-from rlctl.core.events import Event, EventKind
+from rlctl.core.events import TRANSIENT_EVENTS, Event, EventKind
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.states import JobState, Lifecycle, NodeState, WorkerState
 
@@ -235,6 +235,9 @@ class JobModel:
 
     def apply(self, ev: Event) -> None:
         """Advance the ledger to the event's time, then change state by one event."""
+        if ev.type in TRANSIENT_EVENTS:
+            self._on_Heartbeat(ev)
+            return
         if not self.life.state.terminal and ev.at > self.ledger.last_at:
             self.ledger.advance(ev.at, self.ettr_weights())
         self.last_seq = max(self.last_seq, ev.seq)
@@ -296,6 +299,33 @@ class JobModel:
         node.last_heartbeat_at = ev.at
         if self.policy == "role":  # under full-restart the fault lasts until everything restarted
             self._recover_matching("agent-lost", node.name, None, ev.at)
+
+    def _on_ControllerStarted(self, ev: Event) -> None:
+        """A resumed controller hears no agent yet: every node's silence is counted from now."""
+        if not ev.data.get("resumed"):
+            return
+        for node in self.nodes.values():
+            node.last_heartbeat_at = ev.at
+            node.connected = False
+
+    def _on_Heartbeat(self, ev: Event) -> None:
+        """An agent's heartbeat: the node was heard, its GPU samples, its workers' progress."""
+        node = self.nodes.get(ev.data["node"])
+        if node is None:
+            return
+        node.last_heartbeat_at = ev.at
+        gpus = ev.data.get("gpus") or []
+        node.gpu_summary = GpuSummary.of(gpus)
+        node.gpus_lost = any(g.get("lost") for g in gpus)
+        for worker in ev.data.get("workers", []):
+            slot = self.slot_of_wid(str(worker.get("wid")))
+            if slot is None:
+                continue
+            progress = float(worker.get("progress") or 0.0)
+            age = float(worker.get("progress_age_s") or 0.0)
+            if progress != slot.progress or slot.progress_at < slot.phase_since:
+                slot.progress_at = max(slot.phase_since, ev.at - age)
+            slot.progress = progress
 
     def _on_AgentDisconnected(self, ev: Event) -> None:
         node = self.nodes.get(ev.data["node"])
@@ -520,6 +550,21 @@ class JobModel:
     def _on_Checkpointed(self, ev: Event) -> None:
         self.checkpoint_step = int(ev.data["step"])
         self.checkpoint_path = str(ev.data["path"])
+
+    def weights_source(self, version: int, exclude_slot: str = "") -> dict[str, Any] | None:
+        """A live holder of ``version``, preferring rollouts over the trainer to spread the load."""
+        live = []
+        for slot_name, source in self.weights_holders.get(version, {}).items():
+            slot = self.slots.get(slot_name)
+            if slot is None or slot_name == exclude_slot or slot.life is None:
+                continue
+            if slot.life.state not in (WorkerState.RUNNING, WorkerState.STARTING):
+                continue
+            live.append((0 if slot.role == "rollout" else 1, slot_name, source))
+        if not live:
+            return None
+        live.sort(key=lambda item: (item[0], hash((item[1], exclude_slot)) % 97))
+        return live[0][2]
 
     def live_trainer_state(self) -> TrainerStateOffer | None:
         """The newest trainer-state offer while the worker that made it still runs (else None)."""

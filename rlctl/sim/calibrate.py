@@ -23,7 +23,17 @@ from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.spec import JobSpec
 from rlctl.sim.costmodel import CostModel, DetectionCost, GenerationCost, InitCost, StepCost, WeightsCost
-from rlctl.sim.faults import SimFault, TraceFailures
+from rlctl.sim.engine import simulate
+from rlctl.sim.faults import (
+    LLAMA3_RATE_PER_GPU_HOUR,
+    FailureModel,
+    GpuHourFailures,
+    SimFault,
+    StepFailures,
+    TraceFailures,
+    fault_from_record,
+)
+from rlctl.sim.site import SimConfig
 
 # Injected fault kinds (rlctl inject-fault) → simulated kinds.
 INJECTED_TO_SIM = {"crash": "crash", "hang": "hang", "node-down": "node-down", "xid": "xid", "ecc": "ecc",
@@ -203,9 +213,6 @@ def predict_from_journal(target: Path, spec: JobSpec, seed: int = 0) -> dict[str
 
 def predict_from_events(events: list[Event], spec: JobSpec, seed: int = 0) -> dict[str, Any]:
     """``predict_from_journal`` on events already read."""
-    from rlctl.sim.engine import SimConfig
-    from rlctl.sim.report import simulate
-
     measured = replay(events, spec)
     cost = measure_cost_model(events, spec)
     policy = next((e.data["policy"] for e in events if e.type == EventKind.JOB_SUBMITTED), spec.fault_tolerance.policy)
@@ -223,3 +230,30 @@ def predict_from_events(events: list[Event], spec: JobSpec, seed: int = 0) -> di
         "within_5_points": abs(result["ettr"] - actual) <= 0.05,
         "cost_model": cost.as_dict(),
     }
+
+
+def load_trace(path: Path) -> list[SimFault]:
+    """A JSON list or JSON lines of fault records, or an rlctl journal (``.db``) to replay."""
+    if path.suffix == ".db":
+        return trace_from_journal(path)
+    text = path.read_text().strip()
+    records = json.loads(text) if text.startswith("[") else [json.loads(line) for line in text.splitlines() if line.strip()]
+    if records and "type" in records[0] and "data" in records[0]:
+        return trace_from_events(read_events(path))  # a journal exported as JSON lines
+    try:
+        return sorted((fault_from_record(r) for r in records), key=lambda f: f.at)
+    except KeyError as exc:
+        raise ValueError(f"{path}: a fault record lacks {exc}") from None
+
+
+def make_failure_model(name: str, rate: float | None, seed: int, trace: Path | None) -> FailureModel:
+    """The failure model the CLI names; ``rate`` defaults per model (10% per step, Llama 3 per GPU-hour)."""
+    if name == "step":
+        return StepFailures(p=0.1 if rate is None else rate, seed=seed)
+    if name == "gpu-hours":
+        return GpuHourFailures(rate=LLAMA3_RATE_PER_GPU_HOUR if rate is None else rate, seed=seed)
+    if name == "trace":
+        if trace is None:
+            raise ValueError("--failure-model trace needs --trace FILE")
+        return TraceFailures(load_trace(trace))
+    raise ValueError(f"unknown failure model {name!r}; expected step, gpu-hours or trace")

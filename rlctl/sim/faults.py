@@ -15,12 +15,10 @@ A fault kind says how the fault *looks* to the controller; the simulator then le
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 # Kinds the simulator can inject, and what the controller observes for each.
@@ -183,37 +181,6 @@ def fault_from_record(record: dict[str, Any]) -> SimFault:
     params = {k: v for k, v in record.items() if k not in ("at", "kind", "node", "role", "cause")}
     return SimFault(at=parse_duration(record["at"]), kind=kind, node=record.get("node"), role=record.get("role"),
                     cause=str(record.get("cause", kind)), params=params)
-
-
-def load_trace(path: Path) -> list[SimFault]:
-    """A JSON list or JSON lines of fault records, or an rlctl journal (``.db``) to replay."""
-    if path.suffix == ".db":
-        from rlctl.sim.calibrate import trace_from_journal
-
-        return trace_from_journal(path)
-    text = path.read_text().strip()
-    records = json.loads(text) if text.startswith("[") else [json.loads(line) for line in text.splitlines() if line.strip()]
-    if records and "type" in records[0] and "data" in records[0]:
-        from rlctl.sim.calibrate import read_events, trace_from_events
-
-        return trace_from_events(read_events(path))  # a journal exported as JSON lines
-    try:
-        return sorted((fault_from_record(r) for r in records), key=lambda f: f.at)
-    except KeyError as exc:
-        raise ValueError(f"{path}: a fault record lacks {exc}") from None
-
-
-def make_failure_model(name: str, rate: float | None, seed: int, trace: Path | None) -> FailureModel:
-    """The failure model the CLI names; ``rate`` defaults per model (10% per step, Llama 3 per GPU-hour)."""
-    if name == "step":
-        return StepFailures(p=0.1 if rate is None else rate, seed=seed)
-    if name == "gpu-hours":
-        return GpuHourFailures(rate=LLAMA3_RATE_PER_GPU_HOUR if rate is None else rate, seed=seed)
-    if name == "trace":
-        if trace is None:
-            raise ValueError("--failure-model trace needs --trace FILE")
-        return TraceFailures(load_trace(trace))
-    raise ValueError(f"unknown failure model {name!r}; expected step, gpu-hours or trace")
 
 
 def expected_faults_per_day(rate_per_gpu_hour: float, gpus: int) -> float:

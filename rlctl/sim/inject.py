@@ -4,13 +4,12 @@
 the observations the live controller would get, each after the delay the cost model gives: an
 exit report, an NVML signal, a silent heartbeat grid plus a probe, frozen progress, a throughput
 gap. Each observation is judged by the real core through ``rlctl.sim.observe`` and handed to
-``SimRecovery.handle``, exactly as ``Controller``/``Recovery`` hand theirs to ``Recovery.handle``.
+the orchestration core, exactly as the live controller's detection hands its own.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from rlctl.core import detector as det
 from rlctl.core.events import EventKind
@@ -18,23 +17,60 @@ from rlctl.core.model import SlotRecord
 from rlctl.core.states import NodeState
 from rlctl.sim import observe
 from rlctl.sim.faults import SimFault
+from rlctl.sim.site import SimSite
 from rlctl.sim.truth import WorkerTruth
-
-if TYPE_CHECKING:
-    from rlctl.sim.engine import Simulation
 
 PARTITION_HEALS_S = 60.0  # a partition without a duration heals after a minute (the agent reconnects)
 RECHECK_S = 1.0
 WATCHED_NODE_STATES = (NodeState.READY, NodeState.STANDBY, NodeState.ACTIVE, NodeState.SUSPECT)
 
 
-def apply_fault(sim: Simulation, fault: SimFault, fault_id: str, node: str, slot: SlotRecord | None,
+def inject_fault(sim: SimSite, fault: SimFault) -> None:
+    """Apply a fault's ground truth, journal FaultInjected, and schedule what the controller sees."""
+    if sim.stopping or sim.model.life.state.terminal:
+        return
+    name = _pick_node(sim, fault)
+    if name is None:
+        sim.stats.faults_skipped += 1  # no role node it could hit (e.g. before allocation)
+        return
+    slot = sim.model.slot_on_node(name)
+    worker = sim.workers.get(slot.wid or "") if slot else None
+    sim.stats.faults_injected += 1
+    fault_id = f"sim-{sim.stats.faults_injected:05d}"
+    sim.emit(EventKind.FAULT_INJECTED, fault_id=fault_id, node=name, kind=fault.kind,
+             params={**fault.params, "cause": fault.cause})
+    cause = fault.cause or fault.kind
+    sim.stats.faults_by_kind[cause] = sim.stats.faults_by_kind.get(cause, 0) + 1
+    apply_fault(sim, fault, fault_id, name, slot, worker)
+
+
+def _pick_node(sim: SimSite, fault: SimFault) -> str | None:
+    candidates = []
+    for slot in sim.model.slots.values():
+        if slot.standby or slot.node is None:
+            continue
+        record = sim.model.nodes.get(slot.node)
+        truth = sim.nodes.get(slot.node)
+        if record is None or truth is None or not truth.up:
+            continue
+        if record.life.state not in (NodeState.ACTIVE, NodeState.READY):
+            continue
+        if fault.role and slot.role != fault.role:
+            continue
+        candidates.append(slot.node)
+    if fault.node is not None:
+        return fault.node if fault.node in candidates else None
+    candidates.sort()
+    return sim.rng.choice(candidates) if candidates else None
+
+
+def apply_fault(sim: SimSite, fault: SimFault, fault_id: str, node: str, slot: SlotRecord | None,
                 worker: WorkerTruth | None) -> None:
     """The fault's ground truth, and the observation(s) it will produce."""
     kind, det_cost = fault.kind, sim.cost.detection
     if kind == "crash":
         if worker is not None:
-            sim._kill(worker)
+            sim.kill(worker)
             sim.q.after(det_cost.exit_report_s, _exit_reported, sim, worker.wid, 1)
     elif kind == "node-down":
         truth = sim.nodes[node]
@@ -42,12 +78,12 @@ def apply_fault(sim: Simulation, fault: SimFault, fault_id: str, node: str, slot
         for other in sim.workers.values():
             if other.node == node and other.alive:
                 other.alive = other.ready = False
-        sim._update_capacity()
+        sim.update_capacity()
         _watch_silence(sim, node)
     elif kind == "partition":
         truth = sim.nodes[node]
         truth.partitioned, truth.silent_since = True, sim.now
-        sim._update_capacity()
+        sim.update_capacity()
         _watch_silence(sim, node)
         sim.q.after(float(fault.params.get("duration", PARTITION_HEALS_S)), _heal_partition, sim, node)
     elif kind in ("xid", "ecc"):
@@ -56,7 +92,7 @@ def apply_fault(sim: Simulation, fault: SimFault, fault_id: str, node: str, slot
         _, action = det.classify_signal(signal_kind, code)
         if worker is not None and action != "observe":
             worker.hung_at = sim.now  # the process is stuck on a CUDA error until it is restarted
-            sim._update_capacity()
+            sim.update_capacity()
         delay = sim.rng.random() * det_cost.nvml_poll_s
         sim.q.after(delay, _fault_signal, sim, node, signal_kind, code, f"{fault.cause or kind}", None)
     elif kind in ("nccl-timeout", "network", "hang"):
@@ -76,16 +112,15 @@ def apply_fault(sim: Simulation, fault: SimFault, fault_id: str, node: str, slot
 # ------------------------------------------------------------------------------ exits, signals
 
 
-def _exit_reported(sim: Simulation, wid: str, exit_code: int) -> None:
+def _exit_reported(sim: SimSite, wid: str, exit_code: int) -> None:
     worker = sim.workers.get(wid)
     slot = sim.model.slots.get(worker.slot) if worker else None
     if worker is None or slot is None or slot.wid != wid or not sim.agent_connected(worker.node):
         return
-    sim.emit(EventKind.WORKER_EXITED, slot=slot.slot, wid=wid, exit_code=exit_code, signal=None)
-    sim.recovery.on_worker_gone(slot, exit_code, None)
+    sim.orc.worker_exited(wid, exit_code, None)
 
 
-def _fault_signal(sim: Simulation, node: str, kind: str, code: int | None, detail: str, wid: str | None) -> None:
+def _fault_signal(sim: SimSite, node: str, kind: str, code: int | None, detail: str, wid: str | None) -> None:
     """Controller._on_fault_signal: journal the signal, classify it, hand a verdict to recovery."""
     if wid is not None:
         worker = sim.workers.get(wid)
@@ -94,16 +129,13 @@ def _fault_signal(sim: Simulation, node: str, kind: str, code: int | None, detai
             return  # the hung process was already restarted: its watchdog never fires
     if not sim.agent_connected(node):
         return
-    sim.emit(EventKind.FAULT_SIGNAL, node=node, kind=kind, detail=detail[:300], code=code, gpu=0, worker=wid)
-    verdict = observe.signal_verdict(sim.model, node, kind, code, detail, sim.now)
-    if verdict is not None:
-        sim.recovery.handle(verdict)
+    sim.orc.fault_signal(node, kind, code, detail, gpu=0, worker=wid)
 
 
 # -------------------------------------------------------------------------------- heartbeats
 
 
-def _watch_silence(sim: Simulation, node: str) -> None:
+def _watch_silence(sim: SimSite, node: str) -> None:
     """Prime the detector with the node's recent beats and judge when its φ bound runs out."""
     truth = sim.nodes[node]
     last = truth.last_beat(sim.now, sim.interval)
@@ -113,12 +145,12 @@ def _watch_silence(sim: Simulation, node: str) -> None:
     sim.q.schedule(_next_tick(sim, last + bound), _judge_silence, sim, node, None, "")
 
 
-def _next_tick(sim: Simulation, at: float) -> float:
+def _next_tick(sim: SimSite, at: float) -> float:
     tick = sim.cost.detection.tick_s
     return math.ceil(at / tick) * tick if tick > 0 else at
 
 
-def _judge_silence(sim: Simulation, node: str, probe: bool | None, detail: str) -> None:
+def _judge_silence(sim: SimSite, node: str, probe: bool | None, detail: str) -> None:
     truth, record = sim.nodes.get(node), sim.model.nodes.get(node)
     if truth is None or record is None or truth.silent_since is None or record.life.state not in WATCHED_NODE_STATES:
         return
@@ -130,19 +162,19 @@ def _judge_silence(sim: Simulation, node: str, probe: bool | None, detail: str) 
         sim.q.schedule(_next_tick(sim, sim.now + sim.cost.detection.tick_s), _judge_silence, sim, node, None, "")
         return
     if verdict.verdict == "suspect":
-        sim.recovery.suspect(node, verdict.reason)
+        sim.orc.suspect(node, verdict.reason)
         reachable = truth.reachable_by_probe
         result = "process alive, agent unreachable" if reachable else "probe timed out"
         delay = 0.5 if reachable else sim.cost.detection.probe_s
         sim.q.after(delay, _judge_silence, sim, node, reachable, result)
         return
-    sim.recovery.handle(verdict)
+    sim.orc.handle(verdict)
     # The live tick judges every node again and again; a verdict the recovery ignored (already being
     # handled) comes back once its key is forgotten.
     sim.q.after(RECHECK_S, _judge_silence, sim, node, None, "")
 
 
-def _heal_partition(sim: Simulation, node: str) -> None:
+def _heal_partition(sim: SimSite, node: str) -> None:
     truth = sim.nodes.get(node)
     if truth is None or not truth.partitioned:
         return
@@ -152,9 +184,9 @@ def _heal_partition(sim: Simulation, node: str) -> None:
 # ------------------------------------------------------------------------------------ hangs
 
 
-def _hang(sim: Simulation, worker: WorkerTruth) -> None:
+def _hang(sim: SimSite, worker: WorkerTruth) -> None:
     worker.hung_at = sim.now
-    sim._update_capacity()
+    sim.update_capacity()
     phase = reported_phase(sim, worker)
     bound = observe.hang_bound(sim.detector, phase, sim.spec.fault_tolerance.phase_timeout_s)
     if bound is None:
@@ -162,7 +194,7 @@ def _hang(sim: Simulation, worker: WorkerTruth) -> None:
     sim.q.schedule(_next_tick(sim, sim.now + bound), _judge_hang, sim, worker.wid, phase)
 
 
-def reported_phase(sim: Simulation, worker: WorkerTruth) -> str:
+def reported_phase(sim: SimSite, worker: WorkerTruth) -> str:
     """The phase the worker last reported, from what the job was doing."""
     stage = sim.task.stage if sim.task is not None else "idle"
     if not worker.ready:
@@ -177,7 +209,7 @@ def reported_phase(sim: Simulation, worker: WorkerTruth) -> str:
     return {"train": "training", "ckpt": "checkpointing"}.get(stage, "waiting-for-batch")
 
 
-def _judge_hang(sim: Simulation, wid: str, phase: str) -> None:
+def _judge_hang(sim: SimSite, wid: str, phase: str) -> None:
     worker = sim.workers.get(wid)
     slot = sim.model.slots.get(worker.slot) if worker else None
     if worker is None or worker.hung_at is None or slot is None or slot.wid != wid or not worker.alive:
@@ -185,15 +217,15 @@ def _judge_hang(sim: Simulation, wid: str, phase: str) -> None:
     obs = observe.worker_obs(slot, phase, slot.progress, sim.now - worker.hung_at, request_age_s=sim.now - worker.hung_at)
     verdict = sim.detector.worker_verdict(obs, sim.now)
     if verdict is not None:
-        sim.recovery.handle(verdict)
+        sim.orc.handle(verdict)
 
 
 # ------------------------------------------------------------------------------ fail-slow
 
 
-def _slow(sim: Simulation, worker: WorkerTruth, factor: float, duration: float, fault_id: str) -> None:
+def _slow(sim: SimSite, worker: WorkerTruth, factor: float, duration: float, fault_id: str) -> None:
     worker.slow = max(1.0, factor)
-    sim._update_capacity()
+    sim.update_capacity()
     if math.isfinite(duration):
         sim.q.after(duration, _heal_slow, sim, worker.wid, fault_id)
     if worker.role == "rollout":
@@ -203,7 +235,7 @@ def _slow(sim: Simulation, worker: WorkerTruth, factor: float, duration: float, 
 SLOW_TICK = 1.0
 
 
-def _slow_tick(sim: Simulation, wid: str) -> None:
+def _slow_tick(sim: SimSite, wid: str) -> None:
     """Controller.tick's throughput check: progress samples for the slow rollout and a peer sample."""
     worker = sim.workers.get(wid)
     if worker is None or not worker.alive or worker.slow <= 1.0 or sim.model.life.state.terminal:
@@ -212,24 +244,24 @@ def _slow_tick(sim: Simulation, wid: str) -> None:
     if slot is None or slot.wid != wid:
         return
     if sim.task is not None and sim.task.stage == "gen" and worker.working:
-        peers = [s for s in sim._working_slots("rollout") if s.wid != wid][:15]
+        peers = [s for s in sim.working_slots("rollout") if s.wid != wid][:15]
         observed = []
         for peer_slot in [slot] + peers:
             peer = sim.workers[peer_slot.wid or ""]
             sim.detector.progress(peer.wid, sim.now * 100.0 / peer.slow, sim.now)
             observed.append(observe.worker_obs(peer_slot, "generating", sim.now * 100.0 / peer.slow, 0.0))
         for verdict in sim.detector.slow_verdicts(observed, sim.now):
-            sim.recovery.handle(verdict)
+            sim.orc.handle(verdict)
     sim.q.after(SLOW_TICK, _slow_tick, sim, wid)
 
 
-def _heal_slow(sim: Simulation, wid: str, fault_id: str) -> None:
+def _heal_slow(sim: SimSite, wid: str, fault_id: str) -> None:
     worker = sim.workers.get(wid)
     if worker is not None:
         worker.slow = 1.0
-        sim._update_capacity()
+        sim.update_capacity()
     fault = sim.model.faults.get(fault_id)
     if fault is not None and fault.open and fault.detected_at is None:
         # A transient slow-down that healed before anyone noticed: the simulator knows it ended.
         sim.emit(EventKind.FAULT_RECOVERED, fault_ids=[fault_id], slot=fault.slot, node=fault.node)
-        sim.recovery.update_job_state()
+        sim.orc.update_job_state()

@@ -66,20 +66,3 @@ def hang_bound(detector: det.Detector, phase: str, phase_timeout_s: dict[str, fl
     if phase in det.IDLE_PHASES:
         return None
     return phase_timeout_s.get(phase)
-
-
-def signal_verdict(model: JobModel, node: str, kind: str, code: int | None, detail: str, now: float) -> det.Verdict | None:
-    """server.Controller._on_fault_signal: classify the agent's signal; ``observe`` actions give None."""
-    fault, action = det.classify_signal(kind, code)
-    if action == "observe":
-        return None
-    slot = model.slot_on_node(node)
-    reason = f"{kind}{' ' + str(code) if code is not None else ''} on {node}: {detail or fault}"
-    return det.Verdict(node, slot.slot if slot else None, "failed", fault, action, reason, now)
-
-
-def exit_verdict(slot: SlotRecord, exit_code: int | None, signal: str | None, now: float) -> det.Verdict | None:
-    """recovery.Recovery.on_worker_gone's verdict."""
-    if slot.node is None:
-        return None
-    return det.exit_verdict(slot.node, slot.slot, slot.role, exit_code, signal, now)

@@ -8,23 +8,14 @@ simulator's own speed.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlctl.core.ettr import CATEGORIES
-from rlctl.core.spec import JobSpec
-from rlctl.sim.costmodel import CostModel
-from rlctl.sim.faults import FailureModel
-
-if TYPE_CHECKING:
-    from rlctl.sim.engine import SimConfig, Simulation
-
-POLICIES = ("role", "full-restart")
+from rlctl.sim.site import SimSite
 
 
-def summarize(sim: Simulation, wall_clock_s: float) -> dict[str, Any]:
+def summarize(sim: SimSite, wall_clock_s: float) -> dict[str, Any]:
     """One run, as a JSON-able dict."""
     model = sim.model
     ledger = model.ledger
@@ -50,8 +41,8 @@ def summarize(sim: Simulation, wall_clock_s: float) -> dict[str, Any]:
         "faults_by_cause": dict(sorted(sim.stats.faults_by_kind.items())),
         "faults_skipped": sim.stats.faults_skipped,
         "faults_open_at_end": sum(1 for f in faults if f.open),
-        "verdicts": dict(sorted(sim.stats.verdicts.items())),
-        "actions": dict(sorted(sim.stats.actions.items())),
+        "verdicts": dict(sorted(sim.orc.tally.verdicts.items())),
+        "actions": dict(sorted(sim.orc.tally.actions.items())),
         "mean_detection_s": round(statistics.fmean(detected), 3) if detected else None,
         "mean_recovery_s": round(statistics.fmean(recovered), 3) if recovered else None,
         "rounds": dict(sorted(sim.stats.rounds.items())),
@@ -60,22 +51,6 @@ def summarize(sim: Simulation, wall_clock_s: float) -> dict[str, Any]:
         "sim_callbacks": sim.q.processed,
         "sim_wall_clock_s": round(wall_clock_s, 3),
     }
-
-
-def simulate(spec: JobSpec, cost: CostModel, failures: FailureModel, config: SimConfig) -> dict[str, Any]:
-    from rlctl.sim.engine import Simulation
-
-    return Simulation(spec, cost, failures, config).run()
-
-
-def compare_policies(spec: JobSpec, cost: CostModel, make_failures: Callable[[int], FailureModel],
-                     config: SimConfig, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
-    """The same job, cost model and failure seed under each policy; the relative speed-up of ``role``."""
-    runs = {p: simulate(spec, cost, make_failures(config.seed), replace(config, policy=p)) for p in policies}
-    out: dict[str, Any] = {"runs": runs}
-    if "role" in runs and "full-restart" in runs:
-        out["comparison"] = compare(runs["role"], runs["full-restart"])
-    return out
 
 
 def compare(role: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:

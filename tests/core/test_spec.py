@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from rlctl.cli.app import app
 from rlctl.core.spec import SpecError, spec_reference_markdown
-from rlctl.jobfile import load_job_file
+from rlctl.specfile import load_job_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = sorted((ROOT / "tests" / "spec_corpus").glob("*.toml"))

@@ -30,7 +30,7 @@ def make_backend(status: lab.LabStatus, job_dir: Path) -> SlurmBackend:
 def agent_launch(tmp_path: Path) -> AgentLaunch:
     bundle = build_agent_zipapp(tmp_path / "bundle")
     return AgentLaunch(job_id="labslurm", controller_host=lab.CONTROLLER_IP, controller_port=1,
-                       secret_hex="cd" * 32, heartbeat_interval_s=1.0, gpu_provider="sim", sim_gpus=1,
+                       secret_hex="cd" * 32, gpu_provider="sim", sim_gpus=1,
                        agent_zipapp=bundle.path, agent_zipapp_sha256=bundle.sha256)
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from rlctl.core.spec import JobSpec
-from rlctl.jobfile import load_job_file
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
 from rlctl.sim.faults import TraceFailures
+from rlctl.specfile import load_job_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data"

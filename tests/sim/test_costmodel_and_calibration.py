@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from rlctl.jobfile import load_job_file
-from rlctl.sim.calibrate import _trace, measure_cost_model, predict_from_events, read_events
+from rlctl.sim.calibrate import _trace, load_trace, measure_cost_model, predict_from_events, read_events
 from rlctl.sim.costmodel import (
     CostModel,
     CostModelError,
@@ -20,7 +19,8 @@ from rlctl.sim.costmodel import (
     response_cdf,
     response_quantile,
 )
-from rlctl.sim.faults import LLAMA3_RATE_PER_GPU_HOUR, load_trace, parse_duration
+from rlctl.sim.faults import LLAMA3_RATE_PER_GPU_HOUR, parse_duration
+from rlctl.specfile import load_job_file
 from tests.sim.conftest import DATA, ROOT
 
 

@@ -1,7 +1,8 @@
 """The simulator and the live controller reach the same verdicts and plans on the same observations.
 
-The live side is the real ``rlctl.controller.recovery.Recovery`` (and ``Controller._on_fault_signal``)
-around a stub controller; the sim side is ``rlctl.sim.observe`` + ``SimRecovery``. Both start from
+Both decide through the one orchestration core (``rlctl.core.orchestrate``). The live side is the
+controller's detection (``rlctl.controller.detection``) around a shell that only journals; the sim
+side is ``rlctl.sim.observe`` in a paused simulation. Both start from
 the same job model: the simulator's own, and one rebuilt by replaying its events (the journal path).
 A real local chaos run's journal is also replayed: every plan it journaled is re-derived.
 """
@@ -11,20 +12,20 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from rlctl.controller.recovery import WORKER_CHECK_SLICES, Recovery
-from rlctl.controller.server import Controller
+from rlctl.controller.detection import WORKER_CHECK_SLICES, Detection, Resumed
 from rlctl.core import detector as det
 from rlctl.core import policy
 from rlctl.core.events import Event, event
 from rlctl.core.model import JobModel
-from rlctl.jobfile import load_job_file
+from rlctl.core.orchestrate import Orchestrator
 from rlctl.sim import observe
 from rlctl.sim.calibrate import read_events
+from rlctl.specfile import load_job_file
+from tests.core.test_rounds import make_scheduler
 from tests.sim.conftest import DATA, paused_simulation
 
 PAUSE_S = 1500.0
@@ -32,37 +33,43 @@ PAUSE_S = 1500.0
 
 @dataclass
 class StubController:
-    """Just what Recovery and Controller._on_fault_signal touch."""
+    """The live controller's deciding parts (its orchestration core and its detection) around a shell
+    that journals into a list and keeps the recovery plans it is asked to run, without running them."""
 
     model: JobModel
     spec: Any
     detector: det.Detector
     now: float
     recorded: list[Event] = field(default_factory=list)
-    plans: list[list[policy.Step]] = field(default_factory=list)
-    probes: dict[str, tuple[bool, str, float]] = field(default_factory=dict)
-    lag_s: float = 0.0
-    stopping: bool = False
+    connected_nodes: bool = True
 
     def __post_init__(self) -> None:
-        self.hub = SimpleNamespace(connected=lambda name: True)
-        self.ops = SimpleNamespace(last_request_at={})
-        self.resumed_at = 0.0
-        self.resume = False
-        self.probing: set[str] = set()
-        self.recovery = Recovery(self)  # type: ignore[arg-type]
+        self.orc = Orchestrator(self.spec, self.model, self.model.scheduler or make_scheduler(tail=False), self.detector, self)
+        self.last_request_at: dict[str, float] = {}
+        self.detection = Detection(self.orc, lambda name: self.connected_nodes, None, {},  # type: ignore[arg-type]
+                                   self.last_request_at, Resumed(False, at=0.0), lambda coro: coro.close())
 
-    def record(self, type_: str, **data: Any) -> list[Event]:
-        ev = event(type_, self.now, **data)
-        self.model.apply(ev)
-        self.recorded.append(ev)
-        return [ev]
+    @property
+    def plans(self) -> list[list[policy.Step]]:
+        return [steps for _, steps in self.orc.tally.plans]
 
-    def spawn(self, coro: Any) -> None:
-        frame = coro.cr_frame
-        if frame is not None and "steps" in frame.f_locals:
-            self.plans.append(list(frame.f_locals["steps"]))
-        coro.close()
+    def clock(self) -> float:
+        return self.now
+
+    def commit(self, events: list[Event]) -> list[Event]:
+        for ev in events:
+            self.model.apply(ev)
+        self.recorded.extend(events)
+        return events
+
+    def commit_decided(self, events: list[Event]) -> list[Event]:
+        return self.commit(events)
+
+    def connected(self, node: str) -> bool:
+        return self.connected_nodes
+
+    def run_plan(self, plan: Any) -> None:
+        plan.close()
 
 
 def replayed_model(events: list[Event]) -> JobModel:
@@ -79,7 +86,7 @@ def all_quiet(stub: StubController) -> None:
     for slot in stub.model.slots.values():
         slot.progress_at = stub.now
         if slot.wid:
-            stub.ops.last_request_at[slot.wid] = stub.now
+            stub.last_request_at[slot.wid] = stub.now
 
 
 def live_verdicts(stub: StubController) -> list[dict[str, Any]]:
@@ -88,7 +95,7 @@ def live_verdicts(stub: StubController) -> list[dict[str, Any]]:
 
 def sim_side(sim: Any) -> tuple[list[dict[str, Any]], list[list[policy.Step]]]:
     verdicts = [e.data for e in sim.events if e.type == "Verdict"]
-    return verdicts, [steps for _, steps in sim.recovery.plans]
+    return verdicts, [steps for _, steps in sim.orc.tally.plans]
 
 
 def comparable(verdict: dict[str, Any]) -> tuple[Any, ...]:
@@ -113,10 +120,8 @@ def test_fault_signals_give_the_same_verdict_and_plan(paired: tuple[Any, StubCon
     sim, stub = paired
     node = sim.model.slots[role_slot].node
     detail = f"injected {kind}"
-    Controller._on_fault_signal(stub, node, {"kind": kind, "code": code, "message": detail}, stub.now)  # type: ignore[arg-type]
-    verdict = observe.signal_verdict(sim.model, node, kind, code, detail, sim.now)
-    if verdict is not None:
-        sim.recovery.handle(verdict)
+    stub.orc.fault_signal(node, kind, code, detail)
+    sim.orc.fault_signal(node, kind, code, detail)
     live_v, (sim_v, sim_plans) = live_verdicts(stub), sim_side(sim)
     assert [comparable(v) for v in live_v] == [comparable(v) for v in sim_v]
     assert stub.plans == sim_plans
@@ -126,11 +131,8 @@ def test_fault_signals_give_the_same_verdict_and_plan(paired: tuple[Any, StubCon
 def test_worker_exit_gives_the_same_verdict_and_plan(paired: tuple[Any, StubController], role_slot: str) -> None:
     sim, stub = paired
     live_slot = stub.model.slots[role_slot]
-    stub.record("WorkerExited", slot=role_slot, wid=live_slot.wid, exit_code=1, signal=None)
-    stub.recovery.on_worker_gone(live_slot, 1, None)
-    slot = sim.model.slots[role_slot]
-    sim.emit("WorkerExited", slot=role_slot, wid=slot.wid, exit_code=1, signal=None)
-    sim.recovery.on_worker_gone(slot, 1, None)
+    stub.orc.worker_exited(live_slot.wid, 1, None)
+    sim.orc.worker_exited(sim.model.slots[role_slot].wid, 1, None)
     sim_v, sim_plans = sim_side(sim)
     assert [comparable(v)[:5] for v in live_verdicts(stub)] == [comparable(v)[:5] for v in sim_v[-1:]]
     assert stub.plans == sim_plans
@@ -147,17 +149,17 @@ def test_heartbeat_silence_gives_the_same_suspicion_verdict_and_plan(paired: tup
         observe.prime_heartbeats(detector, node, last, 1.0, jitter)
     all_quiet(stub)
     stub.model.nodes[node].last_heartbeat_at = last
-    stub.recovery.detect(stub.now)  # no probe yet: suspect
+    stub.detection.detect(stub.now)  # no probe yet: suspect
     sim_first = observe.node_verdict(sim.detector, sim.model, node, last, None, "", sim.now)
     assert sim_first is not None and sim_first.verdict == "suspect"
     assert stub.model.nodes[node].life.state.value == "suspect"
-    sim.recovery.suspect(node, sim_first.reason)
+    sim.orc.suspect(node, sim_first.reason)
     detail = "probe said so"
-    stub.probes[node] = (probe_reaches, detail, stub.now)
-    stub.recovery.detect(stub.now)
+    stub.detection.probes[node] = (probe_reaches, detail, stub.now)
+    stub.detection.detect(stub.now)
     verdict = observe.node_verdict(sim.detector, sim.model, node, last, probe_reaches, detail, sim.now)
     assert verdict is not None
-    sim.recovery.handle(verdict)
+    sim.orc.handle(verdict)
     live = [v for v in live_verdicts(stub) if v["node"] == node]
     assert [comparable(v) for v in live] == [comparable(v) for v in sim_side(sim)[0]]
     assert stub.plans == sim_side(sim)[1]
@@ -172,14 +174,14 @@ def test_frozen_progress_gives_the_same_hang_verdict(paired: tuple[Any, StubCont
         slot = model.slots[slot_name]
         model.apply(event("WorkerPhase", stub.now - 60.0, slot=slot_name, wid=slot.wid, phase=phase, step=1))
         slot.progress_at = stub.now - 60.0
-    stub.ops.last_request_at[stub.model.slots[slot_name].wid] = stub.now - 60.0
+    stub.last_request_at[stub.model.slots[slot_name].wid] = stub.now - 60.0
     for _ in range(WORKER_CHECK_SLICES):  # one whole round of worker judgements
-        stub.recovery.detect(stub.now)
+        stub.detection.detect(stub.now)
     slot = sim.model.slots[slot_name]
     obs = observe.worker_obs(slot, phase, slot.progress, 60.0, request_age_s=60.0)
     verdict = sim.detector.worker_verdict(obs, sim.now)
     assert verdict is not None and verdict.fault == "worker-hang"
-    sim.recovery.handle(verdict)
+    sim.orc.handle(verdict)
     live = [v for v in live_verdicts(stub) if v["slot"] == slot_name]
     assert [comparable(v)[:5] for v in live] == [comparable(v)[:5] for v in sim_side(sim)[0]]
     assert stub.plans == sim_side(sim)[1]

@@ -11,11 +11,11 @@ import pytest
 
 from rlctl.core.events import Event, event
 from rlctl.core.model import JobModel
-from rlctl.jobfile import load_job_file
 from rlctl.sim.calibrate import read_events
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
 from rlctl.sim.faults import SimFault, TraceFailures
+from rlctl.specfile import load_job_file
 from tests.sim.conftest import DATA, ROOT
 
 

@@ -6,31 +6,67 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# (folder, module prefix it must not import): the core stays pure, the production backends know
-# nothing of the lab (its fault injector is handed to them by rlctl.jobfile), and the controller
-# reaches the workload only through the seam it is given (rlctl.controller.seam).
-FORBIDDEN = [("rlctl/core", "rlctl.controller"), ("rlctl/core", "rlctl.backends"), ("rlctl/core", "rlctl.workload"),
-             ("rlctl/backends", "rlctl.lab"), ("rlctl/controller", "rlctl.workload")]
+RULES_DOC = ROOT / "docs" / "architecture.md"
 
 
-def imported_modules(path: Path) -> set[str]:
+def import_rules() -> dict[str, tuple[str, ...]]:
+    """The table between ``<!-- import-rules -->`` markers in docs/architecture.md: for each folder or
+    file, the prefixes of rlctl's own modules it may import."""
+    text = RULES_DOC.read_text()
+    table = text.split("<!-- import-rules -->", 1)[1].split("<!-- /import-rules -->", 1)[0]
+    rules: dict[str, tuple[str, ...]] = {}
+    for line in table.strip().splitlines()[2:]:
+        where, allowed = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        rules[where.strip("`")] = tuple(a.strip().strip("`") for a in allowed.split(",") if a.strip())
+    return rules
+
+
+def own_imports(path: Path) -> set[str]:
+    """The rlctl (and rlctl_agent) modules ``path`` imports, anywhere in it (TYPE_CHECKING included)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-    return found
+            if node.module == "rlctl":
+                found.update(f"rlctl.{alias.name}" for alias in node.names
+                             if (ROOT / "rlctl" / alias.name).is_dir() or (ROOT / "rlctl" / f"{alias.name}.py").is_file())
+            else:
+                found.add(node.module)
+    return {m for m in found if m.split(".")[0] in ("rlctl", "rlctl_agent") and m != "rlctl"}
 
 
-def test_layers_import_only_what_they_may() -> None:
-    broken = []
-    for folder, banned in FORBIDDEN:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            for module in imported_modules(path):
-                if module == banned or module.startswith(banned + "."):
-                    broken.append(f"{path.relative_to(ROOT)} imports {module}")
+def rule_for(path: Path, rules: dict[str, tuple[str, ...]]) -> tuple[str, ...] | None:
+    relative = path.relative_to(ROOT).as_posix()
+    best = max((where for where in rules if relative == where or relative.startswith(where + "/")), key=len, default=None)
+    return None if best is None else rules[best]
+
+
+def test_every_module_imports_only_what_the_layer_map_allows() -> None:
+    rules = import_rules()
+    broken, unmapped = [], []
+    for path in sorted([*(ROOT / "rlctl").rglob("*.py"), *(ROOT / "agents" / "rlctl_agent").rglob("*.py")]):
+        if path == ROOT / "rlctl" / "__init__.py":
+            continue
+        allowed = rule_for(path, rules)
+        if allowed is None:
+            unmapped.append(path.relative_to(ROOT).as_posix())
+            continue
+        for module in own_imports(path):
+            if not any(module == prefix or module.startswith(prefix + ".") for prefix in allowed):
+                broken.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not unmapped, f"not in the layer map of {RULES_DOC.name}: {unmapped}"
     assert not broken, broken
+
+
+def test_the_rule_table_is_read_and_a_broken_rule_is_seen(tmp_path: Path) -> None:
+    rules = import_rules()
+    assert rules["rlctl/core"] == ("rlctl.core",) and "rlctl.workload" not in rules["rlctl/controller"]
+    bad = ROOT / "rlctl" / "core" / "spec.py"
+    assert rule_for(bad, rules) == ("rlctl.core",)
+    leaking = tmp_path / "leak.py"
+    leaking.write_text("from rlctl.controller.server import Controller\nfrom rlctl import sim\n")
+    assert own_imports(leaking) == {"rlctl.controller.server", "rlctl.sim"}
 
 
 def test_a_lab_job_gets_the_labs_fault_injector_and_others_none(tmp_path: Path) -> None:

@@ -1,0 +1,91 @@
+"""The launch plan: a job spec's roles onto nodes, and the allocation the backend is asked for.
+
+``plan(spec)`` is pure. ``rlctl launch --dry-run`` prints it (with the backend's rendering of the
+allocation, the sbatch scripts on Slurm) and the controller carries out the same plan: it asks the
+backend for ``plan.allocation(job_id)`` and places the roles on the nodes it got in the plan's order
+(``Orchestrator.place``). The simulator builds its plan from the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rlctl.core.spec import JobSpec
+
+ROLE_ORDER = ("trainer", "rollout", "reward")
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    """Nodes wanted per role, plus spares. ``exclude`` names nodes never to be used."""
+
+    job_id: str
+    nodes_by_role: dict[str, int]
+    spares: int
+    gpus_per_node: dict[str, int]
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    role: str
+    nodes: int
+    gpus_per_node: int
+    command: tuple[str, ...]
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return tuple(f"{self.role}-{index}" for index in range(self.nodes))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    job: str
+    backend: str
+    steps: int
+    policy: str
+    roles: tuple[RolePlan, ...]
+    spares: int
+    warm_spares: bool
+    gpus_per_node: int  # what each node's agent reports (simulated GPUs on the local backend)
+    controller_host: str
+
+    @property
+    def nodes_by_role(self) -> dict[str, int]:
+        return {role.role: role.nodes for role in self.roles}
+
+    @property
+    def nodes(self) -> int:
+        return sum(role.nodes for role in self.roles) + self.spares
+
+    def allocation(self, job_id: str) -> AllocationRequest:
+        return AllocationRequest(job_id=job_id, nodes_by_role=self.nodes_by_role, spares=self.spares,
+                                 gpus_per_node={role.role: role.gpus_per_node for role in self.roles})
+
+    def scaled(self, nodes_by_role: dict[str, int], spares: int) -> LaunchPlan:
+        """The same plan with other node counts (the simulator's ``--gpus``)."""
+        return replace(self, roles=tuple(replace(role, nodes=nodes_by_role[role.role]) for role in self.roles),
+                       spares=spares)
+
+    def lines(self) -> list[str]:
+        return [
+            f"job {self.job}: {self.steps} steps, policy {self.policy}, backend {self.backend}",
+            "roles: " + ", ".join(f"{r.role} x{r.nodes} ({r.gpus_per_node} GPU/node): {' '.join(r.command)}"
+                                  for r in self.roles),
+            f"spares: {self.spares} ({'warm trainer standby' if self.warm_spares else 'cold'})",
+        ]
+
+
+def plan(spec: JobSpec) -> LaunchPlan:
+    return LaunchPlan(
+        job=spec.name,
+        backend=spec.backend,
+        steps=spec.steps,
+        policy=spec.fault_tolerance.policy,
+        roles=tuple(RolePlan(name, spec.roles[name].nodes, spec.roles[name].gpus_per_node, spec.roles[name].command)
+                    for name in ROLE_ORDER),
+        spares=spec.spare_nodes,
+        warm_spares=spec.warm_spares,
+        gpus_per_node=int(spec.cluster.get("gpus_per_node", 1)),
+        controller_host=str(spec.cluster.get("controller_host", "127.0.0.1")),
+    )

@@ -1,0 +1,379 @@
+"""The simulated RL pipeline: rounds, generation, scoring, training, checkpoints and publishing.
+
+Work is modelled as fluid tasks: a phase has an amount of work (seconds at full capacity) and
+progresses at the fraction of its role's capacity that is really working, so a dead rollout slows
+a round by 1/N until it is back, and a dead trainer stops training. Rounds come from the real
+``RoundScheduler`` (its decisions are events, committed like the controller's); what the workers
+would report (phases, trajectories, scores, published weights) is emitted as the same events.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlctl.core.events import EventKind
+from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
+from rlctl.core.states import JobState
+from rlctl.sim.site import FluidTask, SimSite
+from rlctl.sim.workload import expected_step_s, jittered, round_timing, sample_length
+
+REWARD_CAPACITY = 64  # rlctl/roles/reward.py CAPACITY
+HEARTBEAT_SUMMARY_EVERY_STEPS = 1
+STANDBY_POLL_S = 0.3  # a warm standby asks standby.wait this often
+
+
+class Pipeline:
+    def __init__(self, sim: SimSite) -> None:
+        self.sim = sim
+        config = sim.scheduler.config
+        self.task: FluidTask | None = None
+        self.task_token = 0
+        self.stage = "init"
+        self.step_started_at = 0.0
+        self.last_step_s = expected_step_s(sim.cost, config.tail_enabled, config.overprovision)
+        self._replay_reported: set[int] = set()
+
+    def refresh(self) -> None:
+        """Capacity changed: re-time the running phase."""
+        task = self.task
+        if task is not None:
+            task.advance(self.sim.now)
+            task.rate = self._stage_rate(task.stage)
+            self._schedule_task()
+
+    def advance(self) -> None:
+        """Controller.tick's `_maybe_start_round`, and the trainer picking up its batch."""
+        model = self.sim.model
+        if self.sim.stopping or model.life.state not in (JobState.RUNNING, JobState.RECOVERING):
+            return
+        if model.productive_since is None or self.task is not None:
+            return
+        version = model.published_version
+        if version >= model.total_steps:
+            return
+        rnd = self.sim.scheduler.round
+        if rnd is None or (rnd.closed and rnd.step < version):
+            self._start_step(version)
+        elif not rnd.closed:
+            self._resume_round()
+        elif rnd.step == version and self.sim.scheduler.batch_for(version) is not None and self.sim.trainer_rate() > 0:
+            self._start_training(version)
+
+    def _start_step(self, version: int) -> None:
+        self.step_started_at = self.sim.now
+        for fault in self.sim.failures.on_step(version, self.sim.now, self.last_step_s):
+            self.sim.q.schedule(fault.at, self.sim.inject, fault)
+        self.sim.commit_decided(self.sim.scheduler.start_round(version, self.sim.now))
+        self._start_generation()
+
+    def _start_generation(self) -> None:
+        rnd = self.sim.scheduler.round
+        assert rnd is not None
+        self.sim.stats.rounds[rnd.kind] = self.sim.stats.rounds.get(rnd.kind, 0) + 1
+        cfg = self.sim.scheduler.config
+        timing = round_timing(self.sim.cost, rnd.kind, rnd.max_new_tokens, cfg.overprovision, self.sim.rng)
+        self.dispatch_pending()
+        self._start_task("gen", self.sim.cost.weights.sync_s + timing.seconds)
+        self.sim.q.after(self.sim.cost.weights.sync_s, self._representative_held, rnd.weights_version)
+
+    def _representative_held(self, version: int) -> None:
+        """Every rollout notifies weights.held after its per-step sync; one stands for all of them
+        (aggregated like heartbeats), which is what the model needs: a live holder of ``version``."""
+        if self.sim.model.published_version != version or self.sim.model.life.state.terminal:
+            return
+        working = self.sim.working_slots("rollout")
+        if working:
+            slot = working[0]
+            self.sim.emit(EventKind.WEIGHTS_HELD, version=version, slot=slot.slot, source={"transport": "sim", "version": version})
+
+    def _resume_round(self) -> None:
+        rnd = self.sim.scheduler.round
+        assert rnd is not None
+        if any(s.status in (PENDING, INFLIGHT) for s in rnd.samples.values()):
+            self._start_generation()
+        else:
+            self._start_scoring()
+
+    def dispatch_pending(self) -> None:
+        """Every working rollout asks for work (rollout.get_work) until nothing is pending."""
+        rnd = self.sim.scheduler.round
+        if rnd is None or rnd.closed:
+            return
+        capacity = self.sim.spec.rollout.worker_batch
+        slots = self.sim.working_slots("rollout")
+        if not slots:
+            return
+        offset = rnd.step % len(slots)
+        for slot in slots[offset:] + slots[:offset]:
+            held = any(s.wid == slot.wid and s.status == INFLIGHT for s in rnd.samples.values())
+            if held:
+                continue
+            events = self.sim.scheduler.dispatch(slot.slot, slot.wid or "", capacity, self.sim.now)
+            if not events:
+                break
+            self.sim.commit_decided(events)
+
+    def _blocked(self, status: str) -> bool:
+        """Items still held (``status``) by workers that are not working, or items not dispatched."""
+        rnd = self.sim.scheduler.round
+        if rnd is None:
+            return False
+        for sample in rnd.samples.values():
+            if sample.status == PENDING and status == INFLIGHT:
+                return True
+            if sample.status == status:
+                worker = self.sim.workers.get(sample.wid or "")
+                if worker is None or not worker.working or not self.sim.node_ok(worker.node):
+                    return True
+        return False
+
+    def _generation_done(self) -> None:
+        """The round's generation time has elapsed: working rollouts submit, ask again, submit..."""
+        rnd = self.sim.scheduler.round
+        assert rnd is not None
+        step = rnd.step
+        self.dispatch_pending()
+        while self._submit_held(rnd) and self.sim.scheduler.round is rnd and not rnd.closed:
+            self.dispatch_pending()
+        if self.sim.scheduler.round is rnd and self._blocked(INFLIGHT):
+            if self.task is not None:
+                self.task.rate = 0.0
+            return  # completed once the held items come back (ItemsReturned) and are redone
+        self.task = None
+        current = self.sim.scheduler.round
+        if current is not None and current is not rnd and not current.closed and current.step == step:
+            self._start_generation()  # every prompt was deferred: the scheduler opened a new round
+            return
+        self._start_scoring()
+
+    def _submit_held(self, rnd: Any) -> bool:
+        """rollout.submit for every working rollout's in-flight items; False when there were none."""
+        by_wid: dict[str, list[dict[str, Any]]] = {}
+        for sample in rnd.samples.values():
+            if sample.status != INFLIGHT or not sample.wid:
+                continue
+            worker = self.sim.workers.get(sample.wid)
+            if worker is None or not worker.working or not self.sim.node_ok(worker.node):
+                continue
+            length = sample_length(self.sim.cost.generation, sample.seed)
+            by_wid.setdefault(sample.wid, []).append({
+                "item_id": sample.item_id, "response_tokens": [], "truncated": length > rnd.max_new_tokens,
+                "weights_version": rnd.weights_version,
+            })
+        for wid, results in by_wid.items():
+            self.sim.commit_decided(self.sim.scheduler.submit(self.sim.workers[wid].slot, wid, results, self.sim.now))
+        return bool(by_wid)
+
+    def _start_scoring(self) -> None:
+        self._dispatch_scoring()
+        self._start_task("score", jittered(self.sim.cost.step.reward_s, self.sim.cost.step.jitter, self.sim.rng))
+
+    def _dispatch_scoring(self) -> None:
+        rnd = self.sim.scheduler.round
+        if rnd is None or rnd.closed:
+            return
+        for slot in self.sim.working_slots("reward"):
+            while any(s.status == DONE for s in rnd.samples.values()):
+                events = self.sim.scheduler.dispatch_scoring(slot.slot, slot.wid or "", REWARD_CAPACITY, self.sim.now)
+                if not events:
+                    break
+                self.sim.commit_decided(events)
+
+    def _scoring_done(self) -> None:
+        self._dispatch_scoring()
+        rnd = self.sim.scheduler.round
+        assert rnd is not None
+        if self._blocked(SCORING) or any(s.status == DONE for s in rnd.samples.values()):
+            if self.task is not None:
+                self.task.rate = 0.0
+            return  # resumed once the held items come back and a reward worker takes them
+        by_wid: dict[str, list[dict[str, Any]]] = {}
+        for sample in rnd.samples.values():
+            if sample.status == SCORING and sample.wid:
+                by_wid.setdefault(sample.wid, []).append({"item_id": sample.item_id, "reward": 1.0, "correct": True})
+        for wid, scores in by_wid.items():
+            self.sim.commit_decided(self.sim.scheduler.submit_scores(wid, scores, self.sim.now))
+        self.task = None
+        self.stage = "idle"
+        self.advance()
+
+    def _start_training(self, version: int) -> None:
+        self._trainer_phase("training", version)
+        self._start_task("train", jittered(self.sim.cost.step.train_s, self.sim.cost.step.jitter, self.sim.rng))
+
+    def _training_done(self) -> None:
+        version = self.sim.model.published_version + 1
+        self.task = None
+        if version % self.sim.spec.checkpoint_every == 0 or version == self.sim.model.total_steps:
+            self._trainer_phase("checkpointing", version)
+            self._start_task("ckpt", self.sim.cost.step.checkpoint_s)
+            return
+        self._publish(version)
+
+    def _checkpoint_done(self) -> None:
+        version = self.sim.model.published_version + 1
+        self.task = None
+        self.sim.emit(EventKind.CHECKPOINTED, step=version, path=f"sim://checkpoints/step-{version:06d}")
+        self._publish(version)
+
+    def _state_copied(self, wid: str, version: int) -> None:
+        """roles/standby.TrainerStateReplica.copy finished: the standby holds the state of ``version``."""
+        worker = self.sim.workers.get(wid)
+        slot = self.sim.model.slots.get(worker.slot) if worker is not None else None
+        if worker is not None and worker.alive and slot is not None and slot.standby and slot.wid == wid:
+            worker.state_step = max(worker.state_step, version)
+
+    def _publish(self, version: int) -> None:
+        """DataOps.op_trainer_publish: StepTrained for the step, then WeightsPublished."""
+        trainer = self.sim.role_slots("trainer")[0]
+        self.sim.emit(EventKind.STEP_TRAINED, step=version - 1, metrics={"mean_reward": 1.0})
+        self.sim.emit(EventKind.WEIGHTS_PUBLISHED, version=version, slot=trainer.slot, source={"transport": "sim", "checksum": f"v{version}"})
+        self._trainer_phase("waiting-for-batch", version)
+        self._replay_reported.clear()
+        if self.sim.spec.replicate_trainer_state and self.sim.layout.nodes["trainer"] == 1:
+            for worker in self.sim.workers.values():
+                slot = self.sim.model.slots.get(worker.slot)
+                if worker.alive and worker.loaded and slot is not None and slot.standby:
+                    self.sim.q.after(self.sim.cost.weights.state_copy_s, self._state_copied, worker.wid, version)
+        self.sim.stats.steps_trained += 1
+        self.last_step_s = max(1.0, self.sim.now - self.step_started_at)
+        if version % HEARTBEAT_SUMMARY_EVERY_STEPS == 0:
+            nodes = self.sim.beating_nodes()
+            self.sim.emit(EventKind.HEARTBEAT_SUMMARY, beats=int(nodes * self.last_step_s / self.sim.interval), nodes=nodes,
+                      window_s=round(self.last_step_s, 3))
+        self.stage = "idle"
+        if version >= self.sim.model.total_steps:
+            self.sim.end_to_end_s = self.sim.now - self.sim.model.ledger.started_at
+            self.sim.finish("all steps done", succeeded=True)
+            return
+        self.advance()
+
+    def cancel_task(self) -> None:
+        """Drop the running phase (a rollback, or the trainer it needed died)."""
+        self.task = None
+        self.task_token += 1
+        self.stage = "idle"
+
+    def on_items_returned(self) -> None:
+        """After a failed worker's items went back: hand them out again and count the redone work."""
+        task = self.task
+        if task is not None and task.stage == "gen":
+            rollouts = max(1, len(self.sim.role_slots("rollout")))
+            task.advance(self.sim.now)
+            task.work += task.done / rollouts
+            self.dispatch_pending()
+            self.sim.update_capacity()
+        elif task is not None and task.stage == "score":
+            self._dispatch_scoring()
+            self.sim.update_capacity()
+
+    def on_trainer_lost(self) -> None:
+        if self.task is not None and self.task.stage in ("train", "ckpt"):
+            self.cancel_task()
+
+    def _stage_rate(self, stage: str) -> float:
+        if stage == "gen":
+            return self.sim.role_rate("rollout")
+        if stage == "score":
+            return self.sim.role_rate("reward")
+        return self.sim.trainer_rate()
+
+    def _schedule_task(self) -> None:
+        self.task_token += 1
+        task = self.task
+        if task is None:
+            return
+        eta = task.eta()
+        if eta is not None:
+            self.sim.q.schedule(eta, self._task_done, self.task_token)
+
+    def _start_task(self, stage: str, work: float) -> None:
+        self.stage = stage
+        self.task = FluidTask(stage, work, self._stage_rate(stage), self.sim.now)
+        self._schedule_task()
+
+    def _task_done(self, token: int) -> None:
+        if token != self.task_token or self.task is None:
+            return
+        self.task.advance(self.sim.now)
+        handler = {"gen": self._generation_done, "score": self._scoring_done, "train": self._training_done,
+                   "ckpt": self._checkpoint_done}[self.task.stage]
+        handler()
+
+    def rollout_sync(self, wid: str) -> None:
+        worker = self.sim.workers[wid]
+        if self.sim.model.productive_since is None or worker.syncing:
+            return  # no weights yet: synced when the trainer publishes the first version
+        worker.syncing = True
+        self.sim.q.after(self.sim.cost.weights.sync_s, self._rollout_synced, wid)
+
+    def _rollout_synced(self, wid: str) -> None:
+        current = self.sim.current(wid)
+        if current is None or current[0].hung_at is not None:
+            return
+        worker, slot = current
+        worker.syncing = False
+        version = self.sim.model.published_version
+        self.sim.emit(EventKind.WEIGHTS_HELD, version=version, slot=slot.slot, source={"transport": "sim", "version": version})
+        worker.ready = True
+        self.sim.update_capacity()
+
+    def trainer_restore(self, wid: str, recovering: bool | None = None) -> None:
+        """TrainerRole.restore + DataOps.op_trainer_init: checkpoint, then retrain retained batches."""
+        current = self.sim.current(wid)
+        if current is None:
+            return
+        worker, slot = current
+        model = self.sim.model
+        checkpoint_step = model.checkpoint_step if model.checkpoint_step >= 0 else None
+        target = model.published_version
+        start = checkpoint_step or 0
+        replay = [s for s in range(start, target) if self.sim.scheduler.batch_for(s) is not None]
+        if recovering is None:
+            recovering = model.productive_since is not None
+        seconds = 0.0
+        state_step: int | None = None
+        if (checkpoint_step or 0) < worker.state_step <= target:
+            # TrainerRole.restore_held_state: the standby's in-memory copy is newer than the checkpoint
+            state_step = worker.state_step
+            replay = [s for s in replay if s >= state_step]
+            self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="loading", step=state_step)
+            seconds += self.sim.cost.step.checkpoint_load_s
+        elif checkpoint_step is not None:
+            self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="loading", step=checkpoint_step)
+            seconds += self.sim.cost.step.checkpoint_load_s
+        worker.state_step = -1
+        seconds += sum(jittered(self.sim.cost.step.train_s, self.sim.cost.step.jitter, self.sim.rng) for _ in replay)
+        self.sim.q.after(seconds, self._trainer_restored, wid, target, checkpoint_step, replay, recovering, state_step)
+
+    def _trainer_restored(self, wid: str, target: int, checkpoint_step: int | None, replay: list[int],
+                          recovering: bool, state_step: int | None = None) -> None:
+        current = self.sim.current(wid)
+        if current is None or current[0].hung_at is not None:
+            return
+        worker, slot = current
+        self.sim.emit(EventKind.WEIGHTS_PUBLISHED, version=target, slot=slot.slot, source={"transport": "sim", "checksum": f"v{target}"})
+        if recovering:
+            # Workaround (see docs/sim.md): the live trainer reports `trainer.restored` only when it
+            # loaded a checkpoint or replayed batches; a restart before the first checkpoint would
+            # then leave its fault open forever.
+            # Several trainer ranks restored for the same replay report those steps once: the model
+            # re-classifies a replayed step's training time as lost per report (docs/sim.md).
+            fresh = [s for s in replay if s not in self._replay_reported]
+            self._replay_reported.update(fresh)
+            self.sim.emit(EventKind.TRAINER_RESTORED, slot=slot.slot, checkpoint_step=checkpoint_step, replayed_steps=fresh,
+                      state_step=state_step)
+        self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="waiting-for-batch", step=target)
+        worker.ready = True
+        if self.sim.model.productive_since is not None:
+            for other in self.sim.workers.values():
+                if other.role == "rollout" and other.alive and other.loaded and not other.ready:
+                    self.rollout_sync(other.wid)
+        self.sim.update_capacity()
+
+    def _trainer_phase(self, phase: str, step: int) -> None:
+        """The trainer group's phase, reported by its first rank (the others' reports are aggregated
+        away like heartbeats: thousands of identical WorkerPhase events per step change nothing)."""
+        slots = self.sim.role_slots("trainer")
+        if slots and slots[0].wid:
+            self.sim.emit(EventKind.WORKER_PHASE, slot=slots[0].slot, wid=slots[0].wid, phase=phase, step=step)

@@ -1,0 +1,140 @@
+"""What the simulator's parts share: a run's settings, its tallies, the fluid task, and ``SimSite``.
+
+``SimSite`` is the narrow view of a running simulation that fault injection (``inject``), the
+effect runner (``effects``), the pipeline (``pipeline``) and the report (``report``) are typed
+against; ``engine.Simulation`` provides it. None of them imports the engine.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rlctl.core.detector import Detector
+from rlctl.core.events import Event, EventKind
+from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.orchestrate import Orchestrator
+from rlctl.core.rounds import RoundScheduler
+from rlctl.core.spec import JobSpec
+from rlctl.sim.clock import EventQueue
+from rlctl.sim.costmodel import CostModel
+from rlctl.sim.faults import FailureModel, SimFault
+from rlctl.sim.layout import Layout
+from rlctl.sim.truth import NodeTruth, WorkerTruth
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: str = "role"
+    steps: int | None = None  # None: the job file's steps
+    duration_s: float = 7 * 86400.0
+    seed: int = 0
+    gpus: int | None = None
+    record_events: bool = False
+
+
+@dataclass
+class SimStats:
+    faults_injected: int = 0
+    faults_skipped: int = 0
+    faults_by_kind: dict[str, int] = field(default_factory=dict)
+    events: int = 0
+    rounds: dict[str, int] = field(default_factory=dict)
+    steps_trained: int = 0
+
+
+@dataclass
+class FluidTask:
+    """``work`` seconds at full capacity, progressing at ``rate`` (0..1) since ``since``."""
+
+    stage: str
+    work: float
+    rate: float
+    since: float
+    done: float = 0.0
+
+    def advance(self, now: float) -> None:
+        self.done = min(self.work, self.done + (now - self.since) * self.rate)
+        self.since = now
+
+    def eta(self) -> float | None:
+        left = self.work - self.done
+        if left <= 1e-9:
+            return self.since
+        return None if self.rate <= 0 else self.since + left / self.rate
+
+
+class SimSite(Protocol):
+    spec: JobSpec
+    cost: CostModel
+    config: SimConfig
+    failures: FailureModel
+    layout: Layout
+    rng: random.Random
+    q: EventQueue
+    model: JobModel
+    scheduler: RoundScheduler
+    detector: Detector
+    orc: Orchestrator
+    nodes: dict[str, NodeTruth]
+    workers: dict[str, WorkerTruth]
+    stats: SimStats
+    interval: float
+    end_to_end_s: float | None
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def task(self) -> FluidTask | None: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def emit(self, type_: EventKind, **data: Any) -> Event: ...
+
+    def commit_decided(self, events: list[Event]) -> list[Event]: ...
+
+    def agent_connected(self, name: str) -> bool: ...
+
+    def start_agent(self, name: str, delay: float) -> None: ...
+
+    def new_node(self) -> str: ...
+
+    def launch_worker(self, slot_name: str, wid: str) -> None: ...
+
+    def kill(self, worker: WorkerTruth) -> None: ...
+
+    def take_over(self, worker: WorkerTruth, slot: SlotRecord) -> None: ...
+
+    def update_capacity(self) -> None: ...
+
+    def working_slots(self, role: str) -> list[SlotRecord]: ...
+
+    def role_slots(self, role: str) -> list[SlotRecord]: ...
+
+    def on_trainer_lost(self) -> None: ...
+
+    def on_items_returned(self) -> None: ...
+
+    def cancel_task(self) -> None: ...
+
+    def current(self, wid: str) -> tuple[WorkerTruth, SlotRecord] | None:
+        """The worker ``wid`` if it is alive and still its slot's worker."""
+        ...
+
+    def node_ok(self, name: str) -> bool: ...
+
+    def trainer_rate(self) -> float: ...
+
+    def role_rate(self, role: str) -> float: ...
+
+    def beating_nodes(self) -> int: ...
+
+    def inject(self, fault: SimFault) -> None: ...
+
+    def finish(self, reason: str, succeeded: bool) -> None: ...
+
+    def after(self, delay: float, callback: Callable[..., None], *args: Any) -> None: ...

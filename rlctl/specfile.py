@@ -1,0 +1,82 @@
+"""Reading a job file into a typed ``JobSpec``: the I/O edge of the pure spec.
+
+Errors name the file, the key and what was expected (see rlctl.core.spec.SpecError).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlctl.core.schema import Problem
+from rlctl.core.spec import JobSpec, SpecError, parse_spec
+
+
+class LaunchedJob(Protocol):
+    """A job directory: where the spec it was launched with was copied, and the folder it came from."""
+
+    @property
+    def spec_file(self) -> Path: ...
+
+    @property
+    def spec_base_file(self) -> Path: ...
+
+
+def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """Relative file paths of ``[model]``, ``[data]`` and ``[reward]`` made absolute against
+    ``base_dir`` (the job file's folder), ``~`` expanded. Values of the wrong type are left for
+    the schema to report."""
+
+    def absolute(value: Any) -> Any:
+        if not isinstance(value, str) or not value:
+            return value
+        path = Path(value).expanduser()
+        return str(path if path.is_absolute() else (base_dir / path).resolve())
+
+    resolved = dict(data)
+    for table_name, keys in (("model", ("path",)), ("data", ("train_files", "eval_files")), ("reward", ("path",))):
+        table = resolved.get(table_name)
+        if not isinstance(table, dict):
+            continue
+        table = dict(table)
+        for key in keys:
+            if key in table:
+                value = table[key]
+                table[key] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+        resolved[table_name] = table
+    reward = resolved.get("reward")
+    if isinstance(reward, dict) and isinstance(reward.get("function"), str):
+        location, sep, attr = reward["function"].rpartition(":")
+        if sep and (location.endswith(".py") or "/" in location):
+            resolved["reward"] = {**reward, "function": f"{absolute(location)}:{attr}"}
+    return resolved
+
+
+def load_job_file(path: Path, base_dir: Path | None = None) -> JobSpec:
+    """Parse and validate ``path``; raise SpecError (with the file name) on any problem.
+
+    Relative paths in the file are read from ``base_dir`` (default: the file's own folder).
+    """
+    source = str(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(source, [Problem("(file)", "no such file")]) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise SpecError(source, [Problem("(file)", f"cannot be read: {exc}")]) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(source, [Problem("(syntax)", f"not valid TOML: {exc}")]) from None
+    return parse_spec(resolve_paths(data, (base_dir or path.parent).resolve()), source)
+
+
+def load_job_dir_spec(jobdir: LaunchedJob) -> JobSpec:
+    """The spec a job was launched with (its copy in the job directory), relative paths read
+    from the folder the original job file was in."""
+    base_file = jobdir.spec_base_file
+    base_dir = Path(base_file.read_text().strip()) if base_file.is_file() else None
+    return load_job_file(jobdir.spec_file, base_dir)
+
+
