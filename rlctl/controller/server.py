@@ -115,12 +115,8 @@ class Controller:
         """Journal events the scheduler decided (and so already applied to itself), then apply
         them to the rest of the model."""
         stored = self.journal.append(events)
-        scheduler, self.model.scheduler = self.model.scheduler, None
-        try:
-            for ev in stored:
-                self.model.apply(ev)
-        finally:
-            self.model.scheduler = scheduler
+        for ev in stored:
+            self.model.apply(ev, decided=True)
         return stored
 
     def connected(self, node: str) -> bool:

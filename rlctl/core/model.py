@@ -17,6 +17,8 @@ from rlctl.core.rounds import RoundScheduler
 from rlctl.core.states import JobState, Lifecycle, NodeState, WorkerState
 
 RECENT_EVENTS = 200
+# Faults of one worker process (injected kinds): a restart of that process ends them.
+PROCESS_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
 QUIET_EVENTS = frozenset({EventKind.HEARTBEAT_SUMMARY, EventKind.ITEMS_DISPATCHED, EventKind.SCORING_DISPATCHED, EventKind.TRAJECTORY_STORED, EventKind.REWARDS_STORED})
 
 
@@ -140,6 +142,7 @@ class JobModel:
     wid_slots: dict[str, str] = field(default_factory=dict)
     heartbeats_total: int = 0
     trainer_restored_at: float = 0.0
+    full_stop_at: float = -1.0  # when the last full restart stopped every worker
     workers_started: int = 0
     last_seq: int = 0
     scheduler: RoundScheduler | None = None
@@ -233,8 +236,9 @@ class JobModel:
 
     # --------------------------------------------------------------------------------- apply
 
-    def apply(self, ev: Event) -> None:
-        """Advance the ledger to the event's time, then change state by one event."""
+    def apply(self, ev: Event, decided: bool = False) -> None:
+        """Advance the ledger to the event's time, then change state by one event. ``decided``: the
+        scheduler made this event and already applied it to itself."""
         if ev.type in TRANSIENT_EVENTS:
             self._on_Heartbeat(ev)
             return
@@ -246,7 +250,7 @@ class JobModel:
         handler = getattr(self, f"_on_{ev.type}", None)
         if handler is not None:
             handler(ev)
-        if self.scheduler is not None:
+        if self.scheduler is not None and not decided:
             self.scheduler.apply(ev)
 
     def _on_JobSubmitted(self, ev: Event) -> None:
@@ -438,7 +442,8 @@ class JobModel:
         d = ev.data
         if d["verdict"] not in ("failed", "slow"):
             return
-        fault = self._open_fault_for(d["node"], d.get("slot"))
+        named = self.faults.get(d["fault"])  # the open fault the verdict names, else the node's open fault
+        fault = named if named is not None and named.open else self._open_fault_for(d["node"], d.get("slot"))
         if fault is None:
             slot = self.slots.get(d["slot"]) if d.get("slot") else self.slot_on_node(d["node"])
             fault = FaultRecord(
@@ -488,6 +493,8 @@ class JobModel:
                         self._recover_fault(fault, ev.at)
         if d["action"] == "activate-standby":
             self._activate_standby(d)
+        if d["action"] == "stop-all":
+            self.full_stop_at = ev.at
 
     def _activate_standby(self, d: dict[str, Any]) -> None:
         standby = self.slots.pop(d["standby_slot"], None)
@@ -615,9 +622,13 @@ class JobModel:
                 self._recover_fault(fault, at)
 
     def _recover_after_full_restart(self, at: float) -> None:
-        """Everything is back once the restarted trainer restored and a rollout holds its weights."""
+        """Everything is back once the restarted trainer restored and a rollout holds its weights. That
+        also ends a fault of a process nobody had noticed yet: the restart replaced that process."""
         for fault in self.open_faults():
-            if fault.detected_at is not None and self.trainer_restored_at >= fault.detected_at:
+            seen_and_restored = fault.detected_at is not None and self.trainer_restored_at >= fault.detected_at
+            unseen_and_replaced = (fault.detected_at is None and fault.kind in PROCESS_FAULTS
+                                   and fault.occurred_at <= self.full_stop_at <= self.trainer_restored_at)
+            if seen_and_restored or unseen_and_replaced:
                 self._recover_fault(fault, at)
 
     def _recover_matching(self, kind: str, node: str, slot: str | None, at: float) -> None:

@@ -155,7 +155,7 @@ SOURCES: dict[str, str] = {
     "recovery.slurm_realloc_s": "[P/D] NVSentinel reschedule 5-7 min; 2 min for a single node from an idle pool",
     "recovery.stop_s": "[P] NVRx --workers-stop-timeout 15 s",
     "recovery.requeue_s": "[P/D] AReaL full relaunch: 10 s sleep + resubmit + reload; 60 s to requeue",
-    "recovery.worker_stop_s": "[P] rlctl stop_worker grace 1 s (controller/recovery.py)",
+    "recovery.worker_stop_s": "[P] rlctl stop_worker grace 1 s (core/recovery.py)",
 }
 
 

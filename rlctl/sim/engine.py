@@ -108,12 +108,8 @@ class Simulation:
 
     def commit_decided(self, events: list[Event]) -> list[Event]:
         """Events the scheduler already applied to itself: apply them to the rest of the model."""
-        scheduler, self.model.scheduler = self.model.scheduler, None
-        try:
-            for ev in events:
-                self._apply(ev)
-        finally:
-            self.model.scheduler = scheduler
+        for ev in events:
+            self._apply(ev, decided=True)
         return events
 
     def connected(self, node: str) -> bool:
@@ -132,8 +128,8 @@ class Simulation:
                 self.q.after(delay, self.run_plan, plan, result)
                 return
 
-    def _apply(self, ev: Event) -> None:
-        self.model.apply(ev)
+    def _apply(self, ev: Event, decided: bool = False) -> None:
+        self.model.apply(ev, decided)
         if ev.type in PLACEMENT_EVENTS:
             self._views.clear()
         elif ev.type == EventKind.JOB_STATE_CHANGED and ev.data["state"] == JobState.RUNNING.value:

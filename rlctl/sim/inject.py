@@ -22,6 +22,7 @@ from rlctl.sim.truth import WorkerTruth
 
 PARTITION_HEALS_S = 60.0  # a partition without a duration heals after a minute (the agent reconnects)
 RECHECK_S = 1.0
+WORKER_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
 WATCHED_NODE_STATES = (NodeState.READY, NodeState.STANDBY, NodeState.ACTIVE, NodeState.SUSPECT)
 
 
@@ -57,6 +58,9 @@ def _pick_node(sim: SimSite, fault: SimFault) -> str | None:
             continue
         if fault.role and slot.role != fault.role:
             continue
+        worker = sim.workers.get(slot.wid or "")
+        if fault.kind in WORKER_FAULTS and (worker is None or not worker.alive):
+            continue  # a process that is not running cannot crash, hang or slow down
         candidates.append(slot.node)
     if fault.node is not None:
         return fault.node if fault.node in candidates else None
@@ -121,7 +125,7 @@ def _exit_reported(sim: SimSite, wid: str, exit_code: int) -> None:
 
 
 def _fault_signal(sim: SimSite, node: str, kind: str, code: int | None, detail: str, wid: str | None) -> None:
-    """Controller._on_fault_signal: journal the signal, classify it, hand a verdict to recovery."""
+    """The agent's signal reaches the orchestration core (when the worker still runs and the agent is reachable)."""
     if wid is not None:
         worker = sim.workers.get(wid)
         slot = sim.model.slots.get(worker.slot) if worker else None

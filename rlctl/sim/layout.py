@@ -1,19 +1,14 @@
-"""Cluster layout for a simulated job: role node counts scaled to ``--gpus``, and the placement.
-
-The placement events are the live controller's (server.Controller._placement_events): trainers,
-then rollouts, then rewards, then spares (warm standbys when ``[spares].warm``).
-"""
+"""Cluster layout for a simulated job: role node counts scaled to ``--gpus`` (the launch plan places
+the roles on them, as it does for a live job)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from rlctl.core.events import Event, EventKind, event
+from rlctl.core.launchplan import ROLE_ORDER
 from rlctl.core.spec import JobSpec
 from rlctl.sim.costmodel import ClusterCost
-
-ROLE_ORDER = ("trainer", "rollout", "reward")
 
 
 @dataclass(frozen=True)
@@ -54,22 +49,3 @@ def layout_for(spec: JobSpec, cluster: ClusterCost, gpus: int | None) -> Layout:
 
 def node_name(index: int) -> str:
     return f"n{index:05d}"
-
-
-def placement_events(layout: Layout, at: float) -> list[Event]:
-    """NodeAllocated for every node, in the live controller's order and slot naming."""
-    events: list[Event] = []
-    index = 0
-    for role in ROLE_ORDER:
-        for slot_index in range(layout.nodes[role]):
-            name = node_name(index)
-            events.append(event(EventKind.NODE_ALLOCATED, at, node=name, host=name, role=role, slot=f"{role}-{slot_index}",
-                                backend_ref=name))
-            index += 1
-    for spare_index in range(layout.spares):
-        name = node_name(index)
-        slot = f"standby-{spare_index}" if layout.warm_spares else ""
-        events.append(event(EventKind.NODE_ALLOCATED, at, node=name, host=name, role="spare", slot=slot, role_of_slot="trainer",
-                            standby=True, backend_ref=name))
-        index += 1
-    return events

@@ -1,0 +1,316 @@
+"""Recovery, decided once: a verdict journaled, its plan from the policy, carried out step by step.
+
+``Recovery.handle`` dedupes verdicts (once per node, slot and fault, and not while the slot is
+being recovered), journals the verdict and turns the policy's steps into events and effects; the
+shell carries the effects out. After a plan, the same thing is not judged again until its fault is
+recovered or ``REJUDGE_AFTER_S`` passed. Pure: the shell gives the time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from rlctl.core import detector as det
+from rlctl.core import policy
+from rlctl.core.effects import (
+    NodeGrant,
+    Plan,
+    ReleaseNode,
+    ReplaceNode,
+    Requeue,
+    Shell,
+    Sleep,
+    StandbyTakesOver,
+    StartAgent,
+    StartWorker,
+    StopEverything,
+    StopWorker,
+    TrainingAbandoned,
+    WorkReturned,
+    some,
+)
+from rlctl.core.events import Event, EventKind, event
+from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.rounds import RoundScheduler
+from rlctl.core.spec import JobSpec
+from rlctl.core.states import JobState, NodeState, WorkerState
+
+# A handled (node, slot, fault) is not judged again until its fault is recovered, or for this long
+# at most after its plan ended (a plan that did not work is judged anew).
+REJUDGE_AFTER_S = 20.0
+COOL_DOWN_FIRST_S = 1.0
+COOL_DOWN_POLL_S = 0.5
+LIVE_WORKER = (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT)
+GONE_NODE = (NodeState.FAILED, NodeState.RELEASED)
+
+
+class WorkerControl(Protocol):
+    """What a recovery plan needs from the orchestrator: workers journaled and started or stopped,
+    the job stopped, its state re-checked."""
+
+    def closed(self) -> bool: ...
+
+    def start_worker(self, slot: SlotRecord) -> StartWorker | None: ...
+
+    def stop_worker(self, slot: SlotRecord, grace_s: float = 3.0, wait: bool = True) -> StopWorker | None: ...
+
+    def request_stop(self, reason: str, succeeded: bool = False) -> None: ...
+
+    def update_job_state(self) -> None: ...
+
+
+class Tally:
+    """Verdicts by fault kind and recovery steps by kind, since the job's orchestrator started."""
+
+    def __init__(self) -> None:
+        self.verdicts: dict[str, int] = {}
+        self.actions: dict[str, int] = {}
+        self.plans: list[tuple[det.Verdict, list[policy.Step]]] = []
+        self.failed_plans = 0
+
+
+class Recovery:
+    def __init__(self, spec: JobSpec, model: JobModel, scheduler: RoundScheduler, detector: det.Detector,
+                 shell: Shell, workers: WorkerControl) -> None:
+        self.spec = spec
+        self.model = model
+        self.scheduler = scheduler
+        self.detector = detector
+        self.shell = shell
+        self.workers = workers
+        self.tally = Tally()
+        self._handled: set[tuple[str, str, str]] = set()
+        self._busy_slots: set[str] = set()
+        self._whole_job_plans = 0
+
+    def record(self, kind: EventKind, /, **data: Any) -> list[Event]:
+        return self.shell.commit([event(kind, self.shell.clock(), **data)])
+
+    @property
+    def busy_slots(self) -> frozenset[str]:
+        """Slots a recovery plan is working on right now."""
+        return frozenset(self._busy_slots)
+
+    @property
+    def restarting_everything(self) -> bool:
+        """A full restart stopped every worker and has not started them again yet (it will)."""
+        return self._whole_job_plans > 0
+
+    def handled_recently(self, slot: SlotRecord) -> bool:
+        """The slot's worker already exited and a verdict about the slot is being handled (its exit
+        report is the same fault seen again)."""
+        return (slot.life is not None and slot.life.state == WorkerState.EXITED and slot.slot not in self._busy_slots
+                and any(key[1] == slot.slot for key in self._handled))
+
+    def handle(self, verdict: det.Verdict) -> None:
+        """Journal the verdict and start its recovery plan, once per (node, slot, fault)."""
+        if self.workers.closed():
+            return
+        key = (verdict.node, verdict.slot or "", verdict.fault)
+        if key in self._handled:
+            return
+        if verdict.slot and verdict.slot in self._busy_slots and verdict.action == "restart-worker":
+            # The plan under way restores this slot. A fault nobody had seen yet is seen now (its
+            # verdict is journaled, so it is detected and recovered with the slot), but not acted on twice.
+            if any(f.node == verdict.node and f.detected_at is None for f in self.model.open_faults()):
+                self._journal(verdict)
+            return
+        node = self.model.nodes.get(verdict.node)
+        if node is not None and node.life.state in (*GONE_NODE, NodeState.DRAINING):
+            return
+        self._handled.add(key)
+        fault_id = self._journal(verdict)
+        steps = policy.plan(self.model, verdict, self.spec.fault_tolerance.max_restarts_per_slot)
+        self.tally.plans.append((verdict, steps))
+        if not steps:
+            self._handled.discard(key)
+            return
+        if self.model.life.can_move(JobState.RECOVERING):
+            self.record(EventKind.JOB_STATE_CHANGED, state=JobState.RECOVERING.value, reason=verdict.reason[:120])
+        slots = {str(s.args["slot"]) for s in steps if s.args.get("slot")}
+        self._busy_slots.update(slots)
+        self.shell.run_plan(self._run_plan(steps, verdict, fault_id, key, slots))
+
+    def _journal(self, verdict: det.Verdict) -> str:
+        fault_id = self._fault_id_for(verdict)
+        self.record(EventKind.VERDICT, node=verdict.node, slot=verdict.slot, verdict=verdict.verdict, fault=fault_id,
+                    fault_kind=verdict.fault, action=verdict.action, reason=verdict.reason,
+                    evidence_since=verdict.evidence_since)
+        self.tally.verdicts[verdict.fault] = self.tally.verdicts.get(verdict.fault, 0) + 1
+        return fault_id
+
+    def _fault_id_for(self, verdict: det.Verdict) -> str:
+        for fault in self.model.open_faults():
+            if fault.node == verdict.node and fault.detected_at is None:
+                return fault.fault_id
+        return f"f-{verdict.fault}-{verdict.node}-{int(self.shell.clock() * 1000) % 10_000_000}"
+
+    def _run_plan(self, steps: list[policy.Step], verdict: det.Verdict, fault_id: str, key: tuple[str, str, str],
+                  slots: set[str]) -> Plan:
+        restarting = False  # between a full restart's stop-all and its start-all
+        try:
+            for step in steps:
+                if self.model.life.state.terminal:
+                    break
+                if step.kind == "stop-all" and not restarting:
+                    restarting, self._whole_job_plans = True, self._whole_job_plans + 1
+                yield from self._execute(step, verdict, fault_id)
+                if step.kind == "start-all" and restarting:
+                    restarting, self._whole_job_plans = False, self._whole_job_plans - 1
+                self.tally.actions[step.kind] = self.tally.actions.get(step.kind, 0) + 1
+        except Exception:  # noqa: BLE001 - the shell logged it; the fault is judged anew after the cool-down
+            self.tally.failed_plans += 1
+        finally:
+            self._busy_slots.difference_update(slots)
+            self._whole_job_plans -= restarting
+        self.workers.update_job_state()
+        yield from self._cool_down(fault_id)
+        self._handled.discard(key)
+
+    def _cool_down(self, fault_id: str) -> Plan:
+        """Do not judge the same thing again until its recovery had the time to finish."""
+        deadline = self.shell.clock() + REJUDGE_AFTER_S
+        yield Sleep(COOL_DOWN_FIRST_S)
+        while self.shell.clock() < deadline:
+            fault = self.model.faults.get(fault_id)
+            if fault is None or not fault.open:
+                return
+            yield Sleep(COOL_DOWN_POLL_S)
+
+    def _execute(self, step: policy.Step, verdict: det.Verdict, fault_id: str) -> Plan:
+        model, args = self.model, step.args
+        requeued = 0
+        if step.kind in ("restart-worker", "stop-worker", "fail-node", "stop-all"):
+            requeued = self._release_items(step, verdict)
+        self.record(EventKind.ACTION_TAKEN, action=step.kind, node=args.get("node", verdict.node), slot=args.get("slot"),
+                    reason=verdict.reason[:200], fault_ids=[fault_id], trajectories_lost=0, items_requeued=requeued,
+                    **{k: v for k, v in args.items() if k in ("standby_slot", "to_step", "exclude_node", "drain")})
+        if requeued:
+            yield WorkReturned()
+        if step.kind == "restart-worker":
+            slot = model.slots[args["slot"]]
+            yield from some(self.workers.stop_worker(slot, grace_s=1.0))
+            if slot.node is not None and model.nodes[slot.node].life.state not in GONE_NODE:
+                yield from some(self.workers.start_worker(slot))
+        elif step.kind == "fail-node":
+            yield from self._fail_node(args["node"], args["reason"])
+        elif step.kind == "move-slot":
+            node = model.nodes[args["node"]]
+            if node.life.can_move(NodeState.ACTIVE):
+                self.record(EventKind.NODE_STATE_CHANGED, node=node.name, state=NodeState.ACTIVE.value,
+                            reason=f"takes over {args['slot']}", role=model.slots[args["slot"]].role)
+        elif step.kind == "stop-worker":
+            slot = model.slots[args["slot"]]
+            if slot.life is not None and slot.life.state != WorkerState.EXITED:
+                yield from some(self.workers.stop_worker(slot, grace_s=0.5))
+        elif step.kind == "make-standby":
+            yield from self._make_standby(args["node"])
+        elif step.kind == "activate-standby":
+            standby_node = model.slots[args["slot"]].node  # the ActionTaken above moved the role onto the standby's node
+            if standby_node is not None and model.nodes[standby_node].life.can_move(NodeState.ACTIVE):
+                self.record(EventKind.NODE_STATE_CHANGED, node=standby_node, state=NodeState.ACTIVE.value,
+                            reason=f"warm standby takes over {args['slot']}", role=model.slots[args["slot"]].role)
+            yield StandbyTakesOver(args["slot"])
+        elif step.kind == "retire-standby":
+            standby = model.slots.get(args["standby_slot"])
+            if standby is not None:
+                yield from some(self.workers.stop_worker(standby, grace_s=0.5, wait=False))
+                self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=standby.node or "", slot=standby.slot,
+                            reason="spare node re-used", fault_ids=[])
+        elif step.kind == "request-node":
+            yield from self._request_node(args["slot"], args["exclude_node"], fault_id)
+        elif step.kind == "request-spare":
+            yield from self._request_spare(args["exclude_node"])
+        elif step.kind == "restart-agent":
+            yield StartAgent(args["node"], restart=True)
+        elif step.kind == "stop-all":
+            yield TrainingAbandoned()
+            stops = [self.workers.stop_worker(s, grace_s=1.0) for s in list(model.slots.values())
+                     if s.life is not None and s.life.state in LIVE_WORKER]
+            yield StopEverything(tuple(s for s in stops if s is not None))
+        elif step.kind == "rollback":
+            yield TrainingAbandoned()
+            self.shell.commit_decided(self.scheduler.rollback(int(args["to_step"]), self.shell.clock()))
+        elif step.kind == "start-all":
+            yield Requeue()
+            # Nodes whose agent is not connected start their workers when it registers (agent_registered).
+            for slot in list(model.slots.values()):
+                if slot.node is not None and model.nodes[slot.node].life.state not in GONE_NODE \
+                        and self.shell.connected(slot.node):
+                    yield from some(self.workers.start_worker(slot))
+        else:
+            raise ValueError(f"unknown recovery step {step.kind!r}")
+
+    def _release_items(self, step: policy.Step, verdict: det.Verdict) -> int:
+        """Give the failed worker's in-flight prompts back to the scheduler; count them."""
+        count = 0
+        for slot in policy.slots_released_by(self.model, step):
+            if slot.wid:
+                events = self.scheduler.release_worker(slot.wid, verdict.fault, self.shell.clock())
+                count += sum(len(e.data["item_ids"]) for e in events)
+                self.shell.commit_decided(events)
+        return count
+
+    def _fail_node(self, name: str, reason: str) -> Plan:
+        model = self.model
+        if model.nodes[name].life.can_move(NodeState.FAILED):
+            self.record(EventKind.NODE_STATE_CHANGED, node=name, state=NodeState.FAILED.value, reason=reason[:200],
+                        exclude=self.spec.fault_tolerance.exclude_failed_nodes)
+        self.detector.forget(name)
+        live = (*LIVE_WORKER, WorkerState.STOPPING)
+        for slot in list(model.slots.values()):
+            if slot.node == name and slot.wid and slot.life is not None and slot.life.state in live:
+                self.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=None, signal="node-failed")
+        yield ReleaseNode(name)
+        for slot in list(model.slots.values()):
+            if slot.node == name and slot.standby:
+                self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=name, slot=slot.slot,
+                            reason="spare node failed", fault_ids=[])
+        for target in (NodeState.DRAINING, NodeState.RELEASED):
+            if model.nodes[name].life.can_move(target):
+                self.record(EventKind.NODE_STATE_CHANGED, node=name, state=target.value, reason="failed node given back")
+
+    def _make_standby(self, name: str) -> Plan:
+        """A healthy node whose role moved away becomes a spare running a warm trainer standby."""
+        if self.model.nodes.get(name) is None or not self.spec.warm_spares:
+            return
+        for target in (NodeState.READY, NodeState.STANDBY):
+            if self.model.nodes[name].life.can_move(target):
+                self.record(EventKind.NODE_STATE_CHANGED, node=name, state=target.value,
+                            reason="role moved away: kept as a spare", role="spare")
+        slot_name = f"standby-{name}"
+        wid = self.model.next_wid(slot_name)
+        self.record(EventKind.WORKER_STARTING, slot=slot_name, wid=wid, node=name, role="trainer", generation=1,
+                    standby=True)
+        yield StartWorker(slot_name, wid, name, "trainer", True)
+
+    def _excluded(self, bad_node: str) -> frozenset[str]:
+        return frozenset(n.name for n in self.model.nodes.values() if n.excluded) | {bad_node}
+
+    def _request_node(self, slot_name: str, exclude_node: str, fault_id: str) -> Plan:
+        grant: NodeGrant | None = yield ReplaceNode(exclude_node, self._excluded(exclude_node))
+        slot = self.model.slots[slot_name]
+        if grant is None:
+            self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=exclude_node, slot=slot_name,
+                        reason="no replacement node available: the job continues degraded", fault_ids=[fault_id],
+                        degraded=True)
+            if slot.role == "trainer":
+                self.workers.request_stop("failed: trainer lost and no node to restore it on")
+            return
+        self.record(EventKind.NODE_ALLOCATED, node=grant.name, host=grant.host, role=slot.role, slot=slot_name,
+                    backend_ref=grant.backend_ref)
+        self.record(EventKind.ACTION_TAKEN, action="move-slot", node=grant.name, slot=slot_name,
+                    reason="replacement node", fault_ids=[])
+        yield StartAgent(grant.name)
+
+    def _request_spare(self, exclude_node: str) -> Plan:
+        """A new node takes the place of the warm spare a fault used up; it gets a standby worker once
+        its agent registers. None left: the job goes on with fewer spares."""
+        grant: NodeGrant | None = yield ReplaceNode(exclude_node, self._excluded(exclude_node))
+        if grant is None:
+            return
+        self.record(EventKind.NODE_ALLOCATED, node=grant.name, host=grant.host, role="spare",
+                    slot=f"standby-{grant.name}" if self.spec.warm_spares else "", role_of_slot="trainer",
+                    standby=True, backend_ref=grant.backend_ref)
+        yield StartAgent(grant.name)
+

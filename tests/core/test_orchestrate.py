@@ -1,0 +1,136 @@
+"""The orchestration core on its own: observations in, events and effects out, with a shell that
+keeps what it is given (a journal in a list, plans stepped by hand)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from rlctl.core import detector as det
+from rlctl.core import orchestrate as orc
+from rlctl.core.events import Event, EventKind, event
+from rlctl.core.model import JobModel
+from tests.core.test_policy import running_job, verdict
+from tests.core.test_rounds import make_scheduler
+
+
+class HandShell:
+    def __init__(self, model: JobModel) -> None:
+        self.model, self.now = model, 10.0
+        self.journal: list[Event] = []
+        self.plans: list[orc.Plan] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def commit(self, events: list[Event]) -> list[Event]:
+        for ev in events:
+            self.model.apply(ev)
+        self.journal.extend(events)
+        return events
+
+    def commit_decided(self, events: list[Event]) -> list[Event]:
+        for ev in events:
+            self.model.apply(ev, decided=True)
+        self.journal.extend(events)
+        return events
+
+    def connected(self, node: str) -> bool:
+        return True
+
+    def run_plan(self, plan: orc.Plan) -> None:
+        self.plans.append(plan)
+
+
+def orchestrator(policy: str = "role", spares: int = 0) -> tuple[orc.Orchestrator, HandShell]:
+    model = running_job(policy=policy, spares=spares)
+    for state in ("starting", "running"):
+        model.apply(event(EventKind.JOB_STATE_CHANGED, 2.0, state=state, reason="test"))
+    scheduler = make_scheduler(tail=False)
+    model.scheduler = scheduler
+    shell = HandShell(model)
+    spec = SimpleNamespace(fault_tolerance=SimpleNamespace(max_restarts_per_slot=3, exclude_failed_nodes=True),
+                           warm_spares=False)
+    detector = det.Detector(det.DetectorConfig(heartbeat_interval_s=1.0, phi_threshold=8.0, min_silence_s=3.0,
+                                               confirm_with_probe=True, phase_timeout_s={}, slow_ratio=0.5,
+                                               slow_window_s=10.0))
+    return orc.Orchestrator(spec, model, scheduler, detector, shell), shell  # type: ignore[arg-type]
+
+
+def step_through(shell: HandShell, plan: orc.Plan, answers: dict[type, Any] | None = None) -> list[orc.Effect]:
+    """Every effect of ``plan``, answering each with ``answers[type]`` (None by default); a Sleep
+    moves the shell's clock on."""
+    effects: list[orc.Effect] = []
+    result: Any = None
+    while True:
+        try:
+            effect = plan.send(result)
+        except StopIteration:
+            return effects
+        effects.append(effect)
+        if isinstance(effect, orc.Sleep):
+            shell.now += effect.seconds
+        result = (answers or {}).get(type(effect))
+
+
+def kinds(shell: HandShell) -> list[str]:
+    return [f"{e.type}:{e.data.get('action', e.data.get('state', ''))}" for e in shell.journal]
+
+
+def test_a_crash_becomes_a_verdict_and_a_restart_plan_of_effects() -> None:
+    core, shell = orchestrator()
+    wid = core.model.slots["rollout-0"].wid
+    core.worker_exited(wid, 1, None)
+    assert kinds(shell)[:3] == ["WorkerExited:", "Verdict:restart-worker", "JobStateChanged:recovering"]
+    effects = step_through(shell, shell.plans.pop())
+    stop, start = effects[0], effects[1]
+    assert isinstance(stop, orc.StopWorker) and stop.wid == wid and stop.wait
+    assert isinstance(start, orc.StartWorker) and start.slot == "rollout-0" and start.wid != wid
+    assert all(isinstance(e, orc.Sleep) for e in effects[2:])  # the cool-down polls, nothing more
+    assert "ActionTaken:restart-worker" in kinds(shell)
+
+
+def test_a_second_verdict_for_a_slot_under_recovery_is_journaled_but_not_acted_on() -> None:
+    core, shell = orchestrator()
+    slot = core.model.slots["rollout-0"]
+    core.handle(verdict("node02", "rollout-0", "worker-hang", "restart-worker"))
+    assert len(shell.plans) == 1 and "rollout-0" in core.recovery.busy_slots
+    shell.commit([event(EventKind.FAULT_INJECTED, 11.0, fault_id="inj-1", node="node02", kind="crash", params={})])
+    core.worker_exited(slot.wid or "", 1, None)  # the worker the plan restarts crashed meanwhile
+    assert len(shell.plans) == 1  # no second plan
+    assert core.model.faults["inj-1"].detected_at is not None  # but the fault is seen, not left open
+
+
+def test_a_node_failure_asks_the_backend_for_a_node_and_starts_its_agent() -> None:
+    core, shell = orchestrator()
+    core.handle(verdict("node02", None, "node-loss", "replace-node"))
+    effects = step_through(shell, shell.plans.pop(), {orc.ReplaceNode: orc.NodeGrant("node09", "h9", "ref9")})
+    replace = next(e for e in effects if isinstance(e, orc.ReplaceNode))
+    assert replace.bad_node == "node02" and "node02" in replace.exclude
+    assert orc.ReleaseNode("node02") in effects and orc.StartAgent("node09") in effects
+    assert core.model.slots["rollout-0"].node == "node09" and core.model.nodes["node02"].excluded
+
+
+def test_no_replacement_node_leaves_the_role_degraded_and_a_lost_trainer_stops_the_job() -> None:
+    core, shell = orchestrator()
+    core.handle(verdict("node01", None, "node-loss", "replace-node"))
+    step_through(shell, shell.plans.pop())  # the backend answers None: no node
+    assert core.stop is not None and core.final_state().value == "failed"
+
+
+def test_during_a_full_restart_no_worker_is_started_until_start_all() -> None:
+    core, shell = orchestrator(policy="full-restart")
+    core.handle(verdict("node02", "rollout-0", "worker-crash", "restart-worker"))
+    plan = shell.plans.pop()
+    effects = []
+    result: Any = None
+    while not any(isinstance(e, orc.StopEverything) for e in effects):
+        effects.append(plan.send(result))
+    assert core.recovery.restarting_everything
+    stopped = next(e for e in effects if isinstance(e, orc.StopEverything)).stops
+    core.worker_exited(stopped[0].wid, 0, None)  # its exit does not restart it: start-all will
+    assert not shell.plans
+    rest = step_through(shell, plan)
+    assert not core.recovery.restarting_everything
+    assert {e.slot for e in rest if isinstance(e, orc.StartWorker)} == set(core.model.slots)
+    assert any(isinstance(e, orc.Requeue) for e in rest)
