@@ -17,7 +17,7 @@ from typing import Any
 from rlctl.backends.base import AgentLaunch, Backend, NodeInfo
 from rlctl.controller.agents import AgentHub
 from rlctl.controller.workers import WorkerLauncher
-from rlctl.core import orchestrate as orc
+from rlctl.core import effects as fx
 from rlctl.core.events import EventKind
 from rlctl.core.model import JobModel
 
@@ -40,10 +40,10 @@ class EffectRunner:
         self.spawn = spawn
         self.launch: AgentLaunch | None = None
 
-    def run(self, plan: orc.Plan) -> None:
+    def run(self, plan: fx.Plan) -> None:
         self.spawn(self.drive(plan))
 
-    async def drive(self, plan: orc.Plan) -> None:
+    async def drive(self, plan: fx.Plan) -> None:
         result: Any = None
         failure: BaseException | None = None
         while True:
@@ -58,29 +58,29 @@ class EffectRunner:
                 log.exception("carrying out %s failed", effect)
                 failure, result = exc, None
 
-    async def carry_out(self, effect: orc.Effect) -> Any:
+    async def carry_out(self, effect: fx.Effect) -> Any:
         match effect:
-            case orc.StartWorker():
+            case fx.StartWorker():
                 await self.start_worker(effect)
-            case orc.StopWorker():
+            case fx.StopWorker():
                 await self.stop_worker(effect)
-            case orc.StopEverything(stops=stops):
+            case fx.StopEverything(stops=stops):
                 await asyncio.gather(*(self.stop_worker(stop) for stop in stops))
-            case orc.ReleaseNode(node=name):
+            case fx.ReleaseNode(node=name):
                 await self._release(name)
-            case orc.ReplaceNode():
+            case fx.ReplaceNode():
                 return await self._replace(effect)
-            case orc.StartAgent(node=name):
+            case fx.StartAgent(node=name):
                 info = self.node_infos.get(name)
                 if info is not None:
                     await self.start_agent(info)
-            case orc.Sleep(seconds=seconds):
+            case fx.Sleep(seconds=seconds):
                 await asyncio.sleep(seconds)
-            case orc.Requeue() | orc.StandbyTakesOver() | orc.WorkReturned() | orc.TrainingAbandoned():
+            case fx.Requeue() | fx.StandbyTakesOver() | fx.WorkReturned() | fx.TrainingAbandoned():
                 pass  # live workers ask for their new work, role or batch themselves
         return None
 
-    async def start_worker(self, effect: orc.StartWorker) -> None:
+    async def start_worker(self, effect: fx.StartWorker) -> None:
         """Send the start command for a worker (already journaled as WorkerStarting) to its agent."""
         slot = self.model.slots[effect.slot]
         argv, env = self.launcher.argv_env(slot)
@@ -89,7 +89,7 @@ class EffectRunner:
         if ack is None or not ack.get("ok", False):
             log.warning("start of %s on %s failed: %s", effect.wid, effect.node, ack)
 
-    async def stop_worker(self, effect: orc.StopWorker) -> None:
+    async def stop_worker(self, effect: fx.StopWorker) -> None:
         await self.hub.command(effect.node, "stop_worker", wait=effect.grace_s + 5.0, wid=effect.wid,
                                grace_s=effect.grace_s)
 
@@ -111,7 +111,7 @@ class EffectRunner:
         except Exception as exc:  # noqa: BLE001 - a dead node may not answer; it stays excluded either way
             log.warning("releasing failed node %s: %s", name, exc)
 
-    async def _replace(self, effect: orc.ReplaceNode) -> orc.NodeGrant | None:
+    async def _replace(self, effect: fx.ReplaceNode) -> fx.NodeGrant | None:
         """A node from the backend in place of the bad one, never an excluded one; None when it has
         none (or failed to provide one)."""
         try:
@@ -122,4 +122,4 @@ class EffectRunner:
         if fresh is None:
             return None
         self.node_infos[fresh.name] = fresh
-        return orc.NodeGrant(fresh.name, fresh.host, fresh.backend_ref)
+        return fx.NodeGrant(fresh.name, fresh.host, fresh.backend_ref)

@@ -38,6 +38,7 @@ from rlctl.controller.store import Journal
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
 from rlctl.controller.workers import WorkerLauncher
 from rlctl.core import detector as det
+from rlctl.core import effects as fx
 from rlctl.core import orchestrate as orc
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.launchplan import LaunchPlan, plan
@@ -122,7 +123,7 @@ class Controller:
     def connected(self, node: str) -> bool:
         return self.hub.connected(node)
 
-    def run_plan(self, plan: orc.Plan) -> None:
+    def run_plan(self, plan: fx.Plan) -> None:
         self.effects.run(plan)
 
     def record(self, type_: EventKind, **data: Any) -> list[Event]:
@@ -180,7 +181,7 @@ class Controller:
         self.record(EventKind.JOB_STATE_CHANGED, state=JobState.STARTING.value, reason="allocating nodes")
         nodes = await self.backend.allocate(self.plan.allocation(self.jobdir.job_id))
         self.node_infos.update((n.name, n) for n in nodes)
-        self.orc.place([orc.NodeGrant(n.name, n.host, n.backend_ref) for n in nodes], self.plan.nodes_by_role,
+        self.orc.place([fx.NodeGrant(n.name, n.host, n.backend_ref) for n in nodes], self.plan.nodes_by_role,
                        self.plan.warm_spares)
         await asyncio.gather(*(self.effects.start_agent(n) for n in nodes))
 

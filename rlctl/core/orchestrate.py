@@ -17,25 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlctl.core import detector as det
-from rlctl.core.effects import (  # noqa: F401 - the effects are part of the orchestrator's vocabulary
-    Effect,
-    NodeGrant,
-    Plan,
-    ReleaseNode,
-    ReplaceNode,
-    Requeue,
-    Shell,
-    Sleep,
-    StandbyTakesOver,
-    StartAgent,
-    StartWorker,
-    StopEverything,
-    StopWorker,
-    TrainingAbandoned,
-    WorkReturned,
-    in_order,
-    some,
-)
+from rlctl.core.effects import Effect, NodeGrant, Shell, StartWorker, StopWorker, in_order, some
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.recovery import LIVE_WORKER, Recovery, Tally

@@ -10,43 +10,43 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlctl.core import orchestrate as orc
+from rlctl.core import effects as fx
 from rlctl.sim.site import SimSite
 
 
-def carry_out(sim: SimSite, effect: orc.Effect) -> tuple[float | None, Any]:
+def carry_out(sim: SimSite, effect: fx.Effect) -> tuple[float | None, Any]:
     recovery = sim.cost.recovery
     match effect:
-        case orc.StartWorker(slot=slot, wid=wid):
+        case fx.StartWorker(slot=slot, wid=wid):
             sim.launch_worker(slot, wid)
             return None, None
-        case orc.StopWorker(wait=wait):
+        case fx.StopWorker(wait=wait):
             _stop(sim, effect)
             return (recovery.worker_stop_s if wait else None), None
-        case orc.StopEverything(stops=stops):
+        case fx.StopEverything(stops=stops):
             for stop in stops:
                 _stop(sim, stop)
             return recovery.stop_s, None
-        case orc.ReleaseNode(node=name):
+        case fx.ReleaseNode(node=name):
             _node_released(sim, name)
             return 0.0, None
-        case orc.ReplaceNode():
+        case fx.ReplaceNode():
             name = sim.new_node()
-            return recovery.slurm_realloc_s, orc.NodeGrant(name, name, name)
-        case orc.StartAgent(node=name, restart=restart):
+            return recovery.slurm_realloc_s, fx.NodeGrant(name, name, name)
+        case fx.StartAgent(node=name, restart=restart):
             sim.start_agent(name, sim.cost.detection.agent_restart_s if restart else sim.cost.init.agent_start_s)
             return None, None
-        case orc.Sleep(seconds=seconds):
+        case fx.Sleep(seconds=seconds):
             return seconds, None
-        case orc.Requeue():
+        case fx.Requeue():
             return recovery.requeue_s, None
-        case orc.StandbyTakesOver(slot=slot):
+        case fx.StandbyTakesOver(slot=slot):
             sim.after(STANDBY_POLL_S, _standby_takes_over, sim, slot)
             return STANDBY_POLL_S, None
-        case orc.WorkReturned():
+        case fx.WorkReturned():
             sim.on_items_returned()
             return None, None
-        case orc.TrainingAbandoned():
+        case fx.TrainingAbandoned():
             sim.cancel_task()
             return None, None
     raise ValueError(f"the simulator cannot carry out {effect!r}")
@@ -55,7 +55,7 @@ def carry_out(sim: SimSite, effect: orc.Effect) -> tuple[float | None, Any]:
 STANDBY_POLL_S = 0.3  # the live standby asks standby.wait this often
 
 
-def _stop(sim: SimSite, stop: orc.StopWorker) -> None:
+def _stop(sim: SimSite, stop: fx.StopWorker) -> None:
     """The agent stops the worker and reports its exit (when its node can still be reached)."""
     if stop.role == "trainer" and not stop.standby:
         sim.on_trainer_lost()

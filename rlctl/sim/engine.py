@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rlctl.core.effects import NodeGrant, Plan
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.launchplan import plan
 from rlctl.core.model import JobModel, SlotRecord
-from rlctl.core.orchestrate import NodeGrant, Orchestrator, Plan
+from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
 from rlctl.core.states import JobState, NodeState

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from rlctl.core import detector as det
+from rlctl.core import effects as fx
 from rlctl.core import orchestrate as orc
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import JobModel
@@ -18,7 +19,7 @@ class HandShell:
     def __init__(self, model: JobModel) -> None:
         self.model, self.now = model, 10.0
         self.journal: list[Event] = []
-        self.plans: list[orc.Plan] = []
+        self.plans: list[fx.Plan] = []
 
     def clock(self) -> float:
         return self.now
@@ -38,7 +39,7 @@ class HandShell:
     def connected(self, node: str) -> bool:
         return True
 
-    def run_plan(self, plan: orc.Plan) -> None:
+    def run_plan(self, plan: fx.Plan) -> None:
         self.plans.append(plan)
 
 
@@ -57,10 +58,10 @@ def orchestrator(policy: str = "role", spares: int = 0) -> tuple[orc.Orchestrato
     return orc.Orchestrator(spec, model, scheduler, detector, shell), shell  # type: ignore[arg-type]
 
 
-def step_through(shell: HandShell, plan: orc.Plan, answers: dict[type, Any] | None = None) -> list[orc.Effect]:
+def step_through(shell: HandShell, plan: fx.Plan, answers: dict[type, Any] | None = None) -> list[fx.Effect]:
     """Every effect of ``plan``, answering each with ``answers[type]`` (None by default); a Sleep
     moves the shell's clock on."""
-    effects: list[orc.Effect] = []
+    effects: list[fx.Effect] = []
     result: Any = None
     while True:
         try:
@@ -68,7 +69,7 @@ def step_through(shell: HandShell, plan: orc.Plan, answers: dict[type, Any] | No
         except StopIteration:
             return effects
         effects.append(effect)
-        if isinstance(effect, orc.Sleep):
+        if isinstance(effect, fx.Sleep):
             shell.now += effect.seconds
         result = (answers or {}).get(type(effect))
 
@@ -84,9 +85,9 @@ def test_a_crash_becomes_a_verdict_and_a_restart_plan_of_effects() -> None:
     assert kinds(shell)[:3] == ["WorkerExited:", "Verdict:restart-worker", "JobStateChanged:recovering"]
     effects = step_through(shell, shell.plans.pop())
     stop, start = effects[0], effects[1]
-    assert isinstance(stop, orc.StopWorker) and stop.wid == wid and stop.wait
-    assert isinstance(start, orc.StartWorker) and start.slot == "rollout-0" and start.wid != wid
-    assert all(isinstance(e, orc.Sleep) for e in effects[2:])  # the cool-down polls, nothing more
+    assert isinstance(stop, fx.StopWorker) and stop.wid == wid and stop.wait
+    assert isinstance(start, fx.StartWorker) and start.slot == "rollout-0" and start.wid != wid
+    assert all(isinstance(e, fx.Sleep) for e in effects[2:])  # the cool-down polls, nothing more
     assert "ActionTaken:restart-worker" in kinds(shell)
 
 
@@ -104,10 +105,10 @@ def test_a_second_verdict_for_a_slot_under_recovery_is_journaled_but_not_acted_o
 def test_a_node_failure_asks_the_backend_for_a_node_and_starts_its_agent() -> None:
     core, shell = orchestrator()
     core.handle(verdict("node02", None, "node-loss", "replace-node"))
-    effects = step_through(shell, shell.plans.pop(), {orc.ReplaceNode: orc.NodeGrant("node09", "h9", "ref9")})
-    replace = next(e for e in effects if isinstance(e, orc.ReplaceNode))
+    effects = step_through(shell, shell.plans.pop(), {fx.ReplaceNode: fx.NodeGrant("node09", "h9", "ref9")})
+    replace = next(e for e in effects if isinstance(e, fx.ReplaceNode))
     assert replace.bad_node == "node02" and "node02" in replace.exclude
-    assert orc.ReleaseNode("node02") in effects and orc.StartAgent("node09") in effects
+    assert fx.ReleaseNode("node02") in effects and fx.StartAgent("node09") in effects
     assert core.model.slots["rollout-0"].node == "node09" and core.model.nodes["node02"].excluded
 
 
@@ -124,13 +125,13 @@ def test_during_a_full_restart_no_worker_is_started_until_start_all() -> None:
     plan = shell.plans.pop()
     effects = []
     result: Any = None
-    while not any(isinstance(e, orc.StopEverything) for e in effects):
+    while not any(isinstance(e, fx.StopEverything) for e in effects):
         effects.append(plan.send(result))
     assert core.recovery.restarting_everything
-    stopped = next(e for e in effects if isinstance(e, orc.StopEverything)).stops
+    stopped = next(e for e in effects if isinstance(e, fx.StopEverything)).stops
     core.worker_exited(stopped[0].wid, 0, None)  # its exit does not restart it: start-all will
     assert not shell.plans
     rest = step_through(shell, plan)
     assert not core.recovery.restarting_everything
-    assert {e.slot for e in rest if isinstance(e, orc.StartWorker)} == set(core.model.slots)
-    assert any(isinstance(e, orc.Requeue) for e in rest)
+    assert {e.slot for e in rest if isinstance(e, fx.StartWorker)} == set(core.model.slots)
+    assert any(isinstance(e, fx.Requeue) for e in rest)
