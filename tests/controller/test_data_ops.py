@@ -3,50 +3,24 @@ items (a chaos run stalled when the round's items went to a rollout mid-stop, th
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
 
 from rlctl.controller.ops import DataOps
 from rlctl.core.events import Event
-from rlctl.core.model import JobModel
 from rlctl.core.orchestrate import Orchestrator
-from rlctl.core.rounds import RoundScheduler
 from rlctl.core.states import WorkerState
+from tests.core.shells import RecordingShell
 from tests.core.test_policy import running_job
 from tests.core.test_rounds import make_scheduler
 
 
-class ListShell:
-    """The orchestration core's shell for these tests: events go into a list (``commit`` can be
-    swapped for another sink), plans are not run."""
-
-    def __init__(self, model: JobModel, scheduler: RoundScheduler) -> None:
-        self.model, self.scheduler = model, scheduler
-        self.committed: list[Event] = []
-        self.commit: Callable[[list[Event]], object] = self.committed.extend
-
-    def clock(self) -> float:
-        return 1.0
-
-    def commit_decided(self, events: list[Event]) -> list[Event]:
-        self.committed.extend(events)
-        return events
-
-    def connected(self, node: str) -> bool:
-        return True
-
-    def run_plan(self, plan: Any) -> None:
-        plan.close()
-
-
-def _ops(tail: bool = False) -> tuple[DataOps, ListShell]:
+def _ops(tail: bool = False) -> tuple[DataOps, Orchestrator]:
     model = running_job()
     scheduler = make_scheduler(tail=tail)
-    shell = ListShell(model, scheduler)
+    shell = RecordingShell(model)
     orchestrator = Orchestrator(SimpleNamespace(), model, scheduler, None, shell)  # type: ignore[arg-type]
     scheduler.start_round(0, 1.0)
-    return DataOps(orchestrator, lambda now: None), shell
+    return DataOps(orchestrator, lambda now: None), orchestrator
 
 
 def test_a_running_rollout_gets_items_and_a_stopping_one_does_not() -> None:
@@ -80,7 +54,7 @@ def test_samples_sent_with_a_poll_close_a_full_short_round_and_the_rest_are_canc
     assert list(c.scheduler.pool)[:2] == rnd.prompt_ids[4:]  # the in-flight extras went back to the pool
 
 
-def _scored_items(ops: DataOps, c: ListShell) -> list[dict]:
+def _scored_items(ops: DataOps, c: Orchestrator) -> list[dict]:
     rollout, reward = c.model.slots["rollout-0"], c.model.slots["reward-0"]
     items = ops.op_rollout_get_work(rollout, {"capacity": 4}, 2.0)["items"]
     ops.op_rollout_submit(rollout, {"results": [{"item_id": i["item_id"], "response_tokens": [5, 2], "truncated": False,
@@ -88,10 +62,10 @@ def _scored_items(ops: DataOps, c: ListShell) -> list[dict]:
     return ops.op_reward_get_work(reward, {"capacity": 4}, 2.2)["items"]
 
 
-def _with_reward_policy(ops: DataOps, c: ListShell, on_error: str) -> list[str]:
+def _with_reward_policy(ops: DataOps, c: Orchestrator, on_error: str) -> list[str]:
     stops: list[str] = []
     ops.orc.spec = SimpleNamespace(reward={"on_error": on_error})  # type: ignore[assignment]
-    c.commit = c.commit_decided
+    c.shell.commit = c.shell.commit_decided  # type: ignore[method-assign]
     ops.orc.request_stop = stops.append  # type: ignore[method-assign,assignment]
     return stops
 
@@ -103,7 +77,7 @@ def test_a_reward_function_error_is_journaled_and_scored_zero() -> None:
     scores = [{"item_id": i["item_id"], "reward": 0.0, "correct": False} for i in items]
     scores[0].update(error="ValueError: cannot parse", function="rewards.py:compute_score")
     journaled: list[Event] = []
-    c.commit = journaled.extend
+    c.shell.commit = journaled.extend  # type: ignore[method-assign,assignment]
     reply = ops.op_reward_submit(c.model.slots["reward-0"], {"scores": scores}, 2.3)
     assert reply == {"accepted": len(items)} and not stops
     [failure] = journaled

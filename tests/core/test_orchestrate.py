@@ -9,47 +9,19 @@ from typing import Any
 from rlctl.core import detector as det
 from rlctl.core import effects as fx
 from rlctl.core import orchestrate as orc
-from rlctl.core.events import Event, EventKind, event
-from rlctl.core.model import JobModel
+from rlctl.core.events import EventKind, event
+from tests.core.shells import RecordingShell
 from tests.core.test_policy import running_job, verdict
 from tests.core.test_rounds import make_scheduler
 
 
-class HandShell:
-    def __init__(self, model: JobModel) -> None:
-        self.model, self.now = model, 10.0
-        self.journal: list[Event] = []
-        self.plans: list[fx.Plan] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    def commit(self, events: list[Event]) -> list[Event]:
-        for ev in events:
-            self.model.apply(ev)
-        self.journal.extend(events)
-        return events
-
-    def commit_decided(self, events: list[Event]) -> list[Event]:
-        for ev in events:
-            self.model.apply(ev, decided=True)
-        self.journal.extend(events)
-        return events
-
-    def connected(self, node: str) -> bool:
-        return True
-
-    def run_plan(self, plan: fx.Plan) -> None:
-        self.plans.append(plan)
-
-
-def orchestrator(policy: str = "role", spares: int = 0) -> tuple[orc.Orchestrator, HandShell]:
+def orchestrator(policy: str = "role", spares: int = 0) -> tuple[orc.Orchestrator, RecordingShell]:
     model = running_job(policy=policy, spares=spares)
     for state in ("starting", "running"):
         model.apply(event(EventKind.JOB_STATE_CHANGED, 2.0, state=state, reason="test"))
     scheduler = make_scheduler(tail=False)
     model.scheduler = scheduler
-    shell = HandShell(model)
+    shell = RecordingShell(model)
     spec = SimpleNamespace(fault_tolerance=SimpleNamespace(max_restarts_per_slot=3, exclude_failed_nodes=True),
                            warm_spares=False)
     detector = det.Detector(det.DetectorConfig(heartbeat_interval_s=1.0, phi_threshold=8.0, min_silence_s=3.0,
@@ -58,7 +30,7 @@ def orchestrator(policy: str = "role", spares: int = 0) -> tuple[orc.Orchestrato
     return orc.Orchestrator(spec, model, scheduler, detector, shell), shell  # type: ignore[arg-type]
 
 
-def step_through(shell: HandShell, plan: fx.Plan, answers: dict[type, Any] | None = None) -> list[fx.Effect]:
+def step_through(shell: RecordingShell, plan: fx.Plan, answers: dict[type, Any] | None = None) -> list[fx.Effect]:
     """Every effect of ``plan``, answering each with ``answers[type]`` (None by default); a Sleep
     moves the shell's clock on."""
     effects: list[fx.Effect] = []
@@ -74,7 +46,7 @@ def step_through(shell: HandShell, plan: fx.Plan, answers: dict[type, Any] | Non
         result = (answers or {}).get(type(effect))
 
 
-def kinds(shell: HandShell) -> list[str]:
+def kinds(shell: RecordingShell) -> list[str]:
     return [f"{e.type}:{e.data.get('action', e.data.get('state', ''))}" for e in shell.journal]
 
 
@@ -83,7 +55,7 @@ def test_a_crash_becomes_a_verdict_and_a_restart_plan_of_effects() -> None:
     wid = core.model.slots["rollout-0"].wid
     core.worker_exited(wid, 1, None)
     assert kinds(shell)[:3] == ["WorkerExited:", "Verdict:restart-worker", "JobStateChanged:recovering"]
-    effects = step_through(shell, shell.plans.pop())
+    effects = step_through(shell, shell.pending.pop())
     stop, start = effects[0], effects[1]
     assert isinstance(stop, fx.StopWorker) and stop.wid == wid and stop.wait
     assert isinstance(start, fx.StartWorker) and start.slot == "rollout-0" and start.wid != wid
@@ -95,17 +67,17 @@ def test_a_second_verdict_for_a_slot_under_recovery_is_journaled_but_not_acted_o
     core, shell = orchestrator()
     slot = core.model.slots["rollout-0"]
     core.handle(verdict("node02", "rollout-0", "worker-hang", "restart-worker"))
-    assert len(shell.plans) == 1 and "rollout-0" in core.recovery.busy_slots
+    assert len(shell.pending) == 1 and "rollout-0" in core.recovery.busy_slots
     shell.commit([event(EventKind.FAULT_INJECTED, 11.0, fault_id="inj-1", node="node02", kind="crash", params={})])
     core.worker_exited(slot.wid or "", 1, None)  # the worker the plan restarts crashed meanwhile
-    assert len(shell.plans) == 1  # no second plan
+    assert len(shell.pending) == 1  # no second plan
     assert core.model.faults["inj-1"].detected_at is not None  # but the fault is seen, not left open
 
 
 def test_a_node_failure_asks_the_backend_for_a_node_and_starts_its_agent() -> None:
     core, shell = orchestrator()
     core.handle(verdict("node02", None, "node-loss", "replace-node"))
-    effects = step_through(shell, shell.plans.pop(), {fx.ReplaceNode: fx.NodeGrant("node09", "h9", "ref9")})
+    effects = step_through(shell, shell.pending.pop(), {fx.ReplaceNode: fx.NodeGrant("node09", "h9", "ref9")})
     replace = next(e for e in effects if isinstance(e, fx.ReplaceNode))
     assert replace.bad_node == "node02" and "node02" in replace.exclude
     assert fx.ReleaseNode("node02") in effects and fx.StartAgent("node09") in effects
@@ -115,14 +87,14 @@ def test_a_node_failure_asks_the_backend_for_a_node_and_starts_its_agent() -> No
 def test_no_replacement_node_leaves_the_role_degraded_and_a_lost_trainer_stops_the_job() -> None:
     core, shell = orchestrator()
     core.handle(verdict("node01", None, "node-loss", "replace-node"))
-    step_through(shell, shell.plans.pop())  # the backend answers None: no node
+    step_through(shell, shell.pending.pop())  # the backend answers None: no node
     assert core.stop is not None and core.final_state().value == "failed"
 
 
 def test_during_a_full_restart_no_worker_is_started_until_start_all() -> None:
     core, shell = orchestrator(policy="full-restart")
     core.handle(verdict("node02", "rollout-0", "worker-crash", "restart-worker"))
-    plan = shell.plans.pop()
+    plan = shell.pending.pop()
     effects = []
     result: Any = None
     while not any(isinstance(e, fx.StopEverything) for e in effects):
@@ -130,7 +102,7 @@ def test_during_a_full_restart_no_worker_is_started_until_start_all() -> None:
     assert core.recovery.restarting_everything
     stopped = next(e for e in effects if isinstance(e, fx.StopEverything)).stops
     core.worker_exited(stopped[0].wid, 0, None)  # its exit does not restart it: start-all will
-    assert not shell.plans
+    assert not shell.pending
     rest = step_through(shell, plan)
     assert not core.recovery.restarting_everything
     assert {e.slot for e in rest if isinstance(e, fx.StartWorker)} == set(core.model.slots)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -25,51 +24,32 @@ from rlctl.core.orchestrate import Orchestrator
 from rlctl.sim import observe
 from rlctl.sim.calibrate import read_events
 from rlctl.specfile import load_job_file
+from tests.core.shells import RecordingShell
 from tests.core.test_rounds import make_scheduler
 from tests.sim.conftest import DATA, paused_simulation
 
 PAUSE_S = 1500.0
 
 
-@dataclass
-class StubController:
+class StubController(RecordingShell):
     """The live controller's deciding parts (its orchestration core and its detection) around a shell
     that journals into a list and keeps the recovery plans it is asked to run, without running them."""
 
-    model: JobModel
-    spec: Any
-    detector: det.Detector
-    now: float
-    recorded: list[Event] = field(default_factory=list)
-    connected_nodes: bool = True
-
-    def __post_init__(self) -> None:
-        self.orc = Orchestrator(self.spec, self.model, self.model.scheduler or make_scheduler(tail=False), self.detector, self)
+    def __init__(self, model: JobModel, spec: Any, detector: det.Detector, now: float) -> None:
+        super().__init__(model, now)
+        self.detector = detector
+        self.orc = Orchestrator(spec, model, model.scheduler or make_scheduler(tail=False), detector, self)
         self.last_request_at: dict[str, float] = {}
-        self.detection = Detection(self.orc, lambda name: self.connected_nodes, None, {},  # type: ignore[arg-type]
+        self.detection = Detection(self.orc, self.connected, None, {},  # type: ignore[arg-type]
                                    self.last_request_at, Resumed(False, at=0.0), lambda coro: coro.close())
+
+    @property
+    def recorded(self) -> list[Event]:
+        return self.journal
 
     @property
     def plans(self) -> list[list[policy.Step]]:
         return [steps for _, steps in self.orc.tally.plans]
-
-    def clock(self) -> float:
-        return self.now
-
-    def commit(self, events: list[Event]) -> list[Event]:
-        for ev in events:
-            self.model.apply(ev)
-        self.recorded.extend(events)
-        return events
-
-    def commit_decided(self, events: list[Event]) -> list[Event]:
-        return self.commit(events)
-
-    def connected(self, node: str) -> bool:
-        return self.connected_nodes
-
-    def run_plan(self, plan: Any) -> None:
-        plan.close()
 
 
 def replayed_model(events: list[Event]) -> JobModel:
