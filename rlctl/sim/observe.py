@@ -37,7 +37,7 @@ def node_verdict(
     detector: det.Detector, model: JobModel, node: str, last_beat: float, probe: bool | None, probe_detail: str,
     now: float, lag_s: float = 0.0,
 ) -> det.Verdict | None:
-    """recovery.Recovery.detect's node branch: NodeObs from the model plus the probe, then the detector."""
+    """The controller's node judgement (``controller.detection.Detection``): NodeObs from the model plus the probe, then the detector."""
     record = model.nodes[node]
     obs = det.NodeObs(
         name=node,
@@ -53,7 +53,7 @@ def node_verdict(
 
 def worker_obs(slot: SlotRecord, phase: str, progress: float, progress_age_s: float,
                request_age_s: float | None = None) -> det.WorkerObs:
-    """recovery.Recovery.detect's worker branch (``request_age_s``: since the worker's last call)."""
+    """The controller's worker judgement (``controller.detection.Detection``; ``request_age_s``: since the worker's last call)."""
     return det.WorkerObs(slot.slot, slot.wid or "", slot.role, slot.node or "", phase, progress, max(0.0, progress_age_s),
                          request_age_s=None if request_age_s is None else max(0.0, request_age_s))
 
