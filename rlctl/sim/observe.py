@@ -1,9 +1,9 @@
 """The controller's judgement glue, shared by the simulator and checked against the live controller.
 
-Each function turns what the controller would observe (a heartbeat silence, a probe result, an
-agent fault signal, a worker exit, frozen progress) into a core ``Verdict`` exactly the way
-``rlctl/controller/server.py`` and ``recovery.py`` do, by calling the same core functions. Nothing
-here decides anything itself. Pure.
+Each function turns what the controller would observe (a heartbeat silence, a probe result, frozen
+progress) into the core detector's input and verdict exactly the way ``rlctl/controller/detection.py``
+does. Agent signals and worker exits need no glue: they go to the orchestration core as they do
+live. Nothing here decides anything itself. Pure.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def node_verdict(
     detector: det.Detector, model: JobModel, node: str, last_beat: float, probe: bool | None, probe_detail: str,
     now: float, lag_s: float = 0.0,
 ) -> det.Verdict | None:
-    """The controller's node judgement (``controller.detection.Detection``): NodeObs from the model plus the probe, then the detector."""
+    """The controller's node judgement (``Detection``): NodeObs from the model plus the probe, then the detector."""
     record = model.nodes[node]
     obs = det.NodeObs(
         name=node,
@@ -53,7 +53,7 @@ def node_verdict(
 
 def worker_obs(slot: SlotRecord, phase: str, progress: float, progress_age_s: float,
                request_age_s: float | None = None) -> det.WorkerObs:
-    """The controller's worker judgement (``controller.detection.Detection``; ``request_age_s``: since the worker's last call)."""
+    """The controller's worker judgement (``request_age_s``: since the worker's last call)."""
     return det.WorkerObs(slot.slot, slot.wid or "", slot.role, slot.node or "", phase, progress, max(0.0, progress_age_s),
                          request_age_s=None if request_age_s is None else max(0.0, request_age_s))
 
