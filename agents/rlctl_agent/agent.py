@@ -53,6 +53,9 @@ class Agent:
         self.faults = FaultInjector(self.supervisor, self.gpu, self.relay)
         self._heartbeat_seq = 0
         self._exit_status: asyncio.Future[int] | None = None
+        # Set once an injected fault takes the whole agent down: from then on it says nothing more,
+        # as a machine that lost power would not (only the inject's ack is still flushed).
+        self._going_down = False
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -111,6 +114,8 @@ class Agent:
     async def _heartbeat_loop(self) -> None:
         while True:
             await self.link.connected.wait()
+            if self._going_down:
+                return
             self._heartbeat_seq += 1
             now = time.monotonic()
             self.link.send_live(
@@ -136,12 +141,16 @@ class Agent:
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     def _report_exit(self, exit_: WorkerExit) -> None:
+        if self._going_down:
+            return
         log.info("worker %s exited: code %s signal %s (%s)", exit_.wid, exit_.exit_code, exit_.signal, exit_.reason)
         self.relay.forget(exit_.wid)
         self.supervisor.forget_exited()
         self.link.send_event("worker_exited", **exit_.message_fields())
 
     def _send_signals(self, signals: list[Signal]) -> None:
+        if self._going_down:
+            return
         for fault in signals:
             log.warning("fault signal %s: %s", fault["kind"], fault["message"][:300])
             self.link.send_event("fault_signal", **fault)
@@ -236,6 +245,7 @@ class Agent:
         if not isinstance(params, dict):
             raise FaultError("params must be an object")
         outcome = await self.faults.inject(str(message["kind"]), params)
+        self._going_down = outcome.agent_exit
         self._ack(message.get("cmd_id"))
         if outcome.agent_exit:
             await self.link.flush(1.0)
