@@ -106,7 +106,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         "steps": report["steps"],
         "seconds": report["seconds"],
         "faults_injected": sum(1 for f in report["faults"] if f["injected"]),
-        "faults_unrecovered": sum(1 for f in report["faults"] if f["recovered_s"] is None),
+        "faults_unrecovered": sum(1 for f in report["faults"] if f["recovered_s"] is None and not f.get("refused")),
         "trajectories_lost": report["trajectories_lost"],
         "detection_s": {k: percentiles(v) for k, v in sorted(detection.items())},
         "recovery_s": {k: percentiles(v) for k, v in sorted(recovery.items())},

@@ -9,6 +9,11 @@ thread. Loops:
 
 Exit: ``shutdown`` stops the workers and exits 0; SIGTERM/SIGINT make the agent exit and leave
 the workers running for the next agent to re-adopt; ``agent-kill``/``node-down`` kill it outright.
+An agent that has not reached any controller for ``orphan_timeout_s`` stops its workers and exits
+(``EXIT_ORPHANED``): a job whose controller died does not hold its GPUs forever.
+
+The highest controller epoch it has been welcomed with is kept in ``controller-epoch`` in the
+work directory, so a restarted agent still refuses a controller that was superseded.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ STATE_SAVE_INTERVAL_S = 1.0
 GPU_EVENT_WAIT_MS = 500
 SHUTDOWN_GRACE_S = 5.0
 EXIT_LOOP_CRASHED = 70
+EXIT_ORPHANED = 75
+ORPHAN_CHECK_S = 1.0
+EPOCH_FILE = "controller-epoch"
 
 
 class Agent:
@@ -49,7 +57,7 @@ class Agent:
         self.supervisor = Supervisor(config, gpu_count=len(self.gpu.facts()["gpus"]))
         self.relay = WorkerRelay(config.socket_path, self)
         self.link = ControllerLink(config, self.incarnation, self._hello_facts, self._on_command,
-                                   on_welcome=self._on_controller_welcome)
+                                   on_welcome=self._on_controller_welcome, highest_epoch=self._saved_epoch())
         self.faults = FaultInjector(self.supervisor, self.gpu, self.relay)
         self._heartbeat_seq = 0
         self._exit_status: asyncio.Future[int] | None = None
@@ -69,7 +77,8 @@ class Agent:
         for exit_ in self.supervisor.adopt_from_state():
             self._report_exit(exit_)
         await self.relay.start()
-        loops = [self.link.run(), self._heartbeat_loop(), self._watch_loop(), self._gpu_event_loop()]
+        loops = [self.link.run(), self._heartbeat_loop(), self._watch_loop(), self._gpu_event_loop(),
+                 self._orphan_loop()]
         tasks = [asyncio.create_task(coroutine) for coroutine in loops]
         for task in tasks:
             task.add_done_callback(self._on_loop_end)
@@ -164,7 +173,40 @@ class Agent:
     def _on_controller_welcome(self, epoch: Any) -> None:
         """Tell the workers a controller (maybe a restarted one) is reachable again: a request
         written while the old one was dying may be lost, and they re-send what is unanswered."""
+        self._save_epoch(self.link.highest_epoch)
         self.relay.broadcast({"type": "controller", "epoch": epoch})
+
+    def _saved_epoch(self) -> int:
+        try:
+            return max(0, int((self.config.workdir / EPOCH_FILE).read_text().strip()))
+        except (OSError, ValueError):
+            return 0
+
+    def _save_epoch(self, epoch: int) -> None:
+        path = self.config.workdir / EPOCH_FILE
+        try:
+            if self._saved_epoch() < epoch:
+                partial = path.with_suffix(".tmp")
+                partial.write_text(str(epoch))
+                os.replace(partial, path)
+        except OSError as exc:
+            log.warning("could not persist controller epoch %d: %s", epoch, exc)
+
+    async def _orphan_loop(self) -> None:
+        """Stop the workers and exit once no controller has been reachable for ``orphan_timeout_s``."""
+        limit = self.config.orphan_timeout_s
+        while True:
+            await asyncio.sleep(ORPHAN_CHECK_S)
+            if self.link.connected.is_set():
+                continue
+            lost_for = time.monotonic() - self.link.last_connected
+            if lost_for >= limit:
+                log.error("no controller reachable for %.0f s (orphan_timeout_s %.0f): stopping %d worker(s) and exiting",
+                          lost_for, limit, len(self.supervisor.live()))
+                await asyncio.gather(*(self._terminate(r, SHUTDOWN_GRACE_S) for r in self.supervisor.live()))
+                self.supervisor.save_state()
+                self._finish(EXIT_ORPHANED)
+                return
 
     def is_known_worker(self, wid: str) -> bool:
         record = self.supervisor.workers.get(wid)
@@ -188,6 +230,10 @@ class Agent:
 
     async def _on_command(self, message: dict[str, Any]) -> None:
         cmd_id = message.get("cmd_id")
+        if self.link.fenced(message):
+            self._ack(cmd_id, f"fenced: command from controller epoch {message.get('epoch')}, "
+                              f"superseded by epoch {self.link.highest_epoch}")
+            return
         handlers = {
             "start_worker": self._start_worker, "stop_worker": self._stop_worker,
             "signal_worker": self._signal_worker, "inject": self._inject, "to_worker": self._to_worker,

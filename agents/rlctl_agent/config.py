@@ -37,6 +37,7 @@ class AgentConfig:
     heartbeat_interval_s: float = 1.0
     secret: bytes = field(default=b"", repr=False)
     tls_cert_pem: str = ""  # the controller's certificate, pinned; empty: plain TCP
+    orphan_timeout_s: float = 1800.0  # no controller reachable this long: stop the workers, exit
 
     @property
     def logs_dir(self) -> Path:
@@ -118,12 +119,15 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> AgentConfig:
         port = int(raw["controller_port"])
         sim_gpus = int(raw.get("sim_gpus", 0))
         interval = float(raw.get("heartbeat_interval_s", 1.0))
+        orphan_timeout = float(raw.get("orphan_timeout_s", 1800.0))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"agent config {source}: {exc}") from None
     if not 0 < port < 65536:
         raise ConfigError(f"agent config {source}: controller_port {port} is out of range")
     if sim_gpus < 0 or interval <= 0:
         raise ConfigError(f"agent config {source}: sim_gpus must be >= 0 and heartbeat_interval_s > 0")
+    if not orphan_timeout > 0:
+        raise ConfigError(f"agent config {source}: orphan_timeout_s must be > 0")
     tls_cert_pem = str(raw.get("tls_cert_pem", ""))
     if tls_cert_pem:
         try:
@@ -141,4 +145,5 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> AgentConfig:
         heartbeat_interval_s=interval,
         secret=secret,
         tls_cert_pem=tls_cert_pem,
+        orphan_timeout_s=orphan_timeout,
     )

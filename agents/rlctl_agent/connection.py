@@ -10,6 +10,13 @@ jitter (0.1 s doubling up to 5 s). Two kinds of outgoing traffic:
 
 A malformed message from the controller closes the connection; the agent re-authenticates.
 
+Fencing: every controller start takes a higher epoch. The link remembers the highest epoch it has
+been welcomed with (``highest_epoch``, persisted by the agent across its own restarts), sends it in
+its hello, and refuses a welcome from a lower epoch: a controller that was paused or cut off while
+a successor took over can no longer command this agent. A controller that says nothing (no
+command, no ``ping``) for ``PING_SILENCE_FACTOR`` ping intervals is treated as gone: the link
+reconnects, which finds the live controller even when the silent one still holds its socket open.
+
 With ``tls_cert_pem`` in its config the link is TLS: the agent trusts that one certificate (the
 job's, made by its controller) and checks the peer presents exactly it, so a machine that is not
 this job's controller cannot read or answer the agent even on a shared network.
@@ -23,6 +30,7 @@ import logging
 import random
 import socket
 import ssl
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -37,6 +45,8 @@ TLS_HANDSHAKE_TIMEOUT_S = 10.0
 HANDSHAKE_TIMEOUT_S = 10.0
 OUTBOX_LIMIT = 10_000
 COMMAND_TYPES = frozenset({"start_worker", "stop_worker", "signal_worker", "inject", "to_worker", "shutdown"})
+PING_SILENCE_FACTOR = 5.0
+MIN_SILENCE_S = 10.0
 
 HelloBuilder = Callable[[], dict[str, Any]]
 CommandHandler = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]
@@ -69,7 +79,8 @@ class ControllerLink:
     """Keeps the agent connected and authenticated; queues events across disconnections."""
 
     def __init__(self, config: AgentConfig, incarnation: int, hello_facts: HelloBuilder,
-                 on_command: CommandHandler, on_welcome: Callable[[Any], None] | None = None) -> None:
+                 on_command: CommandHandler, on_welcome: Callable[[Any], None] | None = None,
+                 highest_epoch: int = 0) -> None:
         self._config = config
         self._tls = pinned_tls_context(config.tls_cert_pem) if config.tls_cert_pem else None
         self._pinned_der = ssl.PEM_cert_to_DER_cert(config.tls_cert_pem) if config.tls_cert_pem else b""
@@ -83,6 +94,9 @@ class ControllerLink:
         self._tasks: set[asyncio.Task[None]] = set()
         self.heartbeat_interval_s = config.heartbeat_interval_s
         self.controller_epoch: Any = None
+        self.highest_epoch = highest_epoch
+        self.silence_s: float | None = None  # set from the welcome's ping interval
+        self.last_connected = time.monotonic()  # when a controller was last reachable (connected or welcomed)
         self.connected = asyncio.Event()
 
     # ---- outgoing ------------------------------------------------------------------------
@@ -176,37 +190,58 @@ class ControllerLink:
         config = self._config
         writer.write(protocol.encode(
             "hello", job_id=config.job_id, node=config.node, incarnation=self._incarnation,
-            auth=protocol.auth_digest(config.secret, nonce, config.node), facts=self._hello_facts()))
+            auth=protocol.auth_digest(config.secret, nonce, config.node), epoch=self.highest_epoch,
+            facts=self._hello_facts()))
         answer = await self._read(reader, HANDSHAKE_TIMEOUT_S)
         if answer["type"] == "reject":
             raise Rejected(str(answer.get("reason", "no reason given")))
         if answer["type"] != "welcome":
             raise protocol.ProtocolError(f"expected welcome or reject, got {answer['type']!r}")
+        epoch = answer.get("controller_epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < self.highest_epoch:
+            raise Rejected(f"fenced: controller epoch {epoch!r} is older than epoch {self.highest_epoch} seen before")
         interval = answer.get("heartbeat_interval_s")
         if isinstance(interval, (int, float)) and interval > 0:
             self.heartbeat_interval_s = float(interval)
-        self.controller_epoch = answer.get("controller_epoch")
+        ping = answer.get("ping_interval_s")
+        self.silence_s = max(MIN_SILENCE_S, PING_SILENCE_FACTOR * float(ping)) \
+            if isinstance(ping, (int, float)) and ping > 0 else None
+        self.controller_epoch = epoch
+        self.highest_epoch = epoch
         self._attach(writer)
         if self._on_welcome is not None:
             self._on_welcome(self.controller_epoch)
         log.info("connected to controller %s:%d (epoch %s); %d queued events delivered",
                  config.controller_host, config.controller_port, self.controller_epoch, len(self._outbox))
 
+    def fenced(self, message: dict[str, Any]) -> bool:
+        """A command stamped with an epoch older than the newest controller this agent has seen."""
+        epoch = message.get("epoch")
+        return isinstance(epoch, int) and epoch < self.highest_epoch
+
     def _attach(self, writer: asyncio.StreamWriter) -> None:
         while self._outbox:
             writer.write(self._outbox.popleft())
+        self.last_connected = time.monotonic()
         self._writer = writer
         self.connected.set()
 
     def _disconnect(self, writer: asyncio.StreamWriter) -> None:
         if self._writer is writer:
+            self.last_connected = time.monotonic()
             self._writer = None
             self.connected.clear()
         writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            message = await self._read(reader, None)
+            try:
+                message = await self._read(reader, self.silence_s)
+            except TimeoutError:
+                raise TimeoutError(f"controller silent for {self.silence_s:g} s (paused or cut off)") from None
+            self.last_connected = time.monotonic()
+            if message["type"] == "ping":
+                continue
             if message["type"] not in COMMAND_TYPES:
                 raise protocol.ProtocolError(f"unexpected {message['type']!r} after the handshake")
             task = asyncio.create_task(self._on_command(message))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ log = logging.getLogger("rlctl_agent.faults")
 
 SLOW_PERIOD_S = 0.2
 SLOW_DEFAULT_DURATION_S = 30.0
+MAX_XID = 255
 
 
 class FaultError(Exception):
@@ -146,6 +148,8 @@ class FaultInjector:
     def _xid(self, params: dict[str, Any]) -> InjectOutcome:
         sim = self._sim("xid")
         code, gpu = _required_int(params, "code"), _int(params, "gpu", 0)
+        if not 1 <= code <= MAX_XID:
+            raise FaultError(f"code must be an XID in [1, {MAX_XID}], got {code}")
         self._call_sim(lambda: sim.raise_xid(gpu, code))
         return InjectOutcome(f"XID {code} on GPU {gpu}")
 
@@ -182,6 +186,12 @@ class FaultInjector:
         task = asyncio.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("a fault's background task failed", exc_info=exc)
 
 
 def _int(params: dict[str, Any], key: str, default: int) -> int:
@@ -204,6 +214,6 @@ def _optional_positive(params: dict[str, Any], key: str) -> float | None:
         value = float(params[key])
     except (TypeError, ValueError):
         raise FaultError(f"{key} must be a number") from None
-    if value <= 0:
-        raise FaultError(f"{key} must be positive")
+    if not math.isfinite(value) or value <= 0:
+        raise FaultError(f"{key} must be a positive finite number, got {params[key]!r}")
     return value

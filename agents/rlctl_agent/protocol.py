@@ -21,7 +21,8 @@ AGENT_TO_CONTROLLER = frozenset(
     {"hello", "heartbeat", "worker_started", "worker_exited", "worker_phase", "fault_signal", "worker_msg", "ack"}
 )
 CONTROLLER_TO_AGENT = frozenset(
-    {"challenge", "welcome", "reject", "start_worker", "stop_worker", "signal_worker", "inject", "to_worker", "shutdown"}
+    {"challenge", "welcome", "reject", "ping", "start_worker", "stop_worker", "signal_worker", "inject", "to_worker",
+     "shutdown"}
 )
 
 
@@ -64,6 +65,16 @@ def new_nonce() -> str:
 def auth_digest(secret: bytes, nonce: str, node: str) -> str:
     """The agent's answer to a challenge: HMAC-SHA256 over nonce and node name."""
     return hmac.new(secret, (nonce + node).encode(), hashlib.sha256).hexdigest()
+
+
+WEIGHTS_TOKEN_ENV = "RLCTL_WEIGHTS_TOKEN"
+_WEIGHTS_PURPOSE = b"rlctl weights pull v1"
+
+
+def weights_token(secret: bytes) -> str:
+    """The job's weights token (hex) that the agent hands its workers: an HMAC of a fixed purpose
+    under the job secret, so it proves membership of the job without being the agents' secret."""
+    return hmac.new(secret, _WEIGHTS_PURPOSE, hashlib.sha256).hexdigest()
 
 
 def verify_auth(secret: bytes, nonce: str, node: str, answer: object) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import protocol
 from .config import AgentConfig
 from .nccl import WorkerLogWatcher
 
@@ -189,6 +190,8 @@ class Supervisor:
             "RLCTL_AGENT_SOCK": str(config.socket_path), "RLCTL_WORKER_ID": wid, "RLCTL_SLOT": str(slot),
             "RLCTL_ROLE": role, "RLCTL_NODE": config.node, "RLCTL_JOB_ID": config.job_id,
             "RLCTL_WORKDIR": str(config.workdir),
+            # Proves to the job's weight holders that this worker belongs to the job.
+            protocol.WEIGHTS_TOKEN_ENV: protocol.weights_token(config.secret),
         })
         return env
 

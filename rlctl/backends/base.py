@@ -40,6 +40,7 @@ class AgentLaunch:
     agent_zipapp: Path
     agent_zipapp_sha256: str
     tls_cert_pem: str = ""  # the job's certificate the agent pins; empty: a plain TCP link
+    orphan_timeout_s: float = 1800.0  # the agent gives up on an unreachable controller after this long
 
     def agent_config(self, node: str, workdir: str) -> dict[str, Any]:
         """The agent's JSON config for ``node`` (holds the secret: write it 0600 only)."""
@@ -52,6 +53,7 @@ class AgentLaunch:
             "workdir": workdir,
             "gpu_provider": self.gpu_provider,
             "sim_gpus": self.sim_gpus,
+            "orphan_timeout_s": self.orphan_timeout_s,
         }
         if self.tls_cert_pem:
             config["tls_cert_pem"] = self.tls_cert_pem

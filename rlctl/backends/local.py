@@ -66,7 +66,8 @@ class LocalBackend:
     async def allocate(self, request: AllocationRequest) -> list[NodeInfo]:
         total = sum(request.nodes_by_role.values()) + request.spares
         if self.capacity and total > self.capacity:
-            raise BackendError(f"local backend: {total} nodes requested, capacity is {self.capacity}")
+            raise BackendError(f"{total} nodes requested (roles and spares), capacity is {self.capacity}: "
+                               "raise [cluster.local] nodes or ask for fewer nodes")
         return [self._new_node(request.exclude) for _ in range(total)]
 
     async def adopt(self, nodes: list[NodeInfo]) -> None:

@@ -341,10 +341,12 @@ class SshBackend:
                 conn = await asyncssh.connect(**self._connect_kwargs(host, self.connect_timeout_s))
             except asyncssh.HostKeyNotVerifiable as exc:
                 raise BackendError(f"{host.name} ({host.address}): host key not verified against "
-                                   f"{self.known_hosts}: {exc}") from exc
+                                   f"{self.known_hosts}: {exc} (add the host's key to the file that "
+                                   f"[cluster.ssh] known_hosts names)") from exc
             except (TimeoutError, OSError, asyncssh.Error) as exc:
                 raise BackendError(f"{host.name} ({host.address}:{host.port}): ssh connect failed: "
-                                   f"{_describe(exc)}") from exc
+                                   f"{_describe(exc)} (check the host in [cluster.ssh] hosts, its sshd, "
+                                   f"and [cluster.ssh] user/key_file)") from exc
             self._conns[host.name] = conn
             return conn
 

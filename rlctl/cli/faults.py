@@ -12,7 +12,8 @@ import time
 import typer
 
 from rlctl.cli.common import client_for, console, fail, job_status, print_json, resolve_job
-from rlctl.controller.api import FAULT_KINDS, ApiError
+from rlctl.controller.api import ApiClient, ApiError
+from rlctl.core.faultparams import FAULT_KINDS, FaultParamError, validate_fault
 
 DEFAULT_CHAOS_KINDS = "crash,hang,node-down,xid,nccl-timeout"
 
@@ -29,20 +30,22 @@ def inject_fault(
     json_out: bool = typer.Option(False, "--json"),
     state_dir: str = typer.Option(None, "--state-dir"),
 ) -> None:
-    """Inject a fault into NODE of a running job."""
-    if kind not in FAULT_KINDS:
-        fail(f"unknown fault kind {kind!r}; valid kinds: {', '.join(FAULT_KINDS)}", code=2)
-    if kind == "xid" and code is None:
-        fail("--kind xid needs --code (e.g. --code 79)", code=2)
+    """Inject a fault into NODE of a running job. Answers once the node's agent (or the backend)
+    has carried the fault out or refused it; a refusal exits non-zero with the reason."""
     params: dict[str, object] = {"after": after}
     for key, value in (("code", code), ("duration", duration), ("factor", factor)):
         if value is not None:
             params[key] = value
     if kind == "ecc":
         params["kind"] = ecc
+    try:
+        validate_fault(kind, params)
+    except FaultParamError as exc:
+        fail(str(exc), code=2)
     jobdir = resolve_job(job, state_dir)
     try:
-        result = client_for(jobdir).call("inject", node=node, kind=kind, params=params)
+        # The controller waits --after seconds, then the agent's answer (up to 10 s).
+        result = ApiClient(jobdir.api_socket, timeout_s=after + 20.0).call("inject", node=node, kind=kind, params=params)
     except ApiError as exc:
         fail(str(exc))
     if json_out:

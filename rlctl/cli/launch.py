@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from rlctl.cli.common import STATE_DIR_OPTION, client_for, console, err_console, fail, print_json, resolve_job
+from rlctl.cli.common import STATE_DIR_OPTION, console, err_console, fail, print_json, resolve_job
 from rlctl.controller.api import ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir, new_job_id, state_root
 from rlctl.core.spec import JobSpec, SpecError
@@ -143,8 +143,7 @@ def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes]) -> None:
     client = ApiClient(jobdir.api_socket, timeout_s=2.0)
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            tail = _tail(jobdir.path / "controller.out") + _tail(jobdir.log_file)
-            fail(f"the controller exited with code {process.returncode} before it was ready:\n{tail}")
+            fail(_why_it_ended(jobdir, process.returncode))
         if client.available():
             try:
                 client.call("status")
@@ -153,6 +152,23 @@ def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes]) -> None:
                 pass
         time.sleep(0.1)
     fail(f"the controller did not answer within {CONTROLLER_READY_TIMEOUT_S:.0f}s; see {jobdir.log_file}")
+
+
+def _why_it_ended(jobdir: JobDir, code: int | None) -> str:
+    """One message for a controller that exited before it was ready: the reason it journaled (a
+    backend's refusal names the key to change), else the last line it printed. The traceback, if
+    any, stays in controller.log."""
+    reason = ""
+    if jobdir.journal.exists():
+        from rlctl.controller.replay import replay_model
+
+        life = replay_model(jobdir).life
+        if life.state.terminal and life.history:
+            reason = life.history[-1].reason
+    if not reason:
+        printed = [line for line in _tail(jobdir.path / "controller.out").splitlines() if line.strip()]
+        reason = printed[-1] if printed else f"the controller exited with code {code}"
+    return f"{jobdir.job_id} did not start: {reason}\n  details: {jobdir.log_file}"
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -177,21 +193,34 @@ def _run_foreground(jobdir: JobDir, spec: JobSpec) -> None:
 
 def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json_out: bool = typer.Option(False, "--json"),
            state_dir: str = STATE_DIR_OPTION) -> None:
-    """Start a job's controller again after it died; it rebuilds its state from the journal."""
+    """Start a job's controller again after it died; it rebuilds its state from the journal. A job
+    that has ended is not resumed (nothing is written to it)."""
+    from rlctl.controller.replay import replay_model
     from rlctl.specfile import load_job_dir_spec
 
     jobdir = resolve_job(job, state_dir)
+    if not jobdir.journal.exists():
+        fail(f"{jobdir.job_id} has no journal ({jobdir.journal}); it never started, so there is nothing to resume")
+    model = replay_model(jobdir)
+    if model.life.state.terminal:
+        ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(model.life.since))
+        reason = model.life.history[-1].reason if model.life.history else ""
+        if json_out:
+            print_json({"job_id": jobdir.job_id, "resumed": False, "state": model.life.state.value,
+                        "step": model.step, "ended_at": model.life.since, "reason": reason})
+        fail(f"{jobdir.job_id} has ended ({model.life.state.value} at step {model.step}/{model.total_steps}, "
+             f"{ended}: {reason}); there is nothing to resume. Launch it again to train anew.")
     ensure_model(load_job_dir_spec(jobdir))
-    client = client_for(jobdir)
+    client = ApiClient(jobdir.api_socket, timeout_s=3.0)
     if client.available():
         try:
             client.call("status")
             fail(f"{jobdir.job_id} already has a running controller")
         except ApiError:
-            pass
+            pass  # a dead controller, or one that does not answer (paused, hung): the new one fences it
     process = _spawn_controller(jobdir, resume=True)
     _wait_ready(jobdir, process)
     if json_out:
-        print_json({"job_id": jobdir.job_id, "controller_pid": process.pid})
+        print_json({"job_id": jobdir.job_id, "resumed": True, "controller_pid": process.pid})
     else:
         console.print(f"resumed {jobdir.job_id} (controller pid {process.pid})")

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from rlctl.cli.common import console, fail, print_json
+from rlctl.core.ettr import CATEGORIES
 
 
 def sim(
@@ -106,7 +107,7 @@ def _render(result: dict[str, Any]) -> None:
     ]
     for label, cell in rows:
         table.add_row(label, *(cell(r) for r in runs.values()))
-    for category in ("productive", "init", "detection", "recovery", "lost"):
+    for category in CATEGORIES:
         table.add_row(f"  {category}", *(f"{r['ledger_fraction'][category]:.1%}" for r in runs.values()))
     table.add_row("sim time", *(f"{r['sim_wall_clock_s']:.2f} s" for r in runs.values()))
     console.print(table)

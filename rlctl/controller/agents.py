@@ -3,6 +3,17 @@
 One TCP listener per job. Each connection must answer the challenge with the job secret
 (HMAC, constant-time compare) before anything else is read; malformed or oversized messages
 close the connection and the agent must authenticate again.
+
+What a stranger can make it hold is bounded before authentication: the hello is read with a
+small limit (``HELLO_MAX_BYTES``, the full message bound applies only once authenticated), the
+whole handshake has a deadline, and unauthenticated connections are capped globally and per
+source address (extra ones are closed at once). Every refusal is reported to the controller,
+which journals it as a security event, rate-limited per source.
+
+Fencing: the controller's epoch goes out in the welcome and in every command; an agent that has
+seen a newer controller says so in its hello (``epoch``), and this hub then knows its controller
+has been superseded (``on_fenced``). A ``ping`` to every agent every ``PING_INTERVAL_S`` lets an
+agent tell a live controller from one that is paused or cut off and reconnect.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +36,44 @@ log = logging.getLogger("rlctl.controller.agents")
 MessageHandler = Callable[[str, dict[str, Any]], Awaitable[None]]
 HelloHandler = Callable[[str, dict[str, Any]], Coroutine[Any, Any, None]]
 GoneHandler = Callable[[str, str], Awaitable[None]]
+# (source address, node claimed or "", reason, refusals from that source since its last report)
+RefusalHandler = Callable[[str, str, str, int], None]
 
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 5.0
+HELLO_MAX_BYTES = 16 * 1024
+MAX_UNAUTHENTICATED = 512
+MAX_UNAUTHENTICATED_PER_SOURCE = 128
+REFUSAL_REPORT_EVERY_S = 10.0
+MAX_TRACKED_SOURCES = 4096
 ACCEPT_BACKLOG = 4096
+PING_INTERVAL_S = 3.0
+PING = protocol.encode("ping")
+
+
+class RefusalReporter:
+    """Reports refused connections at most once per source per ``every_s`` (with the count since the
+    last report), so a flood is journaled as a handful of events, not one per attempt."""
+
+    def __init__(self, report: RefusalHandler, every_s: float = REFUSAL_REPORT_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._report = report
+        self._every_s = every_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._pending: dict[str, int] = {}
+
+    def refused(self, source: str, node: str, reason: str) -> None:
+        now = self._clock()
+        self._pending[source] = self._pending.get(source, 0) + 1
+        if now - self._last.get(source, -self._every_s) < self._every_s:
+            return
+        if len(self._last) >= MAX_TRACKED_SOURCES:
+            cutoff = now - self._every_s
+            for stale in [src for src, at in self._last.items() if at < cutoff]:
+                del self._last[stale]
+                self._pending.pop(stale, None)
+        self._last[source] = now
+        self._report(source, node, reason, self._pending.pop(source, 1))
 
 
 @dataclass
@@ -55,6 +102,8 @@ class AgentHub:
         on_message: MessageHandler,
         on_gone: GoneHandler,
         heartbeat_interval_s: float,
+        on_refused: RefusalHandler | None = None,
+        on_fenced: Callable[[int], None] | None = None,
     ) -> None:
         self._secret = secret
         self._known_node = known_node
@@ -66,24 +115,42 @@ class AgentHub:
         self._server: asyncio.base_events.Server | None = None
         self._cmd_ids = itertools.count(1)
         self._hello_tasks: set[asyncio.Task[None]] = set()
+        self._refusals = RefusalReporter(on_refused or (lambda *_: None))
+        self._on_fenced = on_fenced or (lambda _: None)
+        self._unauthenticated = 0
+        self._unauthenticated_from: dict[str, int] = {}
+        self._closing = False
         self.epoch = 0
 
-    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
-        """Bind (``port`` 0 picks one; a resumed controller passes its old port). Returns the port.
-        With ``tls``, agents must complete a TLS handshake before the challenge is sent."""
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None, accept: bool = True) -> int:
+        """Bind (``port`` 0 picks one; a resumed controller passes its old port) and, with ``accept``,
+        start accepting agents (else ``serve`` starts that later). Returns the port. With ``tls``, agents must complete a TLS
+        handshake before the challenge is sent. ``reuse_port``: a successor controller can bind the
+        port while a paused predecessor still holds it (it is then fenced)."""
         # A large accept backlog: thousands of agents reconnect at once after a controller restart.
         self._server = await asyncio.start_server(
-            self._serve, host, port, limit=protocol.MAX_MESSAGE_BYTES + 1, reuse_address=True, backlog=ACCEPT_BACKLOG,
+            self._serve, host, port, limit=HELLO_MAX_BYTES, reuse_address=True, reuse_port=True, backlog=ACCEPT_BACKLOG,
             ssl=tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if tls is not None else None,
+            start_serving=accept,
         )
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def close(self) -> None:
+    async def serve(self) -> None:
+        """Start accepting agents (after ``start``)."""
+        if self._server is not None:
+            await self._server.start_serving()
+
+    def silence(self) -> None:
+        """Stop listening and drop every agent at once, reporting nobody gone (a fenced controller)."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
         for link in list(self._links.values()):
             link.writer.close()
         self._links.clear()
+
+    async def close(self) -> None:
+        self.silence()
 
     def connected(self, node: str) -> bool:
         return node in self._links
@@ -98,7 +165,7 @@ class AgentHub:
         if wait:
             link.pending[cmd_id] = future
         try:
-            await link.send(message_type, cmd_id=cmd_id, **fields)
+            await link.send(message_type, cmd_id=cmd_id, epoch=self.epoch, **fields)
         except (ConnectionError, RuntimeError) as exc:
             log.warning("sending %s to %s failed: %s", message_type, node, exc)
             link.pending.pop(cmd_id, None)
@@ -112,6 +179,12 @@ class AgentHub:
         finally:
             link.pending.pop(cmd_id, None)
 
+    def ping_all(self) -> None:
+        """Tell every connected agent this controller is alive (one shared line, no answer)."""
+        for link in self._links.values():
+            if not link.writer.is_closing():
+                link.writer.write(PING)
+
     async def relay(self, node: str, wid: str, payload: dict[str, Any]) -> bool:
         link = self._links.get(node)
         if link is None:
@@ -124,14 +197,35 @@ class AgentHub:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        if (self._unauthenticated >= MAX_UNAUTHENTICATED
+                or self._unauthenticated_from.get(source, 0) >= MAX_UNAUTHENTICATED_PER_SOURCE):
+            self._refusals.refused(source, "", "too many unauthenticated connections")
+            writer.close()
+            return
         node = ""
         link: AgentLink | None = None
+        self._unauthenticated += 1
+        self._unauthenticated_from[source] = self._unauthenticated_from.get(source, 0) + 1
         try:
-            accepted = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT_S)
+            try:
+                accepted = await asyncio.wait_for(self._handshake(reader, writer, source), HANDSHAKE_TIMEOUT_S)
+            except TimeoutError:
+                self._refusals.refused(source, "", f"no valid hello within {HANDSHAKE_TIMEOUT_S:g} s")
+                raise
+            except (protocol.ProtocolError, ValueError) as exc:
+                self._refusals.refused(source, "", f"bad hello: {str(exc)[:120]}")
+                raise
+            finally:
+                self._unauthenticated -= 1
+                left = self._unauthenticated_from.pop(source, 1) - 1
+                if left > 0:
+                    self._unauthenticated_from[source] = left
             if accepted is None:
                 return
             link, hello = accepted
             node = link.node
+            _allow_full_messages(reader)
             old = self._links.get(node)
             if old is not None:
                 old.writer.close()
@@ -139,6 +233,7 @@ class AgentHub:
             # Run the hello handler beside the read loop: it sends commands whose acks this loop reads.
             hello_task: asyncio.Task[None] = asyncio.get_running_loop().create_task(self._on_hello(node, hello))
             self._hello_tasks.add(hello_task)
+            hello_task.add_done_callback(_log_hello_failure)
             hello_task.add_done_callback(self._hello_tasks.discard)
             while True:
                 line = await reader.readline()
@@ -159,21 +254,47 @@ class AgentHub:
             writer.close()
             if link is not None and self._links.get(node) is link:
                 del self._links[node]
-                await self._on_gone(node, "connection closed")
+                if not self._closing:
+                    await self._on_gone(node, "connection closed")
 
     async def _handshake(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str,
     ) -> tuple[AgentLink, dict[str, Any]] | None:
         nonce = protocol.new_nonce()
         writer.write(protocol.encode("challenge", nonce=nonce))
         await writer.drain()
-        hello = protocol.decode(await reader.readline(), frozenset({"hello"}))
-        node = str(hello.get("node", ""))
+        line = await reader.readline()
+        if len(line) >= HELLO_MAX_BYTES or (line and not line.endswith(b"\n")):
+            raise protocol.ProtocolError(f"hello over {HELLO_MAX_BYTES} bytes")
+        hello = protocol.decode(line, frozenset({"hello"}))
+        node = str(hello.get("node", ""))[:256]
         if not self._known_node(node) or not protocol.verify_auth(self._secret, nonce, node, hello.get("auth")):
-            log.warning("rejected agent claiming node %r: unknown node or bad credentials", node)
+            log.warning("rejected agent claiming node %r from %s: unknown node or bad credentials", node, source)
+            self._refusals.refused(source, node, "authentication failed")
             writer.write(protocol.encode("reject", reason="authentication failed"))
             await writer.drain()
             return None
+        seen = hello.get("epoch")
+        if isinstance(seen, int) and not isinstance(seen, bool) and seen > self.epoch:
+            log.error("agent %s has seen controller epoch %d; this controller (epoch %d) is superseded",
+                      node, seen, self.epoch)
+            writer.write(protocol.encode("reject", reason=f"controller epoch {self.epoch} is superseded by {seen}"))
+            await writer.drain()
+            self._on_fenced(seen)
+            return None
         link = AgentLink(node=node, incarnation=int(hello.get("incarnation", 0)), writer=writer)
-        await link.send("welcome", heartbeat_interval_s=self._heartbeat_interval_s, controller_epoch=self.epoch)
+        await link.send("welcome", heartbeat_interval_s=self._heartbeat_interval_s, controller_epoch=self.epoch,
+                        ping_interval_s=PING_INTERVAL_S)
         return link, hello
+
+
+def _allow_full_messages(reader: asyncio.StreamReader) -> None:
+    """Raise the reader's line limit from the hello's to the protocol's, once authenticated.
+
+    asyncio has no public setter; ``_limit`` is what ``readline`` and flow control read (CPython 3.8+)."""
+    reader._limit = protocol.MAX_MESSAGE_BYTES + 1  # type: ignore[attr-defined]
+
+
+def _log_hello_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("handling an agent's hello failed", exc_info=exc)

@@ -21,9 +21,6 @@ from typing import Any
 log = logging.getLogger("rlctl.controller.api")
 
 MAX_REQUEST_BYTES = 1024 * 1024
-AGENT_FAULTS = frozenset({"crash", "hang", "agent-kill", "node-down", "xid", "ecc", "nccl-timeout", "slow"})
-BACKEND_FAULTS = frozenset({"partition", "node-down", "slow-link"})
-FAULT_KINDS = tuple(sorted(AGENT_FAULTS | BACKEND_FAULTS))
 
 
 class ApiError(RuntimeError):
@@ -68,29 +65,42 @@ class ApiServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             line = await asyncio.wait_for(reader.readline(), 10.0)
-            request = json.loads(line)
-            response = await self.dispatch(request)
-        except (TimeoutError, ValueError) as exc:
+            response = await self.dispatch(json.loads(line))
+        except (TimeoutError, ValueError, TypeError) as exc:
             response = {"ok": False, "error": f"bad request: {exc}"}
         writer.write(json.dumps(response).encode() + b"\n")
         try:
             await writer.drain()
+        except ConnectionError:
+            pass
         finally:
             writer.close()
 
-    async def dispatch(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def dispatch(self, request: Any) -> dict[str, Any]:
+        """Answer one request; a request of the wrong shape raises ValueError or TypeError."""
+        if not isinstance(request, dict):
+            raise TypeError(f"a request is a JSON object, got {type(request).__name__}")
         op = request.get("op")
         if op == "status":
             return {"ok": True, "status": self.handlers.status()}
         if op == "diagnostics":
-            return {"ok": True, "diagnostics": self.handlers.diagnostics(float(request.get("since_mono") or 0.0))}
+            return {"ok": True, "diagnostics": self.handlers.diagnostics(_number(request, "since_mono"))}
         if op == "stop":
             self.handlers.stop(str(request.get("reason") or "stopped by the operator"))
             return {"ok": True}
         if op == "inject":
-            return await self.handlers.inject(str(request.get("node")), str(request.get("kind")),
-                                              dict(request.get("params") or {}))
-        return {"ok": False, "error": f"unknown op {op!r}"}
+            params = request.get("params") or {}
+            if not isinstance(params, dict):
+                raise TypeError(f"params is a JSON object, got {type(params).__name__}")
+            return await self.handlers.inject(str(request.get("node")), str(request.get("kind")), params)
+        return {"ok": False, "error": f"unknown op {str(op)[:80]!r}"}
+
+
+def _number(request: dict[str, Any], key: str) -> float:
+    value = request.get(key) or 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{key} is a number, got {type(value).__name__}")
+    return float(value)
 
 
 class ApiClient:

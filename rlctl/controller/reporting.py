@@ -107,7 +107,7 @@ def plot_report(report: dict[str, Any], timeline: Timeline, out: str) -> None:
         ax_steps.step([t - start for t, _ in timeline.steps], [s for _, s in timeline.steps], where="post", label="step")
     for fault in report["faults"]:
         begin = fault["occurred_s"] or fault["detected_s"]
-        if begin is None:
+        if begin is None or fault.get("refused"):
             continue
         detected = fault["detected_s"] or begin
         ax_steps.axvspan(begin, detected, color="tab:red", alpha=0.3)

@@ -8,6 +8,11 @@ workers that kept running reconnect. One node's error never aborts a tick.
 The ``Controller`` wires parts that each get only what they use: the agent hub and its inbox, the
 data operations the workers call, live detection, the effect runner, fault injection and the API.
 It is itself the ``Shell`` of the orchestration core (clock, journal, agent links, background plans).
+
+Fencing: each start takes the next controller epoch and journals it (``ControllerStarted``) before
+any agent can be welcomed. A controller that finds the journal written by a successor, or meets
+an agent that has seen a newer epoch, is fenced: it stops talking to agents, releases nothing,
+ends nothing in the journal, and exits with ``EXIT_FENCED``.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.agent_bundle import build_agent_zipapp
-from rlctl.backends.base import AgentLaunch, Backend, NodeInfo
-from rlctl.controller.agents import AgentHub
+from rlctl.backends.base import AgentLaunch, Backend, BackendError, NodeInfo
+from rlctl.controller.agents import PING_INTERVAL_S, AgentHub
 from rlctl.controller.api import ApiHandlers, ApiServer
 from rlctl.controller.detection import Detection, Resumed
 from rlctl.controller.effects import EffectRunner
@@ -34,7 +39,7 @@ from rlctl.controller.injection import FaultInjection
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.ops import DataOps
 from rlctl.controller.seam import Workload
-from rlctl.controller.store import Journal
+from rlctl.controller.store import Journal, JournalFenced
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
 from rlctl.controller.workers import WorkerLauncher
 from rlctl.core import detector as det
@@ -57,6 +62,7 @@ HEARTBEAT_SUMMARY_S = 5.0
 # collection walks them all. Collecting them rarer (they die by reference count anyway) keeps the
 # collector off the heartbeat path; the defaults are (700, 10, 10).
 GC_THRESHOLDS = (50_000, 20, 20)
+EXIT_FENCED = 3
 
 
 class Controller:
@@ -84,13 +90,15 @@ class Controller:
         self.inbox = AgentInbox(self.orc, self.ops, self._relay, self.heartbeat_latency)
         self.hub = AgentHub(secret=jobdir.secret(), known_node=self.inbox.may_join, on_hello=self.inbox.on_hello,
                             on_message=self.inbox.on_message, on_gone=self.inbox.on_gone,
-                            heartbeat_interval_s=spec.fault_tolerance.heartbeat_interval_s)
+                            heartbeat_interval_s=spec.fault_tolerance.heartbeat_interval_s,
+                            on_refused=self._connection_refused,
+                            on_fenced=lambda epoch: self._fenced(f"an agent has seen controller epoch {epoch}"))
         self.launcher = WorkerLauncher(spec, self.model, workload, jobdir.checkpoints, jobdir.path / "nodes",
                                        backend.on_this_machine)
         self.effects = EffectRunner(self.model, backend, self.hub, self.launcher, self.node_infos, self.record, self.spawn)
         self.detection = Detection(self.orc, self.hub.connected, backend, self.node_infos, self.ops.last_request_at,
                                    Resumed(resume), self.spawn)
-        self.injection = FaultInjection(self.model, self.record, backend, self.node_infos, self.hub.command, self.spawn)
+        self.injection = FaultInjection(self.model, self.record, backend, self.node_infos, self.hub.command)
         self.api = ApiServer(jobdir.api_socket, ApiHandlers(status=self.snapshot, diagnostics=self.diagnostics,
                                                             stop=self.orc.request_stop, inject=self.injection.inject))
         self.agent_port = 0
@@ -99,6 +107,8 @@ class Controller:
         self._finishing = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heap_frozen = False
+        self._last_ping = 0.0
+        self.fenced_reason = ""  # set once a successor controller has taken over
 
     # ------------------------------------------------------------- the core's shell
 
@@ -107,7 +117,7 @@ class Controller:
 
     def commit(self, events: list[Event]) -> list[Event]:
         """Journal events (durably), then apply them to the model, scheduler included."""
-        stored = self.journal.append(events)
+        stored = self._append(events)
         for ev in stored:
             self.model.apply(ev)
         return stored
@@ -115,10 +125,19 @@ class Controller:
     def commit_decided(self, events: list[Event]) -> list[Event]:
         """Journal events the scheduler decided (and so already applied to itself), then apply
         them to the rest of the model."""
-        stored = self.journal.append(events)
+        stored = self._append(events)
         for ev in stored:
             self.model.apply(ev, decided=True)
         return stored
+
+    def _append(self, events: list[Event]) -> list[Event]:
+        if self.fenced_reason:
+            raise JournalFenced(self.fenced_reason)
+        try:
+            return self.journal.append(events)
+        except JournalFenced as exc:
+            self._fenced(str(exc))
+            raise
 
     def connected(self, node: str) -> bool:
         return self.hub.connected(node)
@@ -130,10 +149,32 @@ class Controller:
         return self.commit([event(type_, time.time(), **data)])
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background; its failure is logged, never left unobserved."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("background task %s failed", task.get_coro(), exc_info=exc)
+
+    def _fenced(self, reason: str) -> None:
+        """A successor controller has taken over: say nothing more to anyone, and exit."""
+        if self.fenced_reason:
+            return
+        self.fenced_reason = reason
+        log.error("fenced (epoch %d superseded): %s; exiting without touching the job", self.hub.epoch, reason)
+        self.hub.silence()
+        self._done.set()
+
+    def _connection_refused(self, source: str, node: str, reason: str, count: int) -> None:
+        """A refused agent connection: a security event in the journal (rate-limited by the hub)."""
+        if self.fenced_reason:
+            return
+        log.warning("refused %d connection(s) from %s (node %r): %s", count, source, node, reason)
+        self.record(EventKind.CONNECTION_REFUSED, source=source, node=node, reason=reason, count=count)
 
     async def _relay(self, node: str, wid: str, payload: dict[str, Any]) -> bool:
         return await self.hub.relay(node, wid, payload)
@@ -161,8 +202,12 @@ class Controller:
             await self._done.wait()
             ticker.cancel()
         except Exception as exc:  # the controller must record why it died before it goes
+            if self.fenced_reason:
+                return EXIT_FENCED
             log.exception("controller failed")
-            self.orc.end(JobState.FAILED, f"controller error: {exc}")
+            # A backend's refusal is the user's to fix: its own message. Anything else is ours.
+            reason = f"{self.backend.name} backend: {exc}" if isinstance(exc, BackendError) else f"controller error: {exc!r}"
+            self.orc.end(JobState.FAILED, reason)
             await self._release_everything()
             return 1
         finally:
@@ -170,14 +215,16 @@ class Controller:
             await self.hub.close()
             await self.backend.close()
             self.journal.close()
+        if self.fenced_reason:
+            return EXIT_FENCED
         return 0 if self.model.life.state != JobState.FAILED else 1
 
     async def _start_fresh(self) -> None:
         spec = self.spec
+        self.journal.take_over()
         self.record(EventKind.JOB_SUBMITTED, job_id=self.jobdir.job_id, spec_file=str(self.jobdir.spec_file),
                     backend=spec.backend, policy=spec.fault_tolerance.policy, steps=spec.steps)
-        await self._bind(port=0)
-        self.record(EventKind.CONTROLLER_STARTED, pid=os.getpid(), resumed=False, agent_port=self.agent_port)
+        await self._bind(port=0, resumed=False)
         self.record(EventKind.JOB_STATE_CHANGED, state=JobState.STARTING.value, reason="allocating nodes")
         nodes = await self.backend.allocate(self.plan.allocation(self.jobdir.job_id))
         self.node_infos.update((n.name, n) for n in nodes)
@@ -186,11 +233,11 @@ class Controller:
         await asyncio.gather(*(self.effects.start_agent(n) for n in nodes))
 
     async def _resume(self) -> None:
+        self.journal.take_over()
         for ev in self.journal.read():
             self.model.apply(ev)
         info = self.jobdir.read_controller()
-        await self._bind(port=int(info.get("agent_port", 0)))
-        self.record(EventKind.CONTROLLER_STARTED, pid=os.getpid(), resumed=True, agent_port=self.agent_port)
+        await self._bind(port=int(info.get("agent_port", 0)), resumed=True)
         for node in self.model.nodes.values():
             self.node_infos[node.name] = NodeInfo(name=node.name, host=node.host, backend_ref=node.backend_ref)
         await self.backend.adopt(list(self.node_infos.values()))
@@ -198,12 +245,18 @@ class Controller:
         if self.model.life.state.terminal:
             self._done.set()
 
-    async def _bind(self, port: int) -> None:
+    async def _bind(self, port: int, resumed: bool) -> None:
+        """Listen for agents and the CLI. The new epoch is journaled before any agent is accepted."""
         host = self.plan.controller_host
         certificate = None
         if tls_enabled(self.spec.agent_tls, crosses_network=not self.backend.on_this_machine):
             certificate = ensure_job_certificate(self.jobdir.path, self.jobdir.job_id)
-        self.agent_port = await self.hub.start(host, port, server_context(certificate) if certificate else None)
+        self.hub.epoch = self.model.controller_epoch + 1
+        self.agent_port = await self.hub.start(host, port, server_context(certificate) if certificate else None,
+                                               accept=False)
+        self.record(EventKind.CONTROLLER_STARTED, pid=os.getpid(), resumed=resumed, agent_port=self.agent_port,
+                    epoch=self.hub.epoch)
+        await self.hub.serve()
         bundle = build_agent_zipapp(self.jobdir.path / "agent")
         self.effects.launch = AgentLaunch(
             job_id=self.jobdir.job_id,
@@ -215,6 +268,7 @@ class Controller:
             agent_zipapp=bundle.path,
             agent_zipapp_sha256=bundle.sha256,
             tls_cert_pem=certificate.cert_pem if certificate else "",
+            orphan_timeout_s=self.spec.fault_tolerance.agent_orphan_timeout_s,
         )
         await self.api.start()
         self.jobdir.write_controller(
@@ -256,6 +310,12 @@ class Controller:
             self.tick_lags.append((began, self.detection.lag_s, time.monotonic() - began))
 
     async def tick(self, now: float) -> None:
+        if self.journal.superseded():
+            self._fenced("the journal was written by a successor controller")
+            return
+        if now - self._last_ping >= PING_INTERVAL_S:
+            self.hub.ping_all()
+            self._last_ping = now
         model = self.model
         if model.life.state == JobState.STARTING:
             self.orc.update_job_state()
@@ -316,6 +376,8 @@ class Controller:
     # ------------------------------------------------------------------------------ stopping
 
     async def _finish(self) -> None:
+        if self.fenced_reason:
+            return
         await self._release_everything()
         request = self.orc.stop or orc.StopRequest("stopped")
         self.orc.end(self.orc.final_state(), request.reason)

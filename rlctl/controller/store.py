@@ -1,6 +1,11 @@
 """The journal: an append-only SQLite (WAL) table of events, written before they are acted on.
 
 Single writer (the controller); any number of readers (`status`, `report`, tests, benches).
+
+The journal is also the fencing token store. A writer that ``take_over``s the journal appends only
+while nobody else has appended since its own last write (checked inside the write transaction):
+once a successor (a resumed controller, an offline ``rlctl stop``) has written, every append of
+the old writer raises ``JournalFenced`` and nothing it decided afterwards is journaled or done.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ CREATE INDEX IF NOT EXISTS events_type ON events(type);
 """
 
 
+class JournalFenced(RuntimeError):
+    """Another writer has appended to the journal since this one last did: this writer is superseded."""
+
+
 class Journal:
     """Append and read events. ``append`` commits before returning (durable under WAL)."""
 
@@ -35,18 +44,37 @@ class Journal:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             self._db.commit()
+        self._owned_seq: int | None = None  # set by take_over: the last seq this writer wrote
+
+    def take_over(self) -> int:
+        """Become the journal's writer from its current end; returns that sequence number."""
+        self._owned_seq = self.last_seq()
+        return self._owned_seq
+
+    def superseded(self) -> bool:
+        """Whether another writer has appended since this one took over or last wrote."""
+        return self._owned_seq is not None and self.last_seq() != self._owned_seq
 
     def append(self, events: list[Event]) -> list[Event]:
-        """Write ``events`` in one transaction; return them with their sequence numbers."""
+        """Write ``events`` in one transaction; return them with their sequence numbers. Raises
+        JournalFenced (writing nothing) when this writer took over and was superseded since."""
         if not events:
             return []
         stored: list[Event] = []
         with self._db:
+            if self._owned_seq is not None:
+                self._db.execute("BEGIN IMMEDIATE")
+                last = int(self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
+                if last != self._owned_seq:
+                    raise JournalFenced(f"journal {self.path} was written by another controller (seq {last}, "
+                                        f"this one last wrote {self._owned_seq})")
             for ev in events:
                 cursor = self._db.execute(
                     "INSERT INTO events(type, at, payload) VALUES (?, ?, ?)", (ev.type, ev.at, ev.to_json())
                 )
                 stored.append(Event(type=ev.type, at=ev.at, data=ev.data, seq=int(cursor.lastrowid or 0)))
+            if self._owned_seq is not None:
+                self._owned_seq = stored[-1].seq
         return stored
 
     def read(self, after_seq: int = 0, types: tuple[str, ...] = (), limit: int | None = None) -> Iterator[Event]:

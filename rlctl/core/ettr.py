@@ -1,7 +1,8 @@
 """The ETTR ledger: every second of the job in exactly one category.
 
 ETTR = productive / wall-clock since launch. Categories: ``productive``, ``init``, ``detection``,
-``recovery``, ``lost``. The ledger accrues elapsed time with weights that sum to one (a second in
+``recovery``, ``lost``, ``controller`` (no controller ran: from a dead controller's last event to
+its successor's start). The ledger accrues elapsed time with weights that sum to one (a second in
 which one of two rollouts is down is half productive, half recovery), and can re-classify past
 productive seconds as ``lost`` when their work is thrown away (a rollback to a checkpoint).
 Pure: time is passed in.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CATEGORIES = ("productive", "init", "detection", "recovery", "lost")
+CATEGORIES = ("productive", "init", "detection", "recovery", "lost", "controller")
 
 
 @dataclass

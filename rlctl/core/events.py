@@ -30,6 +30,7 @@ class EventKind(StrEnum):
     WORKER_PHASE = "WorkerPhase"
     WORKER_EXITED = "WorkerExited"
     FAULT_INJECTED = "FaultInjected"
+    FAULT_REFUSED = "FaultRefused"
     FAULT_SIGNAL = "FaultSignal"
     VERDICT = "Verdict"
     ACTION_TAKEN = "ActionTaken"
@@ -51,6 +52,7 @@ class EventKind(StrEnum):
     CHECKPOINTED = "Checkpointed"
     TRAINER_RESTORED = "TrainerRestored"
     CONTROLLER_STARTED = "ControllerStarted"
+    CONNECTION_REFUSED = "ConnectionRefused"
     SCHEDULER_ROLLED_BACK = "SchedulerRolledBack"
     HELD_OUT_STARTED = "HeldOutStarted"
     HELD_OUT_SCORED = "HeldOutScored"
@@ -71,6 +73,8 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.WORKER_PHASE: ("slot", "wid", "phase", "step"),
     EventKind.WORKER_EXITED: ("slot", "wid", "exit_code", "signal"),
     EventKind.FAULT_INJECTED: ("fault_id", "node", "kind", "params"),
+    EventKind.FAULT_REFUSED: ("fault_id", "node", "reason"),
+    EventKind.CONNECTION_REFUSED: ("source", "node", "reason", "count"),
     EventKind.FAULT_SIGNAL: ("node", "kind", "detail"),
     EventKind.VERDICT: ("node", "slot", "verdict", "fault", "reason"),
     EventKind.ACTION_TAKEN: ("action", "node", "slot", "reason"),

@@ -102,10 +102,11 @@ class FaultRecord:
     reason: str = ""
     impact: float = 1.0
     trajectories_lost: int = 0
+    refused: str = ""  # why the agent or backend refused to carry the injection out
 
     @property
     def open(self) -> bool:
-        return self.recovered_at is None
+        return self.recovered_at is None and not self.refused
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class JobModel:
     heartbeats_total: int = 0
     trainer_restored_at: float = 0.0
     full_stop_at: float = -1.0  # when the last full restart stopped every worker
+    controller_epoch: int = 0  # the fencing epoch of the newest controller start
     workers_started: int = 0
     last_seq: int = 0
     scheduler: RoundScheduler | None = None
@@ -243,7 +245,9 @@ class JobModel:
             self._on_Heartbeat(ev)
             return
         if not self.life.state.terminal and ev.at > self.ledger.last_at:
-            self.ledger.advance(ev.at, self.ettr_weights())
+            # A resumed controller's start closes a stretch in which no controller ran at all.
+            outage = ev.type == EventKind.CONTROLLER_STARTED and ev.data.get("resumed")
+            self.ledger.advance(ev.at, {"controller": 1.0} if outage else self.ettr_weights())
         self.last_seq = max(self.last_seq, ev.seq)
         if ev.type not in QUIET_EVENTS:
             self.recent.append(ev)
@@ -306,6 +310,7 @@ class JobModel:
 
     def _on_ControllerStarted(self, ev: Event) -> None:
         """A resumed controller hears no agent yet: every node's silence is counted from now."""
+        self.controller_epoch = int(ev.data.get("epoch") or self.controller_epoch + 1)
         if not ev.data.get("resumed"):
             return
         for node in self.nodes.values():
@@ -433,6 +438,11 @@ class JobModel:
             impact=self.fault_impact(slot),
         )
 
+    def _on_FaultRefused(self, ev: Event) -> None:
+        fault = self.faults.get(ev.data["fault_id"])
+        if fault is not None:
+            fault.refused = str(ev.data["reason"]) or "refused"
+
     def _on_FaultSignal(self, ev: Event) -> None:
         node = self.nodes.get(ev.data["node"])
         if node is not None:
@@ -446,8 +456,10 @@ class JobModel:
         fault = named if named is not None and named.open else self._open_fault_for(d["node"], d.get("slot"))
         if fault is None:
             slot = self.slots.get(d["slot"]) if d.get("slot") else self.slot_on_node(d["node"])
+            # Never over a closed record of the same id (a refused injection): a new fault.
+            fault_id = d["fault"] if d["fault"] not in self.faults else f"{d['fault']}@{ev.seq or ev.at}"
             fault = FaultRecord(
-                fault_id=d["fault"],
+                fault_id=fault_id,
                 kind=d.get("fault_kind", d["fault"]),
                 node=d["node"],
                 slot=slot.slot if slot else None,
@@ -531,8 +543,14 @@ class JobModel:
             del self.weights_holders[old]
 
     def _on_WeightsSourceFailed(self, ev: Event) -> None:
+        """Strike a holder a joiner could not fetch from off the list, except the trainer that
+        published the version: while it runs it is the source of last resort (a transient failure
+        must not leave a version with no holder at all)."""
         holders = self.weights_holders.get(int(ev.data["version"]), {})
         for slot_name, source in list(holders.items()):
+            slot = self.slots.get(slot_name)
+            if slot is not None and slot.role == "trainer" and not slot.standby:
+                continue
             if source.get("port") == ev.data["source"].get("port") and source.get("host") == ev.data["source"].get("host"):
                 del holders[slot_name]
 

@@ -140,6 +140,7 @@ def _fault(fault: Any) -> dict[str, Any]:
         "action": fault.action,
         "reason": fault.reason,
         "trajectories_lost": fault.trajectories_lost,
+        "refused": fault.refused,
     }
 
 

@@ -226,6 +226,12 @@ JOB_SCHEMA: dict[str, Field] = {
                 "float", "A worker waiting by polling the controller (for work, a batch, a role) that stops asking this "
                 "long is hung.", 8.0, minimum=1.0,
             ),
+            "agent_orphan_timeout_s": Field(
+                "float", "An agent that has not reached its controller for this long stops its workers and exits, so a "
+                "job whose controller died does not hold its GPUs forever. Long enough that a controller restart or a "
+                "brief outage never trips it (`rlctl resume` within this time finds every worker still running).",
+                1800.0, minimum=30.0,
+            ),
             "phase_timeout_s": Field(
                 "table",
                 "Per-phase progress bounds: a worker whose progress counter is frozen this long in the phase is hung. "
@@ -403,6 +409,7 @@ class FaultToleranceSpec:
     slow_window_s: float
     exclude_failed_nodes: bool
     poll_silence_s: float
+    agent_orphan_timeout_s: float
     phase_timeout_s: dict[str, float]
 
 

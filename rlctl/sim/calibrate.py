@@ -163,7 +163,7 @@ def _length_fit(lengths: list[int]) -> dict[str, float]:
 def _fault_free_cycle(events: list[Event], model: JobModel) -> float | None:
     """Median time between consecutive weight publications whose interval no fault touched."""
     publishes = [e.at for e in events if e.type == EventKind.WEIGHTS_PUBLISHED and e.data["slot"] and e.data["version"] > 0]
-    windows = [(f.occurred_at, f.recovered_at or f.occurred_at) for f in model.faults.values()]
+    windows = [(f.occurred_at, f.recovered_at or f.occurred_at) for f in model.faults.values() if not f.refused]
     gaps = [b - a for a, b in itertools.pairwise(publishes)
             if b > a and not any(start < b and end > a for start, end in windows)]
     return statistics.median(gaps) if gaps else None

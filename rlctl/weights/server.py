@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Mapping
-from typing import Any, Protocol, Self
+from typing import Any, Literal, Protocol, Self
 
+from rlctl.weights.auth import job_token
 from rlctl.weights.bundle import Bundle, flatten
 from rlctl.weights.errors import TransportUnavailableError
 from rlctl.weights.transport_tcp import DEFAULT_HOLDER_IO_TIMEOUT_S, TcpHolder
@@ -56,15 +57,15 @@ def resolve_transport(transport: str) -> str:
 
 
 def _make_holder(transport: str, server: WeightServer, host: str, port: int, max_concurrent: int,
-                 io_timeout: float) -> Holder:
+                 io_timeout: float, token: bytes | None) -> Holder:
     if transport == "tcp":
-        return TcpHolder(server.current_bundle, host, port, max_concurrent, io_timeout)
+        return TcpHolder(server.current_bundle, host, port, max_concurrent, io_timeout, token=token)
     from rlctl.weights.transport_ucx import UcxHolder, UcxSmHolder
 
     if transport == "ucx":
-        return UcxHolder(server.current_bundle, port, io_timeout)
+        return UcxHolder(server.current_bundle, port, io_timeout, token=token)
     if transport == "ucx-sm":
-        return UcxSmHolder(server.current_bundle, host, port, max_concurrent, io_timeout)
+        return UcxSmHolder(server.current_bundle, host, port, max_concurrent, io_timeout, token=token)
     raise TransportUnavailableError(f"no holder for transport {transport!r}")
 
 
@@ -72,14 +73,20 @@ class WeightServer:
     """Serves the latest published weights version to any joiner, over one transport.
 
     Use from one event loop: `await start()`, then `publish`/`publish_bundle` as versions come,
-    `await close()` at the end (idempotent). `host` is where the TCP/control socket binds and,
-    unless `advertise_host` is given, the address put in the descriptor. The `ucx` listener binds
-    every interface (ucxx has no bind address).
+    `await close()` at the end (idempotent). `host` is where the TCP/control socket binds (a
+    job passes the node's own address, never 0.0.0.0) and, unless `advertise_host` is given, the
+    address put in the descriptor. The `ucx` listener binds every interface (ucxx has no bind
+    address), which is why every pull must carry `token`: the job's weights token, by default
+    this process's own (`RLCTL_WEIGHTS_TOKEN`, set for every worker of a job); None serves anyone.
     """
 
     def __init__(self, transport: str = "auto", host: str = DEFAULT_HOST, port: int = 0,
                  advertise_host: str | None = None, max_concurrent: int = 16,
-                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, checksum_algorithm: str | None = None) -> None:
+                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, checksum_algorithm: str | None = None,
+                 token: bytes | None | Literal["env"] = "env") -> None:
+        if host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"a weight server binds one address of the job's network, not {host!r}")
+        self._token = job_token() if token == "env" else token
         self.transport = resolve_transport(transport)
         self._host = host
         self._port = port
@@ -99,7 +106,8 @@ class WeightServer:
         """Bind and start serving (joiners get a refusal until the first publish)."""
         if self._holder is not None:
             return
-        holder = _make_holder(self.transport, self, self._host, self._port, self._max_concurrent, self._io_timeout)
+        holder = _make_holder(self.transport, self, self._host, self._port, self._max_concurrent, self._io_timeout,
+                              self._token)
         self._endpoint_fields = await holder.start()
         self._holder = holder
 

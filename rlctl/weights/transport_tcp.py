@@ -6,8 +6,11 @@ side (`tcp_receive`) reads the header, checks the announced size against its bou
 body straight into a preallocated buffer (`sock_recv_into` on memoryview slices).
 
 Wire (one connection per transfer):
-    joiner → holder  frame {"v":1, "op":"fetch", "version": int|null}
+    joiner → holder  frame {"v":1, "op":"fetch", "version": int|null, "token": hex}
     holder → joiner  frame {"v":1, "ok":true, "manifest":{...}}  or  {"v":1, "ok":false, "error":str}
+
+A holder made with a token (every job's) answers a request without that token with a refusal
+and sends nothing else (``rlctl.weights.auth``).
     holder → joiner  manifest.nbytes raw bytes
 
 `SocketServer` (the accept loop with bounded concurrency) is reused by the UCX shared-memory
@@ -25,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from rlctl.weights import framing
+from rlctl.weights.auth import REFUSED, authorized, job_token
 from rlctl.weights.bundle import Buffer, Bundle, Manifest
 from rlctl.weights.errors import WeightTransferError
 
@@ -103,9 +107,10 @@ class TcpHolder:
     transport = "tcp"
 
     def __init__(self, current: BundleGetter, host: str, port: int = 0, max_concurrent: int = 16,
-                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S) -> None:
+                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, token: bytes | None = None) -> None:
         self._current = current
         self._io_timeout = io_timeout
+        self._token = token
         self._server = SocketServer(self._serve, host, port, max_concurrent)
 
     async def start(self) -> dict[str, Any]:
@@ -118,13 +123,30 @@ class TcpHolder:
 
     async def _serve(self, conn: socket.socket) -> None:
         deadline = asyncio.get_running_loop().time() + self._io_timeout
-        await framing.recv_frame(conn, deadline)
+        request = await framing.recv_frame(conn, deadline)
+        if not authorized(self._token, request.get("token")):
+            log.warning("refused a weights pull without this job's token from %s", _peer(conn))
+            await framing.send_frame(conn, {"ok": False, "error": REFUSED}, deadline)
+            return
         bundle = self._current()
         if bundle is None:
             await framing.send_frame(conn, {"ok": False, "error": NOTHING_PUBLISHED}, deadline)
             return
         await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json()}, deadline)
         await framing.send_all(conn, bundle.buffer.data, deadline)
+
+
+def token_field() -> dict[str, str]:
+    """The request field that proves this process belongs to the job (nothing when it has no token)."""
+    token = job_token()
+    return {"token": token.hex()} if token is not None else {}
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        return str(conn.getpeername())
+    except OSError:
+        return "?"
 
 
 def manifest_from_reply(reply: dict[str, Any], max_nbytes: int) -> Manifest:
@@ -149,7 +171,7 @@ async def tcp_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
     """Fetch the holder's manifest and flat buffer over TCP (no verification here)."""
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
     try:
-        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version")}, deadline)
+        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version"), **token_field()}, deadline)
         manifest = manifest_from_reply(await framing.recv_frame(sock, deadline), max_nbytes)
         buffer = receive_buffer(manifest.nbytes, out)
         await framing.recv_exactly_into(sock, buffer.data, deadline)

@@ -42,6 +42,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from rlctl.weights import framing
+from rlctl.weights.auth import REFUSED, TOKEN_BYTES, authorized, job_token
 from rlctl.weights.bundle import Buffer, Bundle, Manifest
 from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, WeightTransferError
 from rlctl.weights.transport_tcp import (
@@ -52,6 +53,7 @@ from rlctl.weights.transport_tcp import (
     SocketServer,
     manifest_from_reply,
     receive_buffer,
+    token_field,
 )
 
 log = logging.getLogger(__name__)
@@ -262,6 +264,16 @@ async def _close_endpoint(endpoint: Any) -> None:
 # ucx: listener + create_endpoint, endpoints kept open and reused across fetches
 
 REQUEST = 0x5EED
+REQUEST_WORDS = 1 + TOKEN_BYTES // 8  # the request word, then the job's token (zeros without one)
+
+
+def _request_words() -> np.ndarray:
+    words = np.zeros(REQUEST_WORDS, dtype=np.uint64)
+    words[0] = REQUEST
+    token = job_token()
+    if token is not None:
+        words[1:] = np.frombuffer(token, dtype=np.uint64)
+    return words
 
 
 class UcxHolder:
@@ -275,8 +287,9 @@ class UcxHolder:
     transport = "ucx"
 
     def __init__(self, current: BundleGetter, port: int = 0, io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S,
-                 idle_timeout: float = 300.0) -> None:
+                 idle_timeout: float = 300.0, token: bytes | None = None) -> None:
         self._current = current
+        self._token = token
         self._port = port
         self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout
@@ -320,8 +333,10 @@ class UcxHolder:
             await _close_endpoint(endpoint)
 
     async def _next_request(self, endpoint: Any) -> bool:
-        """Wait for the joiner's next request; False when it closed the endpoint or stayed idle."""
-        request = np.zeros(1, dtype=np.uint64)
+        """Wait for the joiner's next request (the request word and the job's token); False when it
+        closed the endpoint or stayed idle. A request without the token is refused: nothing is sent
+        and the endpoint is closed."""
+        request = np.zeros(REQUEST_WORDS, dtype=np.uint64)
         deadline = asyncio.get_running_loop().time() + self._idle_timeout
         try:
             await _bounded(endpoint.recv(request), deadline, "waiting for a request")
@@ -329,6 +344,9 @@ class UcxHolder:
             return False
         if int(request[0]) != REQUEST:
             raise WeightTransferError(f"unexpected request word {int(request[0]):#x}")
+        if not authorized(self._token, request[1:].tobytes()):
+            log.warning("refused a UCX weights pull without this job's token")
+            raise WeightTransferError(REFUSED)
         return True
 
     async def _send_bundle(self, endpoint: Any, bundle: Bundle | None, deadline: float) -> None:
@@ -437,7 +455,7 @@ async def _exchange_and_return(pool: EndpointPool, peer: tuple[str, int], endpoi
 async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer | None) -> tuple[Manifest, Buffer]:
     sizes = np.zeros(2, dtype=np.uint64)
     try:
-        await _bounded(endpoint.send(np.array([REQUEST], dtype=np.uint64)), deadline, "sending the request")
+        await _bounded(endpoint.send(_request_words()), deadline, "sending the request")
         await _bounded(endpoint.recv(sizes), deadline, "receiving sizes")
     except WeightTimeoutError:
         raise
@@ -472,9 +490,10 @@ class UcxSmHolder:
     transport = "ucx-sm"
 
     def __init__(self, current: BundleGetter, host: str, port: int = 0, max_concurrent: int = 16,
-                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S) -> None:
+                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, token: bytes | None = None) -> None:
         self._current = current
         self._io_timeout = io_timeout
+        self._token = token
         self._runtime = UcxRuntime.get()
         self._control = SocketServer(self._serve, host, port, max_concurrent)
         self._endpoints: dict[bytes, Any] = {}  # joiner worker address -> endpoint (UCX loop only)
@@ -489,7 +508,12 @@ class UcxSmHolder:
 
     async def _serve(self, conn: socket.socket) -> None:
         deadline = asyncio.get_running_loop().time() + self._io_timeout
-        peer_address, tag = _parse_sm_request(await framing.recv_frame(conn, deadline))
+        request = await framing.recv_frame(conn, deadline)
+        if not authorized(self._token, request.get("token")):
+            log.warning("refused a ucx-sm weights pull without this job's token")
+            await framing.send_frame(conn, {"ok": False, "error": REFUSED}, deadline)
+            return
+        peer_address, tag = _parse_sm_request(request)
         bundle = self._current()
         if bundle is None:
             await framing.send_frame(conn, {"ok": False, "error": NOTHING_PUBLISHED}, deadline)
@@ -574,7 +598,7 @@ async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = 
     try:
         tag = secrets.randbits(64)
         await framing.send_frame(sock, {"op": "fetch", "version": source.get("version"), "tag": tag,
-                                        "worker_address_hex": runtime.worker_address.hex()}, deadline)
+                                        "worker_address_hex": runtime.worker_address.hex(), **token_field()}, deadline)
         reply = await framing.recv_frame(sock, deadline)
         manifest = manifest_from_reply(reply, max_nbytes)
         _check_holder_address(source, reply)

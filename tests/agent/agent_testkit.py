@@ -38,6 +38,8 @@ class ControllerStub:
         self.secret = secret
         self.port = port
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.epoch = 1  # the controller epoch it welcomes with
+        self.ping_interval_s: float | None = None  # announced in the welcome (None: no pings promised)
         self.messages: list[Message] = []
         self.rejected: list[Message] = []
         self.request_handler: Callable[[str, dict[str, Any]], Any] = lambda op, args: {"op": op, "args": args}
@@ -95,8 +97,10 @@ class ControllerStub:
                 await writer.drain()
                 self._record(hello, rejected=True)
                 return
-            writer.write(protocol.encode("welcome", heartbeat_interval_s=self.heartbeat_interval_s,
-                                         controller_epoch=1))
+            welcome: dict[str, Any] = {"heartbeat_interval_s": self.heartbeat_interval_s, "controller_epoch": self.epoch}
+            if self.ping_interval_s is not None:
+                welcome["ping_interval_s"] = self.ping_interval_s
+            writer.write(protocol.encode("welcome", **welcome))
             self._current = writer
             self._record(hello)
             while line := await reader.readline():
@@ -182,13 +186,14 @@ class AgentProcess:
     """One ``python -m rlctl_agent`` process with its 0600 config in ``workdir``."""
 
     def __init__(self, workdir: Path, controller_port: int, secret: bytes, node: str = "node01",
-                 gpu_provider: str = "sim", sim_gpus: int = 2, config_mode: int = 0o600) -> None:
+                 gpu_provider: str = "sim", sim_gpus: int = 2, config_mode: int = 0o600,
+                 orphan_timeout_s: float = 1800.0) -> None:
         self.workdir = workdir
         self.config_path = workdir / "agent.json"
         config = {
             "job_id": "job-test", "node": node, "controller_host": "127.0.0.1", "controller_port": controller_port,
             "secret_hex": secret.hex(), "workdir": str(workdir), "gpu_provider": gpu_provider,
-            "sim_gpus": sim_gpus, "heartbeat_interval_s": 0.2,
+            "sim_gpus": sim_gpus, "heartbeat_interval_s": 0.2, "orphan_timeout_s": orphan_timeout_s,
         }
         self.config_path.write_text(json.dumps(config))
         self.config_path.chmod(config_mode)

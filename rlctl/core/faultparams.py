@@ -1,0 +1,116 @@
+"""What a fault injection may ask for: the kinds, their parameters and the ranges they must lie in.
+
+One definition for the CLI (which refuses bad options before it calls anyone), the controller's
+API (which refuses bad requests from any client) and the simulator. A refusal names the option
+and what was expected. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+AGENT_FAULTS = frozenset({"crash", "hang", "agent-kill", "node-down", "xid", "ecc", "nccl-timeout", "slow"})
+BACKEND_FAULTS = frozenset({"partition", "node-down", "slow-link"})
+FAULT_KINDS = tuple(sorted(AGENT_FAULTS | BACKEND_FAULTS))
+
+MAX_DELAY_S = 86_400.0  # --after and --duration: at most a day
+MIN_SLOW_FACTOR, MAX_SLOW_FACTOR = 1.0, 1000.0  # a slow-down factor above 1 (1 is no fault)
+MIN_XID, MAX_XID = 1, 255  # NVIDIA's documented XID codes are small positive integers
+MAX_GPU_INDEX = 1023
+MAX_LINK_DELAY_MS = 60_000
+ECC_KINDS = ("sbe", "dbe")
+
+# Which parameters each kind takes (``after`` and a target worker are common to all).
+_COMMON = frozenset({"after", "wid", "worker"})
+_PARAMS: dict[str, frozenset[str]] = {
+    "crash": frozenset(),
+    "hang": frozenset({"duration"}),
+    "slow": frozenset({"duration", "factor"}),
+    "nccl-timeout": frozenset(),
+    "xid": frozenset({"code", "gpu"}),
+    "ecc": frozenset({"kind", "gpu"}),
+    "agent-kill": frozenset(),
+    "node-down": frozenset(),
+    "partition": frozenset({"duration"}),
+    "slow-link": frozenset({"duration", "delay_ms"}),
+}
+# The CLI's name for each parameter, so an error names the option the user typed.
+OPTION_NAMES = {"after": "--after", "duration": "--duration", "factor": "--factor", "code": "--code",
+                "kind": "--ecc", "gpu": "--gpu", "delay_ms": "--delay-ms", "wid": "--worker", "worker": "--worker"}
+
+
+class FaultParamError(ValueError):
+    """A fault request that cannot be carried out; ``option`` names the offending option."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+def validate_fault(kind: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Return ``params`` checked and normalised for ``kind``; raise FaultParamError otherwise."""
+    if kind not in _PARAMS:
+        raise FaultParamError("--kind", f"unknown fault kind {kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
+    if not isinstance(params, dict):
+        raise FaultParamError("params", "must be an object of option values")
+    allowed = _PARAMS[kind] | _COMMON
+    unknown = sorted(str(key) for key in params if key not in allowed)
+    if unknown:
+        names = ", ".join(OPTION_NAMES.get(key, key) for key in unknown)
+        raise FaultParamError(names, f"not an option of --kind {kind} (it takes: "
+                                     f"{', '.join(sorted(OPTION_NAMES.get(k, k) for k in _PARAMS[kind] | {'after'}))})")
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if value is None:
+            continue
+        if key == "after":
+            out[key] = _number(key, value, low=0.0, high=MAX_DELAY_S, low_open=False)
+        elif key == "duration":
+            out[key] = _number(key, value, low=0.0, high=MAX_DELAY_S, low_open=True)
+        elif key == "factor":
+            out[key] = _number(key, value, low=MIN_SLOW_FACTOR, high=MAX_SLOW_FACTOR, low_open=True)
+        elif key == "code":
+            out[key] = _integer(key, value, MIN_XID, MAX_XID)
+        elif key == "gpu":
+            out[key] = _integer(key, value, 0, MAX_GPU_INDEX)
+        elif key == "delay_ms":
+            out[key] = _integer(key, value, 1, MAX_LINK_DELAY_MS)
+        elif key == "kind":
+            if value not in ECC_KINDS:
+                raise FaultParamError(_option(key), f"expected one of {', '.join(ECC_KINDS)}, got {value!r}")
+            out[key] = value
+        else:
+            if not isinstance(value, str) or not value:
+                raise FaultParamError(_option(key), f"expected a worker id, got {value!r}")
+            out[key] = value
+    if kind == "xid" and "code" not in out:
+        raise FaultParamError("--code", "--kind xid needs an XID code (e.g. --code 79)")
+    return out
+
+
+def _option(key: str) -> str:
+    return OPTION_NAMES.get(key, key)
+
+
+def _number(key: str, value: Any, low: float, high: float, low_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FaultParamError(_option(key), f"expected a number of seconds, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise FaultParamError(_option(key), f"expected a finite number, got {value!r}")
+    if number < low or (low_open and number == low) or number > high:
+        bracket = "(" if low_open else "["
+        raise FaultParamError(_option(key), f"expected a value in {bracket}{low:g}, {high:g}], got {number:g}")
+    return number
+
+
+def _integer(key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise FaultParamError(_option(key), f"expected an integer in [{low}, {high}], got {value!r}")
+    if not low <= value <= high:
+        raise FaultParamError(_option(key), f"expected an integer in [{low}, {high}], got {value}")
+    return int(value)
