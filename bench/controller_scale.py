@@ -198,28 +198,34 @@ def cpu_seconds(pid: int) -> float:
 def status(job_dir: Path) -> dict[str, Any]:
     from rlctl.controller.api import ApiClient
 
-    return ApiClient(job_dir / "api.sock", timeout_s=30.0).call("status")["status"]
+    return ApiClient(JobDir(job_dir).api_socket, timeout_s=30.0).call("status")["status"]
 
 
 def diagnostics(job_dir: Path, since_mono: float) -> dict[str, Any]:
     """Heartbeat latency and event-loop stalls over the measured window only (not registration)."""
     from rlctl.controller.api import ApiClient
 
-    return ApiClient(job_dir / "api.sock", timeout_s=30.0).call("diagnostics", since_mono=since_mono)["diagnostics"]
+    return ApiClient(JobDir(job_dir).api_socket, timeout_s=30.0).call("diagnostics", since_mono=since_mono)["diagnostics"]
 
 
-async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict[str, Any]:
-    jobdir = JobDir(job_dir)
+async def controller_up(jobdir: JobDir, tls_on: bool = True) -> tuple[int, ssl.SSLContext | None]:
+    """Once the controller child listens: its agent port, and the pinned TLS context when the job's
+    link is TLS (and ``tls_on``)."""
     deadline = time.monotonic() + 60
     while not (jobdir.controller_file.exists() and jobdir.api_socket.exists()):
         if time.monotonic() > deadline:
             raise RuntimeError("controller did not start")
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.5)
-    port = int(jobdir.read_controller()["agent_port"])
-    secret = jobdir.secret()
     certificate = jobdir.path / "agent-tls.crt"
-    tls = pinned_tls_context(certificate.read_text()) if certificate.exists() else None
+    tls = pinned_tls_context(certificate.read_text()) if tls_on and certificate.exists() else None
+    return int(jobdir.read_controller()["agent_port"]), tls
+
+
+async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict[str, Any]:
+    jobdir = JobDir(job_dir)
+    port, tls = await controller_up(jobdir)
+    secret = jobdir.secret()
     stop = asyncio.Event()
     counter = [0]
     readies = [asyncio.Event() for _ in range(nodes)]
@@ -311,13 +317,18 @@ def measure(nodes: int, seconds: float, tmp: Path, tls: bool) -> dict[str, Any]:
         if os.environ.get("RLCTL_BENCH_PROFILE"):
             child.send_signal(signal.SIGUSR1)
             time.sleep(2.0)
-        child.terminate()
-        try:
-            child.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        stop_child(child)
     return result
+
+
+def stop_child(child: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the controller child; SIGKILL it if it has not exited within a minute."""
+    child.terminate()
+    try:
+        child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def main() -> None:

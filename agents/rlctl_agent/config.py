@@ -57,17 +57,21 @@ class AgentConfig:
         (108 bytes); then a short path in a private (0700) per-user directory under /tmp,
         named by a hash of the work directory.
         """
-        preferred = self.workdir / "agent.sock"
-        if len(str(preferred).encode()) < 100:
-            return preferred
-        import hashlib
-        import os
+        return unix_socket_path(self.workdir / "agent.sock", self.workdir)
 
-        private = Path(f"/tmp/rlctl-{os.getuid()}")
-        private.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(private, 0o700)
-        digest = hashlib.sha256(str(self.workdir).encode()).hexdigest()[:20]
-        return private / f"{digest}.sock"
+
+def unix_socket_path(preferred: Path, owner: Path, prefix: str = "") -> Path:
+    """``preferred`` unless it is longer than a unix socket address allows (108 bytes); then a short
+    path in a private (0700) per-user directory under /tmp, named by a hash of ``owner``."""
+    if len(str(preferred).encode()) < 100:
+        return preferred
+    import hashlib
+
+    private = Path(f"/tmp/rlctl-{os.getuid()}")
+    private.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(private, 0o700)
+    digest = hashlib.sha256(str(owner).encode()).hexdigest()[:20]
+    return private / f"{prefix}{digest}.sock"
 
 
 def check_private(path: Path) -> None:

@@ -41,12 +41,12 @@ log = logging.getLogger("rlctl_agent.connection")
 
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
-TLS_HANDSHAKE_TIMEOUT_S = 10.0
-HANDSHAKE_TIMEOUT_S = 10.0
+TLS_HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 3.0  # the controller sends its challenge at accept; a paused one never does
 OUTBOX_LIMIT = 10_000
 COMMAND_TYPES = frozenset({"start_worker", "stop_worker", "signal_worker", "inject", "to_worker", "shutdown"})
-PING_SILENCE_FACTOR = 5.0
-MIN_SILENCE_S = 10.0
+PING_SILENCE_FACTOR = 4.0
+MIN_SILENCE_S = 6.0
 
 HelloBuilder = Callable[[], dict[str, Any]]
 CommandHandler = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]

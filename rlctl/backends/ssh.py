@@ -343,6 +343,9 @@ class SshBackend:
                 raise BackendError(f"{host.name} ({host.address}): host key not verified against "
                                    f"{self.known_hosts}: {exc} (add the host's key to the file that "
                                    f"[cluster.ssh] known_hosts names)") from exc
+            except (asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as exc:
+                raise BackendError(f"{host.name}: the private key {host.key_file or self.key_file} cannot be "
+                                   f"used: {exc} (check [cluster.ssh] key_file)") from exc
             except (TimeoutError, OSError, asyncssh.Error) as exc:
                 raise BackendError(f"{host.name} ({host.address}:{host.port}): ssh connect failed: "
                                    f"{_describe(exc)} (check the host in [cluster.ssh] hosts, its sshd, "

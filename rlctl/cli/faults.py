@@ -11,7 +11,7 @@ import time
 
 import typer
 
-from rlctl.cli.common import client_for, console, fail, job_status, print_json, resolve_job
+from rlctl.cli.common import console, fail, job_status, print_json, resolve_job
 from rlctl.controller.api import ApiClient, ApiError
 from rlctl.core.faultparams import FAULT_KINDS, FaultParamError, validate_fault
 
@@ -71,7 +71,7 @@ def chaos(
     if not 0.0 <= rate <= 1.0:
         fail(f"--rate must be in [0, 1], got {rate}", code=2)
     jobdir = resolve_job(job, state_dir)
-    client = client_for(jobdir)
+    client = ApiClient(jobdir.api_socket, timeout_s=25.0)  # an injection is answered after the agent's ack
     rng = random.Random(seed)
     deadline = time.monotonic() + duration if duration else None
     injected: list[dict[str, object]] = []

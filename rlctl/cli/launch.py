@@ -53,7 +53,7 @@ def launch(
         _run_foreground(jobdir, spec)
         return
     process = _spawn_controller(jobdir)
-    _wait_ready(jobdir, process)
+    _wait_ready(jobdir, process, allocated=True)
     if json_out:
         print_json({"job_id": jobdir.job_id, "job_dir": str(jobdir.path), "controller_pid": process.pid,
                     "backend": spec.backend, "nodes": spec.nodes_needed})
@@ -138,19 +138,28 @@ def _spawn_controller(jobdir: JobDir, resume: bool = False) -> subprocess.Popen[
         )
 
 
-def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes]) -> None:
+def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes], allocated: bool = False) -> None:
+    """Until the controller answers (with ``allocated``: and has its nodes, so a backend's refusal
+    is reported here, as one message). A slow allocation (a queued Slurm job) is left to run after
+    ``CONTROLLER_READY_TIMEOUT_S``: the job is launched, and ``rlctl status`` follows it."""
     deadline = time.monotonic() + CONTROLLER_READY_TIMEOUT_S
     client = ApiClient(jobdir.api_socket, timeout_s=2.0)
+    answered = False
     while time.monotonic() < deadline:
         if process.poll() is not None:
             fail(_why_it_ended(jobdir, process.returncode))
         if client.available():
             try:
-                client.call("status")
-                return
+                snap = client.call("status")["status"]
             except ApiError:
-                pass
+                snap = None
+            if snap is not None:
+                answered = True
+                if not allocated or snap["nodes"] or snap["job"]["state"] not in ("pending", "starting"):
+                    return
         time.sleep(0.1)
+    if answered:
+        return
     fail(f"the controller did not answer within {CONTROLLER_READY_TIMEOUT_S:.0f}s; see {jobdir.log_file}")
 
 

@@ -19,6 +19,8 @@ agent tell a live controller from one that is paused or cut off and reconnect.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import itertools
 import logging
 import ssl
@@ -41,8 +43,8 @@ RefusalHandler = Callable[[str, str, str, int], None]
 
 HANDSHAKE_TIMEOUT_S = 5.0
 HELLO_MAX_BYTES = 16 * 1024
-MAX_UNAUTHENTICATED = 512
-MAX_UNAUTHENTICATED_PER_SOURCE = 128
+MAX_UNAUTHENTICATED = 256
+MAX_UNAUTHENTICATED_PER_SOURCE = 64
 REFUSAL_REPORT_EVERY_S = 10.0
 MAX_TRACKED_SOURCES = 4096
 ACCEPT_BACKLOG = 4096
@@ -51,29 +53,43 @@ PING = protocol.encode("ping")
 
 
 class RefusalReporter:
-    """Reports refused connections at most once per source per ``every_s`` (with the count since the
-    last report), so a flood is journaled as a handful of events, not one per attempt."""
+    """Reports refused connections at most once per source per ``every_s``, with the count since the
+    last report, so a flood is journaled as a handful of events, not one per attempt. Refusals
+    folded into a window are reported when it ends (``schedule`` runs that later)."""
 
     def __init__(self, report: RefusalHandler, every_s: float = REFUSAL_REPORT_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 schedule: Callable[[float, Callable[[], None]], object] | None = None) -> None:
         self._report = report
         self._every_s = every_s
         self._clock = clock
+        self._schedule = schedule or (lambda delay, action: asyncio.get_running_loop().call_later(delay, action))
         self._last: dict[str, float] = {}
-        self._pending: dict[str, int] = {}
+        self._pending: dict[str, tuple[int, str, str]] = {}  # source -> (count, node, reason) not yet reported
 
     def refused(self, source: str, node: str, reason: str) -> None:
         now = self._clock()
-        self._pending[source] = self._pending.get(source, 0) + 1
-        if now - self._last.get(source, -self._every_s) < self._every_s:
+        count = self._pending.get(source, (0, "", ""))[0] + 1
+        last = self._last.get(source)
+        if last is not None and now - last < self._every_s:
+            if count == 1:
+                self._schedule(self._every_s - (now - last), lambda: self._flush(source))
+            self._pending[source] = (count, node, reason)
             return
         if len(self._last) >= MAX_TRACKED_SOURCES:
             cutoff = now - self._every_s
-            for stale in [src for src, at in self._last.items() if at < cutoff]:
+            for stale in [src for src, at in self._last.items() if at < cutoff and src not in self._pending]:
                 del self._last[stale]
-                self._pending.pop(stale, None)
+        self._pending.pop(source, None)
         self._last[source] = now
-        self._report(source, node, reason, self._pending.pop(source, 1))
+        self._report(source, node, reason, count)
+
+    def _flush(self, source: str) -> None:
+        pending = self._pending.pop(source, None)
+        if pending is not None:
+            count, node, reason = pending
+            self._last[source] = self._clock()
+            self._report(source, node, reason, count)
 
 
 @dataclass
@@ -86,6 +102,43 @@ class AgentLink:
     async def send(self, message_type: str, **fields: Any) -> None:
         self.writer.write(protocol.encode(message_type, **fields))
         await self.writer.drain()
+
+
+class FreedMemory:
+    """Hands the memory that refused connections held back to the operating system once a burst of
+    them is over (a moment later, when their transports are gone too): the allocator keeps freed
+    buffers of this size for reuse otherwise, and a flood would leave the controller that much
+    larger for the rest of the job. glibc only."""
+
+    def __init__(self, delay_s: float = 1.0) -> None:
+        self._delay_s = delay_s
+        self._pending = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._trim = _malloc_trim()
+
+    def refused(self) -> None:
+        self._pending = True
+
+    def burst_over(self) -> None:
+        if not self._pending or self._trim is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self._delay_s, self._run)
+
+    def _run(self) -> None:
+        self._timer = None
+        if self._pending and self._trim is not None:
+            self._pending = False
+            gc.collect()
+            self._trim(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
 
 
 class AgentHub:
@@ -120,17 +173,22 @@ class AgentHub:
         self._unauthenticated = 0
         self._unauthenticated_from: dict[str, int] = {}
         self._closing = False
+        self._memory = FreedMemory()
+        self._tls: ssl.SSLContext | None = None
+        self._ping_queue: list[str] = []  # nodes still to ping in this round
         self.epoch = 0
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None, accept: bool = True) -> int:
         """Bind (``port`` 0 picks one; a resumed controller passes its old port) and, with ``accept``,
-        start accepting agents (else ``serve`` starts that later). Returns the port. With ``tls``, agents must complete a TLS
-        handshake before the challenge is sent. ``reuse_port``: a successor controller can bind the
-        port while a paused predecessor still holds it (it is then fenced)."""
+        start accepting agents (else ``serve`` starts that later). Returns the port. With ``tls``,
+        agents must complete a TLS handshake before the challenge is sent; it runs inside the
+        connection caps and the handshake deadline (a TLS session holds ~256 KiB of buffers, so a
+        stranger's handshake must be bounded like its hello). ``reuse_port``: a successor controller
+        can bind the port while a paused predecessor still holds it (it is then fenced)."""
+        self._tls = tls
         # A large accept backlog: thousands of agents reconnect at once after a controller restart.
         self._server = await asyncio.start_server(
             self._serve, host, port, limit=HELLO_MAX_BYTES, reuse_address=True, reuse_port=True, backlog=ACCEPT_BACKLOG,
-            ssl=tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if tls is not None else None,
             start_serving=accept,
         )
         return int(self._server.sockets[0].getsockname()[1])
@@ -179,10 +237,16 @@ class AgentHub:
         finally:
             link.pending.pop(cmd_id, None)
 
-    def ping_all(self) -> None:
-        """Tell every connected agent this controller is alive (one shared line, no answer)."""
-        for link in self._links.values():
-            if not link.writer.is_closing():
+    def ping_some(self, share: float) -> None:
+        """Tell the next ``share`` of the connected agents that this controller is alive (one shared
+        line, no answer); called every tick, so every agent is pinged once per ``1/share`` ticks and
+        no tick writes to thousands of sockets at once."""
+        if not self._ping_queue:
+            self._ping_queue = list(self._links)
+        count = max(1, int(len(self._links) * share + 0.999))
+        for _ in range(min(count, len(self._ping_queue))):
+            link = self._links.get(self._ping_queue.pop())
+            if link is not None and not link.writer.is_closing():
                 link.writer.write(PING)
 
     async def relay(self, node: str, wid: str, payload: dict[str, Any]) -> bool:
@@ -201,6 +265,7 @@ class AgentHub:
         if (self._unauthenticated >= MAX_UNAUTHENTICATED
                 or self._unauthenticated_from.get(source, 0) >= MAX_UNAUTHENTICATED_PER_SOURCE):
             self._refusals.refused(source, "", "too many unauthenticated connections")
+            self._memory.refused()
             writer.close()
             return
         node = ""
@@ -209,18 +274,26 @@ class AgentHub:
         self._unauthenticated_from[source] = self._unauthenticated_from.get(source, 0) + 1
         try:
             try:
-                accepted = await asyncio.wait_for(self._handshake(reader, writer, source), HANDSHAKE_TIMEOUT_S)
+                accepted = await asyncio.wait_for(self._secure_handshake(reader, writer, source), HANDSHAKE_TIMEOUT_S)
+            except ssl.SSLError as exc:
+                self._refusals.refused(source, "", f"TLS handshake failed: {str(exc)[:120]}")
+                self._memory.refused()
+                raise ConnectionError(f"TLS handshake failed: {exc}") from None
             except TimeoutError:
                 self._refusals.refused(source, "", f"no valid hello within {HANDSHAKE_TIMEOUT_S:g} s")
+                self._memory.refused()
                 raise
             except (protocol.ProtocolError, ValueError) as exc:
                 self._refusals.refused(source, "", f"bad hello: {str(exc)[:120]}")
+                self._memory.refused()
                 raise
             finally:
                 self._unauthenticated -= 1
                 left = self._unauthenticated_from.pop(source, 1) - 1
                 if left > 0:
                     self._unauthenticated_from[source] = left
+                if self._unauthenticated == 0:
+                    self._memory.burst_over()
             if accepted is None:
                 return
             link, hello = accepted
@@ -251,11 +324,26 @@ class AgentHub:
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
             log.info("agent %s (%s) connection ended: %s", node or "?", peer, exc)
         finally:
-            writer.close()
+            if link is None:
+                # Never authenticated: drop it at once. A graceful TLS close would keep the session's
+                # buffers alive for up to 30 s waiting for a stranger's close_notify.
+                writer.transport.abort()
+            else:
+                writer.close()
             if link is not None and self._links.get(node) is link:
                 del self._links[node]
                 if not self._closing:
-                    await self._on_gone(node, "connection closed")
+                    try:
+                        await self._on_gone(node, "connection closed")
+                    except Exception as exc:  # noqa: BLE001  # e.g. a fenced controller's journal: say so, go on
+                        log.warning("agent %s is gone, but recording it failed: %s", node, exc)
+
+    async def _secure_handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str,
+    ) -> tuple[AgentLink, dict[str, Any]] | None:
+        if self._tls is not None:
+            await writer.start_tls(self._tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
+        return await self._handshake(reader, writer, source)
 
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str,

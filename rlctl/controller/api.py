@@ -42,6 +42,7 @@ class ApiServer:
         self.socket_path = socket_path
         self.handlers = handlers
         self._server: asyncio.base_events.Server | None = None
+        self._identity: tuple[int, int] | None = None
 
     async def start(self) -> None:
         path = self.socket_path
@@ -53,14 +54,14 @@ class ApiServer:
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
+        self._identity = _identity(path)
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
+        # Only our own socket: a successor controller may have bound a new one at the same path.
+        if self._identity is not None and _identity(self.socket_path) == self._identity:
+            self.socket_path.unlink(missing_ok=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -96,6 +97,14 @@ class ApiServer:
         return {"ok": False, "error": f"unknown op {str(op)[:80]!r}"}
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
 def _number(request: dict[str, Any], key: str) -> float:
     value = request.get(key) or 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -122,15 +131,21 @@ class ApiClient:
                 sock.connect(str(self.socket_path))
             except OSError as exc:
                 raise ApiError(f"controller not reachable at {self.socket_path}: {exc}") from None
-            sock.sendall(request)
             chunks = []
-            while time.monotonic() < deadline:
-                chunk = sock.recv(1 << 20)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                if chunk.endswith(b"\n"):
-                    break
+            try:
+                sock.sendall(request)
+                while time.monotonic() < deadline:
+                    chunk = sock.recv(1 << 20)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    if chunk.endswith(b"\n"):
+                        break
+            except TimeoutError:
+                raise ApiError(f"controller at {self.socket_path} did not answer within {self.timeout_s:g} s "
+                               "(paused or hung?)") from None
+            except OSError as exc:
+                raise ApiError(f"controller at {self.socket_path} broke the connection: {exc}") from None
         try:
             response = json.loads(b"".join(chunks))
         except ValueError:

@@ -22,9 +22,11 @@ from rlctl.core.states import NodeState, WorkerState
 log = logging.getLogger("rlctl.controller.detection")
 
 AGENT_REGISTER_TIMEOUT_S = 30.0
-# After a controller restart, agents reconnect with backoff (up to 5 s between tries): a node is
-# not blamed for its silence until it had the time to come back.
-RESUME_GRACE_S = 12.0
+# After a controller restart, agents reconnect with backoff (up to 5 s between tries), and after
+# a paused predecessor was fenced they first wait out its silence (12 s) and may land on its
+# listener a few times (3 s each; measured: all back within 30 s): a node is not blamed for its
+# silence until it had the time to come back.
+RESUME_GRACE_S = 45.0
 WORKER_CHECK_INTERVAL_S = 1.0
 WORKER_CHECK_SLICES = 8
 PROBE_TIMEOUT_S = 10.0

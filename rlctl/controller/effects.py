@@ -93,13 +93,16 @@ class EffectRunner:
         await self.hub.command(effect.node, "stop_worker", wait=effect.grace_s + 5.0, wid=effect.wid,
                                grace_s=effect.grace_s)
 
-    async def start_agent(self, node: NodeInfo) -> None:
+    async def start_agent(self, node: NodeInfo) -> Exception | None:
+        """Start ``node``'s agent through the backend; the failure (logged), or None."""
         assert self.launch is not None
         try:
             await self.backend.start_agent(node, self.launch)
         except Exception as exc:  # noqa: BLE001 - one node's failure must not stop the others
             log.warning("starting the agent on %s failed: %s", node.name, exc)
             self.record(EventKind.FAULT_SIGNAL, node=node.name, kind="agent-start-failed", detail=str(exc)[:300])
+            return exc
+        return None
 
     def info(self, name: str) -> NodeInfo:
         node = self.model.nodes.get(name)

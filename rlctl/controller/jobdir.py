@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlctl_agent.config import unix_socket_path
+
 DEFAULT_STATE_DIR = "~/.rlctl/jobs"
 
 
@@ -60,7 +62,9 @@ class JobDir:
 
     @property
     def api_socket(self) -> Path:
-        return self.path / "api.sock"
+        """The controller's unix socket: ``api.sock`` in the job directory, or a short private path
+        when that one is too long for a unix socket address."""
+        return unix_socket_path(self.path / "api.sock", self.path.resolve(), prefix="api-")
 
     @property
     def spec_base_file(self) -> Path:

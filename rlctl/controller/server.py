@@ -107,7 +107,6 @@ class Controller:
         self._finishing = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heap_frozen = False
-        self._last_ping = 0.0
         self.fenced_reason = ""  # set once a successor controller has taken over
 
     # ------------------------------------------------------------- the core's shell
@@ -230,7 +229,13 @@ class Controller:
         self.node_infos.update((n.name, n) for n in nodes)
         self.orc.place([fx.NodeGrant(n.name, n.host, n.backend_ref) for n in nodes], self.plan.nodes_by_role,
                        self.plan.warm_spares)
-        await asyncio.gather(*(self.effects.start_agent(n) for n in nodes))
+        failures = [(n, exc) for n, exc in zip(nodes, await asyncio.gather(*(self.effects.start_agent(n) for n in nodes)))
+                    if exc is not None]
+        if len(failures) > self.plan.spares:
+            # More nodes unreachable than spares to replace them: the job cannot start. Say why, once.
+            node, exc = failures[0]
+            others = f" (and {len(failures) - 1} more node(s))" if len(failures) > 1 else ""
+            raise BackendError(f"could not start the agent on {node.name}{others}: {exc}")
 
     async def _resume(self) -> None:
         self.journal.take_over()
@@ -313,9 +318,7 @@ class Controller:
         if self.journal.superseded():
             self._fenced("the journal was written by a successor controller")
             return
-        if now - self._last_ping >= PING_INTERVAL_S:
-            self.hub.ping_all()
-            self._last_ping = now
+        self.hub.ping_some(TICK_S / PING_INTERVAL_S)
         model = self.model
         if model.life.state == JobState.STARTING:
             self.orc.update_job_state()

@@ -155,11 +155,17 @@ def test_an_agent_that_has_seen_a_newer_controller_fences_this_one() -> None:
 def test_refusals_are_reported_once_per_source_per_window_with_a_count() -> None:
     now = [0.0]
     reports: list[tuple[str, str, str, int]] = []
-    reporter = RefusalReporter(lambda *args: reports.append(args), every_s=10.0, clock=lambda: now[0])
+    later: list[tuple[float, object]] = []
+    reporter = RefusalReporter(lambda *args: reports.append(args), every_s=10.0, clock=lambda: now[0],
+                               schedule=lambda delay, action: later.append((delay, action)))
     for _ in range(50):
         reporter.refused("10.0.0.9", "node01", "authentication failed")
     reporter.refused("10.0.0.8", "", "bad hello")
     assert reports == [("10.0.0.9", "node01", "authentication failed", 1), ("10.0.0.8", "", "bad hello", 1)]
-    now[0] = 11.0
+    assert len(later) == 1 and later[0][0] == 10.0  # the 49 folded ones are reported when the window ends
+    now[0] = 10.0
+    later[0][1]()  # type: ignore[operator]
+    assert reports[-1] == ("10.0.0.9", "node01", "authentication failed", 49)
+    now[0] = 25.0
     reporter.refused("10.0.0.9", "node01", "authentication failed")
-    assert reports[-1] == ("10.0.0.9", "node01", "authentication failed", 50)
+    assert reports[-1] == ("10.0.0.9", "node01", "authentication failed", 1)

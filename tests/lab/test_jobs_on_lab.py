@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -162,6 +163,23 @@ class LabJob:
         rlctl(self.state_dir, "stop", self.job_id, check=False)
         wait_for(lambda: self.status()["job"]["state"] in ("stopped", "succeeded", "failed"), 60, "the job to stop")
 
+    def stop_with_the_controller_dead(self) -> None:
+        """SIGKILL the controller, then `rlctl stop`: the job is stopped through the backend (scancel,
+        or SSH to each host) and the stop is journaled."""
+        pid = int(self.jobdir.read_controller()["pid"])
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not _alive(pid), 10, "the controller to die")
+        result = rlctl_json(self.state_dir, "stop", self.job_id)
+        assert result["offline"] is True and result["state"] == "stopped", result
+        assert self.status()["job"]["state"] == "stopped"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
 
 def job_processes(job_id: str, pids: set[int] | None = None) -> list[str]:
     """Processes of the job anywhere on this machine (every lab node shares its /proc), or among
@@ -299,7 +317,7 @@ def test_slurm_job_replaces_lost_rollout_and_partitioned_trainer(lab6: lab.LabSt
     configs = list((job.jobdir.path / "slurm" / "agents").glob("*.json"))
     assert configs and all(json.loads(c.read_text()).get("tls_cert_pem") == pinned for c in configs)
     _repair(lab6, wait_idle=False)  # the partitioned node's Slurm state settles once it is back
-    job.stop()
+    job.stop_with_the_controller_dead()  # scancel, from `rlctl stop` alone
     assert_nothing_left(job, lab6.slurm_conf)
 
 
@@ -351,7 +369,7 @@ def test_ssh_job_takes_standby_for_lost_trainer_and_spare_host_for_partitioned_r
     # (which retries hosts an earlier release could not reach) must clean it up
     assert node_job_processes(rollout, job.job_id), f"nothing of the job ran on the partitioned {rollout}"
     _repair(lab6, wait_idle=False)
-    job.stop()
+    job.stop_with_the_controller_dead()  # SSH to every host, from `rlctl stop` alone
     assert_nothing_left(job, None)
     backend_state = json.loads((job.jobdir.path / "backend-ssh.json").read_text())
     assert backend_state["unreleased"] == {} and backend_state["assigned"] == {}, backend_state
