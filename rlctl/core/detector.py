@@ -225,21 +225,28 @@ class Detector:
         detail = f"; second path fails too ({node.probe_detail})"
         return Verdict(node.name, None, "failed", "node-loss", "replace-node", reason + detail, last)
 
+    def hang_bound(self, phase: str) -> float | None:
+        """After how long a frozen worker in ``phase`` is hung: the poll-silence bound in a phase
+        where it waits by polling the controller, else its phase's progress bound (idle phases such
+        as weight-sync or checkpointing have generous ones); None for a phase with no bound."""
+        if phase in POLLING_PHASES:
+            return self.config.poll_silence_s
+        return self.config.phase_timeout_s.get(phase)
+
     def worker_verdict(self, worker: WorkerObs, now: float) -> Verdict | None:
-        """A hang: progress frozen beyond the bound of a non-idle phase, or, in a phase where the
-        worker waits by polling the controller, its polls stopped (a waiting worker still asks)."""
+        """A hang: progress frozen beyond its phase's bound (progress is counted from the phase's
+        start), or, in a phase where the worker waits by polling the controller, its polls stopped
+        (a waiting worker still asks)."""
         if not worker.alive:
             return None
-        if worker.phase in POLLING_PHASES and worker.request_age_s is not None:
-            if worker.request_age_s >= self.config.poll_silence_s:
+        bound = self.hang_bound(worker.phase)
+        if worker.phase in POLLING_PHASES:
+            if worker.request_age_s is not None and bound is not None and worker.request_age_s >= bound:
                 reason = (f"{worker.role} {worker.slot} stopped polling for {worker.request_age_s:.1f}s in phase "
-                          f"{worker.phase} (bound {self.config.poll_silence_s:.0f}s)")
+                          f"{worker.phase} (bound {bound:.0f}s)")
                 return Verdict(worker.node, worker.slot, "failed", "worker-hang", "restart-worker", reason,
                                now - worker.request_age_s)
             return None
-        if worker.phase in IDLE_PHASES:
-            return None
-        bound = self.config.phase_timeout_s.get(worker.phase)
         if bound is None or worker.progress_age_s < bound:
             return None
         reason = f"{worker.role} {worker.slot} made no progress for {worker.progress_age_s:.1f}s in phase {worker.phase} (bound {bound:.0f}s)"

@@ -192,7 +192,7 @@ def _hang(sim: SimSite, worker: WorkerTruth) -> None:
     worker.hung_at = sim.now
     sim.update_capacity()
     phase = reported_phase(sim, worker)
-    bound = observe.hang_bound(sim.detector, phase, sim.spec.fault_tolerance.phase_timeout_s)
+    bound = sim.detector.hang_bound(phase)
     if bound is None:
         return  # Detector.worker_verdict never convicts a frozen worker in this phase (docs/sim.md)
     sim.q.schedule(_next_tick(sim, sim.now + bound), _judge_hang, sim, worker.wid, phase)

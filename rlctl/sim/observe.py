@@ -56,13 +56,3 @@ def worker_obs(slot: SlotRecord, phase: str, progress: float, progress_age_s: fl
     """The controller's worker judgement (``request_age_s``: since the worker's last call)."""
     return det.WorkerObs(slot.slot, slot.wid or "", slot.role, slot.node or "", phase, progress, max(0.0, progress_age_s),
                          request_age_s=None if request_age_s is None else max(0.0, request_age_s))
-
-
-def hang_bound(detector: det.Detector, phase: str, phase_timeout_s: dict[str, float]) -> float | None:
-    """After how long a frozen worker in ``phase`` is convicted: its phase bound, or, in a phase where
-    it waits by polling the controller, the poll-silence bound; None if the detector never would."""
-    if phase in det.POLLING_PHASES:
-        return detector.config.poll_silence_s
-    if phase in det.IDLE_PHASES:
-        return None
-    return phase_timeout_s.get(phase)

@@ -81,9 +81,18 @@ def test_gpu_lost_is_immediate() -> None:
 
 
 @pytest.mark.parametrize("phase", sorted(IDLE_PHASES - {"waiting-for-work", "waiting-for-batch", "standby"}))
-def test_idle_phases_never_raise_a_verdict(phase: str) -> None:
-    worker = WorkerObs("trainer-0", "trainer-0.1", "trainer", "n1", phase, progress=3, progress_age_s=1e6)
-    assert detector().worker_verdict(worker, 1e6) is None
+def test_idle_phases_are_judged_only_by_their_own_generous_bound(phase: str) -> None:
+    d = detector()
+    bound = d.hang_bound(phase)
+    if bound is None:  # a phase with no bound is never judged
+        worker = WorkerObs("trainer-0", "trainer-0.1", "trainer", "n1", phase, progress=3, progress_age_s=1e6)
+        assert d.worker_verdict(worker, 1e6) is None
+        return
+    within = WorkerObs("trainer-0", "trainer-0.1", "trainer", "n1", phase, progress=3, progress_age_s=bound - 0.1)
+    assert d.worker_verdict(within, 1e6) is None
+    frozen = WorkerObs("trainer-0", "trainer-0.1", "trainer", "n1", phase, progress=3, progress_age_s=bound + 0.1)
+    verdict = d.worker_verdict(frozen, 1e6)
+    assert verdict and verdict.fault == "worker-hang" and phase in verdict.reason
 
 
 def test_waiting_workers_are_judged_by_their_polls() -> None:

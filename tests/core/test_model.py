@@ -75,27 +75,26 @@ def test_a_crashed_warm_standby_is_recovered_once_its_restart_is_standing_by_aga
 
 
 def test_a_fault_free_run_through_every_idle_phase_raises_no_verdict() -> None:
-    bounds = {"generating": 2.0, "training": 2.0, "weight-sync": 5.0, "checkpointing": 5.0, "compiling": 5.0,
-              "loading": 5.0, "waiting-for-work": 5.0, "waiting-for-batch": 5.0, "scoring": 2.0}
+    bounds = {"generating": 2.0, "training": 2.0, "weight-sync": 120.0, "checkpointing": 300.0, "compiling": 900.0,
+              "loading": 600.0, "waiting-for-work": 5.0, "waiting-for-batch": 5.0, "scoring": 2.0}
     d = Detector(DetectorConfig(1.0, 8.0, 2.0, True, bounds, 0.35, 10.0))
     now = 0.0
     verdicts = []
     # Long idle stretches (a trainer waiting for a slow rollout phase, a long first compile) keep
-    # polling or sit in phases judged by nothing but polls; busy phases make progress.
+    # polling, or stay within their phase's generous bound (progress is counted from the phase's
+    # start); busy phases make progress.
     for phase, seconds, progressing, polling in [
         ("compiling", 60.0, False, False), ("loading", 30.0, False, False), ("waiting-for-batch", 120.0, False, True),
         ("training", 10.0, True, False), ("checkpointing", 40.0, False, False), ("weight-sync", 40.0, False, False),
         ("waiting-for-work", 300.0, False, True), ("generating", 20.0, True, False), ("standby", 600.0, False, True),
     ]:
-        end = now + seconds
+        began, end = now, now + seconds
         while now < end:
             now += 0.5
             worker = WorkerObs("trainer-0", "t.1", "trainer", "n1", phase, now if progressing else 0.0,
-                               progress_age_s=0.2 if progressing else now,
+                               progress_age_s=0.2 if progressing else now - began,
                                request_age_s=0.2 if polling else None)
             verdict = d.worker_verdict(worker, now)
-            if verdict is not None and phase not in ("weight-sync", "checkpointing", "compiling", "loading"):
+            if verdict is not None:
                 verdicts.append(verdict)
-            elif phase in ("weight-sync", "checkpointing", "compiling", "loading"):
-                assert verdict is None
     assert verdicts == []

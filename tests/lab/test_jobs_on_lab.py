@@ -321,6 +321,22 @@ def test_slurm_job_replaces_lost_rollout_and_partitioned_trainer(lab6: lab.LabSt
     assert_nothing_left(job, lab6.slurm_conf)
 
 
+def test_a_slurm_refusal_at_launch_is_one_message(lab6: lab.LabStatus, tmp_path: Path) -> None:
+    """sbatch refuses a role asking for more GPUs per node than any node has: `rlctl launch` prints
+    that refusal and the key to change, once, with no traceback, and starts nothing."""
+    path = write_job(tmp_path, "slurm", lab6)
+    path.write_text(path.read_text().replace("[roles.trainer]\nnodes = 1\n", "[roles.trainer]\nnodes = 1\ngpus_per_node = 64\n"))
+    state_dir = tmp_path / "jobs"
+    result = rlctl(state_dir, "launch", str(path), check=False, timeout=180)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    assert "did not start: slurm backend:" in result.stderr, result.stderr
+    assert "node configuration is not available" in result.stderr and "[roles.trainer] gpus_per_node" in result.stderr
+    job_dir = next((state_dir).iterdir())
+    assert not job_processes(job_dir.name)
+    assert not live_slurm_jobs(job_dir.name, lab6.slurm_conf)
+
+
 def test_ssh_job_takes_standby_for_lost_trainer_and_spare_host_for_partitioned_rollout(
         lab6: lab.LabStatus, tmp_path: Path, lab_jobs: list[LabJob]) -> None:
     _repair(lab6, wait_idle=False)
