@@ -127,6 +127,14 @@ def serve(job_dir: Path) -> None:
     asyncio.run(Controller(jobdir, spec, SwarmBackend(), make_workload(spec)).run())
 
 
+def source_address(node: str) -> str:
+    """A loopback address of the node's own (127.1.x.y): each swarm agent connects from its own
+    address, as the agents of a cluster come from their own hosts (the controller caps concurrent
+    unauthenticated connections per source address)."""
+    index = int(node.removeprefix("node"))
+    return f"127.1.{index // 250}.{index % 250 + 1}"
+
+
 async def connect(node: str, secret: bytes, port: int,
                   tls: ssl.SSLContext | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Authenticate like a real agent, retrying with backoff while the controller is busy."""
@@ -134,7 +142,8 @@ async def connect(node: str, secret: bytes, port: int,
     while True:
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", port, limit=protocol.MAX_MESSAGE_BYTES, ssl=tls), 10.0)
+                asyncio.open_connection("127.0.0.1", port, limit=protocol.MAX_MESSAGE_BYTES, ssl=tls,
+                                        local_addr=(source_address(node), 0)), 10.0)
             challenge = protocol.decode(await asyncio.wait_for(reader.readline(), 10.0), protocol.CONTROLLER_TO_AGENT)
             writer.write(protocol.encode("hello", job_id="scale", node=node, incarnation=1,
                                          auth=protocol.auth_digest(secret, challenge["nonce"], node),
