@@ -3,6 +3,10 @@
 Nodes, worker slots, faults, the weights registry, checkpoints, the ETTR ledger and the round
 scheduler all live here. ``apply`` is the only mutator, so the live controller, a resumed
 controller and the simulator see the same state for the same events. Pure: no I/O, no clock.
+The handlers and queries of two concerns live in their own modules, over this same state:
+faults and what they cost (``model_faults.FaultLedger``), and the weights registry with the
+trainer's steps and checkpoints (``model_weights.WeightsRegistry``); the records are in
+``records``.
 """
 
 from __future__ import annotations
@@ -13,114 +17,20 @@ from typing import Any
 
 from rlctl.core.ettr import EttrLedger
 from rlctl.core.events import TRANSIENT_EVENTS, Event, EventKind
+from rlctl.core.model_faults import PROCESS_FAULTS, FaultLedger
+from rlctl.core.model_weights import WeightsRegistry
+from rlctl.core.records import FaultRecord, GpuSummary, NodeRecord, SlotRecord, TrainerStateOffer
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.states import JobState, Lifecycle, NodeState, WorkerState
 
+__all__ = ["PROCESS_FAULTS", "FaultRecord", "GpuSummary", "JobModel", "NodeRecord", "SlotRecord", "TrainerStateOffer"]
+
 RECENT_EVENTS = 200
-# Faults of one worker process (injected kinds): a restart of that process ends them.
-PROCESS_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
 QUIET_EVENTS = frozenset({EventKind.HEARTBEAT_SUMMARY, EventKind.ITEMS_DISPATCHED, EventKind.SCORING_DISPATCHED, EventKind.TRAJECTORY_STORED, EventKind.REWARDS_STORED})
 
 
-@dataclass(frozen=True)
-class GpuSummary:
-    """One node's latest GPU sample, condensed: means of utilisation and temperature, memory sums.
-
-    Kept instead of the raw per-GPU dicts: at thousands of nodes at 1 Hz, short-lived dicts that
-    survive into the old GC generation cost the controller long collection pauses.
-    """
-
-    util: float | None
-    temp_c: float | None
-    mem_used: float
-    mem_total: float
-
-    @classmethod
-    def of(cls, gpus: list[dict[str, Any]]) -> GpuSummary | None:
-        if not gpus:
-            return None
-        utils = [float(g["util"]) for g in gpus if g.get("util") is not None]
-        temps = [float(g["temp_c"]) for g in gpus if g.get("temp_c") is not None]
-        return cls(
-            util=round(sum(utils) / len(utils), 1) if utils else None,
-            temp_c=round(sum(temps) / len(temps), 1) if temps else None,
-            mem_used=sum(float(g.get("mem_used") or 0) for g in gpus),
-            mem_total=sum(float(g.get("mem_total") or 0) for g in gpus),
-        )
-
-
 @dataclass
-class NodeRecord:
-    name: str
-    host: str
-    role: str  # trainer | rollout | reward | spare
-    life: Lifecycle[NodeState]
-    incarnation: int = 0
-    facts: dict[str, Any] = field(default_factory=dict)
-    connected: bool = False
-    last_heartbeat_at: float | None = None
-    gpu_summary: GpuSummary | None = None
-    last_signal: str = ""
-    excluded: bool = False
-    backend_ref: str = ""
-    gpus_lost: bool = False  # set with every GPU sample: NVML (or the simulation) says a GPU is gone
-
-
-@dataclass
-class SlotRecord:
-    """A role position (``rollout-1``) and the worker that currently fills it."""
-
-    slot: str
-    role: str
-    node: str | None
-    wid: str | None = None
-    generation: int = 0
-    life: Lifecycle[WorkerState] | None = None
-    phase: str = "starting"
-    phase_step: int = 0
-    phase_since: float = 0.0
-    progress: float = 0.0
-    progress_at: float = 0.0
-    pid: int | None = None
-    restarts_on_node: int = 0
-    weights_version: int = -1
-    standby: bool = False
-
-
-@dataclass
-class FaultRecord:
-    fault_id: str
-    kind: str
-    node: str
-    slot: str | None
-    occurred_at: float
-    injected: bool
-    detected_at: float | None = None
-    recovered_at: float | None = None
-    verdict: str = ""
-    action: str = ""
-    reason: str = ""
-    impact: float = 1.0
-    trajectories_lost: int = 0
-    refused: str = ""  # why the agent or backend refused to carry the injection out
-
-    @property
-    def open(self) -> bool:
-        return self.recovered_at is None and not self.refused
-
-
-@dataclass(frozen=True)
-class TrainerStateOffer:
-    """The trainer's full state after ``version`` steps, served by worker ``wid`` for a warm standby to copy."""
-
-    version: int
-    slot: str
-    wid: str | None
-    source: dict[str, Any]
-
-
-@dataclass
-class JobModel:
+class JobModel(FaultLedger, WeightsRegistry):
     job_id: str
     policy: str = "role"
     total_steps: int = 0
@@ -200,41 +110,10 @@ class JobModel:
             return None
         return NodeState.ACTIVE if self.slot_on_node(node) is not None else NodeState.STANDBY
 
-    def open_faults(self) -> list[FaultRecord]:
-        return [f for f in self.faults.values() if f.open]
-
-    def ettr_weights(self) -> dict[str, float]:
-        """How the current instant is split between ETTR categories (sums to 1)."""
-        if self.productive_since is None:
-            return {"init": 1.0}
-        undetected = detected = 0.0
-        for fault in self.open_faults():
-            if fault.detected_at is None:
-                undetected += fault.impact
-            else:
-                detected += fault.impact
-        impaired = min(1.0, undetected + detected)
-        if impaired <= 0:
-            return {"productive": 1.0}
-        share = impaired / (undetected + detected)
-        weights = {"productive": 1.0 - impaired, "detection": undetected * share, "recovery": detected * share}
-        return {k: v for k, v in weights.items() if v > 0} or {"productive": 1.0}
-
     def live_ledger(self, now: float) -> EttrLedger:
         if self.life.state.terminal:
             return self.ledger
         return self.ledger.projected(now, self.ettr_weights())
-
-    def fault_impact(self, slot: SlotRecord | None) -> float:
-        """Fraction of the job's progress a fault on this slot takes away."""
-        if self.policy == "full-restart":
-            return 1.0
-        if slot is None or slot.standby:
-            return 0.0
-        if slot.role == "trainer":
-            return 1.0
-        peers = len(self.slots_of(slot.role))
-        return 1.0 / max(peers, 1)
 
     # --------------------------------------------------------------------------------- apply
 
@@ -425,58 +304,6 @@ class JobModel:
         for holders in self.weights_holders.values():
             holders.pop(slot.slot, None)
 
-    def _on_FaultInjected(self, ev: Event) -> None:
-        d = ev.data
-        slot = self.slot_on_node(d["node"]) or next(iter(self.slots_on_node(d["node"])), None)
-        self.faults[d["fault_id"]] = FaultRecord(
-            fault_id=d["fault_id"],
-            kind=d["kind"],
-            node=d["node"],
-            slot=slot.slot if slot else None,
-            occurred_at=ev.at + float(d["params"].get("after", 0.0)),
-            injected=True,
-            impact=self.fault_impact(slot),
-        )
-
-    def _on_FaultRefused(self, ev: Event) -> None:
-        fault = self.faults.get(ev.data["fault_id"])
-        if fault is not None:
-            fault.refused = str(ev.data["reason"]) or "refused"
-
-    def _on_FaultSignal(self, ev: Event) -> None:
-        node = self.nodes.get(ev.data["node"])
-        if node is not None:
-            node.last_signal = f"{ev.data['kind']}: {ev.data['detail']}"[:120]
-
-    def _on_Verdict(self, ev: Event) -> None:
-        d = ev.data
-        if d["verdict"] not in ("failed", "slow"):
-            return
-        named = self.faults.get(d["fault"])  # the open fault the verdict names, else the node's open fault
-        fault = named if named is not None and named.open else self._open_fault_for(d["node"], d.get("slot"))
-        if fault is None:
-            slot = self.slots.get(d["slot"]) if d.get("slot") else self.slot_on_node(d["node"])
-            # Never over a closed record of the same id (a refused injection): a new fault.
-            fault_id = d["fault"] if d["fault"] not in self.faults else f"{d['fault']}@{ev.seq or ev.at}"
-            fault = FaultRecord(
-                fault_id=fault_id,
-                kind=d.get("fault_kind", d["fault"]),
-                node=d["node"],
-                slot=slot.slot if slot else None,
-                occurred_at=float(d.get("evidence_since", ev.at)),
-                injected=False,
-                impact=self.fault_impact(slot),
-            )
-            self.faults[fault.fault_id] = fault
-        if fault.detected_at is None:
-            fault.detected_at = ev.at
-            fault.verdict = d.get("fault_kind", d["fault"])
-            fault.reason = d["reason"]
-            fault.action = d.get("action", "")
-        slot = self.slots.get(d["slot"]) if d.get("slot") else None
-        if slot is not None and slot.life is not None and slot.life.can_move(WorkerState.FAILED):
-            slot.life.move(WorkerState.FAILED, ev.at, d["reason"][:80])
-
     def _on_ActionTaken(self, ev: Event) -> None:
         d = ev.data
         for fault_id in d.get("fault_ids", []):
@@ -519,107 +346,6 @@ class JobModel:
             self.wid_slots[standby.wid] = target.slot
         target.phase, target.pid, target.restarts_on_node = standby.phase, standby.pid, 0
 
-    def _on_FaultRecovered(self, ev: Event) -> None:
-        for fault_id in ev.data["fault_ids"]:
-            fault = self.faults.get(fault_id)
-            if fault is not None and fault.recovered_at is None:
-                fault.recovered_at = ev.at
-                if fault.detected_at is None:
-                    fault.detected_at = ev.at
-
-    def _on_WeightsPublished(self, ev: Event) -> None:
-        version = int(ev.data["version"])
-        if self.productive_since is None:
-            self.productive_since = ev.at  # init ends once the first weights exist
-        self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
-        if version > self.published_version:
-            self.published_version = version
-            self.published_checksum = str(ev.data["source"].get("checksum", ""))
-        state_source = ev.data.get("state_source")
-        if isinstance(state_source, dict) and (publisher := self.slots.get(ev.data["slot"])) is not None:
-            self.trainer_state = TrainerStateOffer(version, publisher.slot, publisher.wid, dict(state_source))
-        self.productive_at_version.setdefault(version, self.ledger.seconds["productive"])
-        for old in [v for v in self.weights_holders if v < version - 1]:
-            del self.weights_holders[old]
-
-    def _on_WeightsSourceFailed(self, ev: Event) -> None:
-        """Strike a holder a joiner could not fetch from off the list, except the trainer that
-        published the version: while it runs it is the source of last resort (a transient failure
-        must not leave a version with no holder at all)."""
-        holders = self.weights_holders.get(int(ev.data["version"]), {})
-        for slot_name, source in list(holders.items()):
-            slot = self.slots.get(slot_name)
-            if slot is not None and slot.role == "trainer" and not slot.standby:
-                continue
-            if source.get("port") == ev.data["source"].get("port") and source.get("host") == ev.data["source"].get("host"):
-                del holders[slot_name]
-
-    def _on_WeightsHeld(self, ev: Event) -> None:
-        version = int(ev.data["version"])
-        self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
-        slot = self.slots.get(ev.data["slot"])
-        if slot is not None:
-            slot.weights_version = max(slot.weights_version, version)
-            if slot.role == "rollout" and version >= self.published_version:
-                self._recover_slot(slot, ev.at)
-                if self.policy == "full-restart":
-                    self._recover_after_full_restart(ev.at)
-
-    def _on_StepTrained(self, ev: Event) -> None:
-        step = int(ev.data["step"])
-        self.step_metrics[step] = dict(ev.data["metrics"])
-        started = self.training_seconds.get(step)
-        if started is not None and started < 0:
-            self.training_seconds[step] = ev.at + started
-
-    def _on_Checkpointed(self, ev: Event) -> None:
-        self.checkpoint_step = int(ev.data["step"])
-        self.checkpoint_path = str(ev.data["path"])
-
-    def weights_source(self, version: int, exclude_slot: str = "") -> dict[str, Any] | None:
-        """A live holder of ``version``, preferring rollouts over the trainer to spread the load."""
-        live = []
-        for slot_name, source in self.weights_holders.get(version, {}).items():
-            slot = self.slots.get(slot_name)
-            if slot is None or slot_name == exclude_slot or slot.life is None:
-                continue
-            if slot.life.state not in (WorkerState.RUNNING, WorkerState.STARTING):
-                continue
-            live.append((0 if slot.role == "rollout" else 1, slot_name, source))
-        if not live:
-            return None
-        live.sort(key=lambda item: (item[0], hash((item[1], exclude_slot)) % 97))
-        return live[0][2]
-
-    def live_trainer_state(self) -> TrainerStateOffer | None:
-        """The newest trainer-state offer while the worker that made it still runs (else None)."""
-        offer = self.trainer_state
-        if offer is None:
-            return None
-        publisher = self.slots.get(offer.slot)
-        if publisher is None or publisher.wid != offer.wid or publisher.life is None:
-            return None
-        return offer if publisher.life.state is WorkerState.RUNNING else None
-
-    def _on_TrainerRestored(self, ev: Event) -> None:
-        replayed = [int(s) for s in ev.data["replayed_steps"]]
-        lost = sum(max(0.0, self.training_seconds.get(s, 0.0)) for s in replayed)
-        self.ledger.reclassify(lost, "productive", "lost")
-        slot = self.slots.get(ev.data["slot"])
-        if slot is not None:
-            # Rank 0 reports for the data-parallel group: every rank restored in lockstep with it.
-            for rank in [slot] + [s for s in self.slots_of("trainer") if s is not slot]:
-                self._recover_slot(rank, ev.at)
-        self.trainer_restored_at = ev.at
-
-    def _on_SchedulerRolledBack(self, ev: Event) -> None:
-        to_step = int(ev.data["to_step"])
-        since = self.productive_at_version.get(to_step)
-        if since is not None:
-            self.ledger.reclassify(self.ledger.seconds["productive"] - since, "productive", "lost")
-        self.published_version = to_step
-        self.weights_holders = {v: h for v, h in self.weights_holders.items() if v <= to_step}
-
     # ------------------------------------------------------------------------------ helpers
 
     def _slot_for(self, ev: Event) -> SlotRecord | None:
@@ -628,34 +354,3 @@ class JobModel:
             return None
         return slot
 
-    def _open_fault_for(self, node: str, slot: str | None) -> FaultRecord | None:
-        for fault in self.open_faults():
-            if fault.node == node and (slot is None or fault.slot in (None, slot)):
-                return fault
-        return None
-
-    def _recover_slot(self, slot: SlotRecord, at: float) -> None:
-        for fault in self.open_faults():
-            if fault.slot == slot.slot and fault.detected_at is not None and self.policy == "role":
-                self._recover_fault(fault, at)
-
-    def _recover_after_full_restart(self, at: float) -> None:
-        """Everything is back once the restarted trainer restored and a rollout holds its weights. That
-        also ends a fault of a process nobody had noticed yet: the restart replaced that process."""
-        for fault in self.open_faults():
-            seen_and_restored = fault.detected_at is not None and self.trainer_restored_at >= fault.detected_at
-            unseen_and_replaced = (fault.detected_at is None and fault.kind in PROCESS_FAULTS
-                                   and fault.occurred_at <= self.full_stop_at <= self.trainer_restored_at)
-            if seen_and_restored or unseen_and_replaced:
-                self._recover_fault(fault, at)
-
-    def _recover_matching(self, kind: str, node: str, slot: str | None, at: float) -> None:
-        for fault in self.open_faults():
-            if fault.node == node and fault.verdict == kind:
-                self._recover_fault(fault, at)
-
-    @staticmethod
-    def _recover_fault(fault: FaultRecord, at: float) -> None:
-        fault.recovered_at = at
-        if fault.detected_at is None:
-            fault.detected_at = at

@@ -1,0 +1,156 @@
+"""The job model's faults: injected, refused, seen (a verdict), recovered, and what they cost.
+
+A mixin of ``JobModel`` over its state: the event handlers for faults (``_on_FaultInjected``,
+``_on_FaultRefused``, ``_on_FaultSignal``, ``_on_Verdict``, ``_on_FaultRecovered``), the rules that
+end a fault when its slot, node or the whole job is back, and the share of the job's progress a
+fault takes away (the ETTR ledger's weights). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlctl.core.events import Event
+from rlctl.core.records import FaultRecord, NodeRecord, SlotRecord
+from rlctl.core.states import WorkerState
+
+# Faults of one worker process (injected kinds): a restart of that process ends them.
+PROCESS_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
+
+
+class FaultLedger:
+    faults: dict[str, FaultRecord]
+    slots: dict[str, SlotRecord]
+    nodes: dict[str, NodeRecord]
+    policy: str
+    productive_since: float | None
+    trainer_restored_at: float
+    full_stop_at: float
+
+    if TYPE_CHECKING:
+        def slots_of(self, role: str) -> list[SlotRecord]: ...
+        def slot_on_node(self, node: str) -> SlotRecord | None: ...
+        def slots_on_node(self, node: str) -> list[SlotRecord]: ...
+
+    def open_faults(self) -> list[FaultRecord]:
+        return [f for f in self.faults.values() if f.open]
+
+    def ettr_weights(self) -> dict[str, float]:
+        """How the current instant is split between ETTR categories (sums to 1)."""
+        if self.productive_since is None:
+            return {"init": 1.0}
+        undetected = detected = 0.0
+        for fault in self.open_faults():
+            if fault.detected_at is None:
+                undetected += fault.impact
+            else:
+                detected += fault.impact
+        impaired = min(1.0, undetected + detected)
+        if impaired <= 0:
+            return {"productive": 1.0}
+        share = impaired / (undetected + detected)
+        weights = {"productive": 1.0 - impaired, "detection": undetected * share, "recovery": detected * share}
+        return {k: v for k, v in weights.items() if v > 0} or {"productive": 1.0}
+
+    def fault_impact(self, slot: SlotRecord | None) -> float:
+        """Fraction of the job's progress a fault on this slot takes away."""
+        if self.policy == "full-restart":
+            return 1.0
+        if slot is None or slot.standby:
+            return 0.0
+        if slot.role == "trainer":
+            return 1.0
+        peers = len(self.slots_of(slot.role))
+        return 1.0 / max(peers, 1)
+
+    def _on_FaultInjected(self, ev: Event) -> None:
+        d = ev.data
+        slot = self.slot_on_node(d["node"]) or next(iter(self.slots_on_node(d["node"])), None)
+        self.faults[d["fault_id"]] = FaultRecord(
+            fault_id=d["fault_id"],
+            kind=d["kind"],
+            node=d["node"],
+            slot=slot.slot if slot else None,
+            occurred_at=ev.at + float(d["params"].get("after", 0.0)),
+            injected=True,
+            impact=self.fault_impact(slot),
+        )
+
+    def _on_FaultRefused(self, ev: Event) -> None:
+        fault = self.faults.get(ev.data["fault_id"])
+        if fault is not None:
+            fault.refused = str(ev.data["reason"]) or "refused"
+
+    def _on_FaultSignal(self, ev: Event) -> None:
+        node = self.nodes.get(ev.data["node"])
+        if node is not None:
+            node.last_signal = f"{ev.data['kind']}: {ev.data['detail']}"[:120]
+
+    def _on_Verdict(self, ev: Event) -> None:
+        d = ev.data
+        if d["verdict"] not in ("failed", "slow"):
+            return
+        named = self.faults.get(d["fault"])  # the open fault the verdict names, else the node's open fault
+        fault = named if named is not None and named.open else self._open_fault_for(d["node"], d.get("slot"))
+        if fault is None:
+            slot = self.slots.get(d["slot"]) if d.get("slot") else self.slot_on_node(d["node"])
+            # Never over a closed record of the same id (a refused injection): a new fault.
+            fault_id = d["fault"] if d["fault"] not in self.faults else f"{d['fault']}@{ev.seq or ev.at}"
+            fault = FaultRecord(
+                fault_id=fault_id,
+                kind=d.get("fault_kind", d["fault"]),
+                node=d["node"],
+                slot=slot.slot if slot else None,
+                occurred_at=float(d.get("evidence_since", ev.at)),
+                injected=False,
+                impact=self.fault_impact(slot),
+            )
+            self.faults[fault.fault_id] = fault
+        if fault.detected_at is None:
+            fault.detected_at = ev.at
+            fault.verdict = d.get("fault_kind", d["fault"])
+            fault.reason = d["reason"]
+            fault.action = d.get("action", "")
+        slot = self.slots.get(d["slot"]) if d.get("slot") else None
+        if slot is not None and slot.life is not None and slot.life.can_move(WorkerState.FAILED):
+            slot.life.move(WorkerState.FAILED, ev.at, d["reason"][:80])
+
+    def _on_FaultRecovered(self, ev: Event) -> None:
+        for fault_id in ev.data["fault_ids"]:
+            fault = self.faults.get(fault_id)
+            if fault is not None and fault.recovered_at is None:
+                fault.recovered_at = ev.at
+                if fault.detected_at is None:
+                    fault.detected_at = ev.at
+
+    def _open_fault_for(self, node: str, slot: str | None) -> FaultRecord | None:
+        for fault in self.open_faults():
+            if fault.node == node and (slot is None or fault.slot in (None, slot)):
+                return fault
+        return None
+
+    def _recover_slot(self, slot: SlotRecord, at: float) -> None:
+        for fault in self.open_faults():
+            if fault.slot == slot.slot and fault.detected_at is not None and self.policy == "role":
+                self._recover_fault(fault, at)
+
+    def _recover_after_full_restart(self, at: float) -> None:
+        """Everything is back once the restarted trainer restored and a rollout holds its weights. That
+        also ends a fault of a process nobody had noticed yet: the restart replaced that process."""
+        for fault in self.open_faults():
+            seen_and_restored = fault.detected_at is not None and self.trainer_restored_at >= fault.detected_at
+            unseen_and_replaced = (fault.detected_at is None and fault.kind in PROCESS_FAULTS
+                                   and fault.occurred_at <= self.full_stop_at <= self.trainer_restored_at)
+            if seen_and_restored or unseen_and_replaced:
+                self._recover_fault(fault, at)
+
+    def _recover_matching(self, kind: str, node: str, slot: str | None, at: float) -> None:
+        for fault in self.open_faults():
+            if fault.node == node and fault.verdict == kind:
+                self._recover_fault(fault, at)
+
+    @staticmethod
+    def _recover_fault(fault: FaultRecord, at: float) -> None:
+        fault.recovered_at = at
+        if fault.detected_at is None:
+            fault.detected_at = at

@@ -1,0 +1,131 @@
+"""The job model's weights registry, with the trainer's steps, checkpoints and restores.
+
+A mixin of ``JobModel`` over its state: who holds which weights version (``weights_source`` picks
+a live holder), the newest trainer-state offer, each step's metrics and training time, the last
+checkpoint, and what a trainer restore or a rollback to a checkpoint costs in the ETTR ledger.
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rlctl.core.ettr import EttrLedger
+from rlctl.core.events import Event
+from rlctl.core.records import SlotRecord, TrainerStateOffer
+from rlctl.core.states import WorkerState
+
+
+class WeightsRegistry:
+    weights_holders: dict[int, dict[str, dict[str, Any]]]
+    published_version: int
+    published_checksum: str
+    checkpoint_step: int
+    checkpoint_path: str
+    trainer_state: TrainerStateOffer | None
+    step_metrics: dict[int, dict[str, Any]]
+    training_seconds: dict[int, float]
+    productive_at_version: dict[int, float]
+    productive_since: float | None
+    trainer_restored_at: float
+    slots: dict[str, SlotRecord]
+    policy: str
+    ledger: EttrLedger
+
+    if TYPE_CHECKING:
+        def slots_of(self, role: str) -> list[SlotRecord]: ...
+        def _recover_slot(self, slot: SlotRecord, at: float) -> None: ...
+        def _recover_after_full_restart(self, at: float) -> None: ...
+
+    def _on_WeightsPublished(self, ev: Event) -> None:
+        version = int(ev.data["version"])
+        if self.productive_since is None:
+            self.productive_since = ev.at  # init ends once the first weights exist
+        self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
+        if version > self.published_version:
+            self.published_version = version
+            self.published_checksum = str(ev.data["source"].get("checksum", ""))
+        state_source = ev.data.get("state_source")
+        if isinstance(state_source, dict) and (publisher := self.slots.get(ev.data["slot"])) is not None:
+            self.trainer_state = TrainerStateOffer(version, publisher.slot, publisher.wid, dict(state_source))
+        self.productive_at_version.setdefault(version, self.ledger.seconds["productive"])
+        for old in [v for v in self.weights_holders if v < version - 1]:
+            del self.weights_holders[old]
+
+    def _on_WeightsSourceFailed(self, ev: Event) -> None:
+        """Strike a holder a joiner could not fetch from off the list, except the trainer that
+        published the version: while it runs it is the source of last resort (a transient failure
+        must not leave a version with no holder at all)."""
+        holders = self.weights_holders.get(int(ev.data["version"]), {})
+        for slot_name, source in list(holders.items()):
+            slot = self.slots.get(slot_name)
+            if slot is not None and slot.role == "trainer" and not slot.standby:
+                continue
+            if source.get("port") == ev.data["source"].get("port") and source.get("host") == ev.data["source"].get("host"):
+                del holders[slot_name]
+
+    def _on_WeightsHeld(self, ev: Event) -> None:
+        version = int(ev.data["version"])
+        self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
+        slot = self.slots.get(ev.data["slot"])
+        if slot is not None:
+            slot.weights_version = max(slot.weights_version, version)
+            if slot.role == "rollout" and version >= self.published_version:
+                self._recover_slot(slot, ev.at)
+                if self.policy == "full-restart":
+                    self._recover_after_full_restart(ev.at)
+
+    def _on_StepTrained(self, ev: Event) -> None:
+        step = int(ev.data["step"])
+        self.step_metrics[step] = dict(ev.data["metrics"])
+        started = self.training_seconds.get(step)
+        if started is not None and started < 0:
+            self.training_seconds[step] = ev.at + started
+
+    def _on_Checkpointed(self, ev: Event) -> None:
+        self.checkpoint_step = int(ev.data["step"])
+        self.checkpoint_path = str(ev.data["path"])
+
+    def weights_source(self, version: int, exclude_slot: str = "") -> dict[str, Any] | None:
+        """A live holder of ``version``, preferring rollouts over the trainer to spread the load."""
+        live = []
+        for slot_name, source in self.weights_holders.get(version, {}).items():
+            slot = self.slots.get(slot_name)
+            if slot is None or slot_name == exclude_slot or slot.life is None:
+                continue
+            if slot.life.state not in (WorkerState.RUNNING, WorkerState.STARTING):
+                continue
+            live.append((0 if slot.role == "rollout" else 1, slot_name, source))
+        if not live:
+            return None
+        live.sort(key=lambda item: (item[0], hash((item[1], exclude_slot)) % 97))
+        return live[0][2]
+
+    def live_trainer_state(self) -> TrainerStateOffer | None:
+        """The newest trainer-state offer while the worker that made it still runs (else None)."""
+        offer = self.trainer_state
+        if offer is None:
+            return None
+        publisher = self.slots.get(offer.slot)
+        if publisher is None or publisher.wid != offer.wid or publisher.life is None:
+            return None
+        return offer if publisher.life.state is WorkerState.RUNNING else None
+
+    def _on_TrainerRestored(self, ev: Event) -> None:
+        replayed = [int(s) for s in ev.data["replayed_steps"]]
+        lost = sum(max(0.0, self.training_seconds.get(s, 0.0)) for s in replayed)
+        self.ledger.reclassify(lost, "productive", "lost")
+        slot = self.slots.get(ev.data["slot"])
+        if slot is not None:
+            # Rank 0 reports for the data-parallel group: every rank restored in lockstep with it.
+            for rank in [slot] + [s for s in self.slots_of("trainer") if s is not slot]:
+                self._recover_slot(rank, ev.at)
+        self.trainer_restored_at = ev.at
+
+    def _on_SchedulerRolledBack(self, ev: Event) -> None:
+        to_step = int(ev.data["to_step"])
+        since = self.productive_at_version.get(to_step)
+        if since is not None:
+            self.ledger.reclassify(self.ledger.seconds["productive"] - since, "productive", "lost")
+        self.published_version = to_step
+        self.weights_holders = {v: h for v, h in self.weights_holders.items() if v <= to_step}
