@@ -41,8 +41,8 @@ log = logging.getLogger("rlctl_agent.connection")
 
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
-TLS_HANDSHAKE_TIMEOUT_S = 5.0
-HANDSHAKE_TIMEOUT_S = 3.0  # the controller sends its challenge at accept; a paused one never does
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0  # a loaded controller can stall for seconds; a paused one never answers
 OUTBOX_LIMIT = 10_000
 COMMAND_TYPES = frozenset({"start_worker", "stop_worker", "signal_worker", "inject", "to_worker", "shutdown"})
 PING_SILENCE_FACTOR = 4.0

@@ -41,7 +41,7 @@ GoneHandler = Callable[[str, str], Awaitable[None]]
 # (source address, node claimed or "", reason, refusals from that source since its last report)
 RefusalHandler = Callable[[str, str, str, int], None]
 
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 10.0
 HELLO_MAX_BYTES = 16 * 1024
 MAX_UNAUTHENTICATED = 1024
 MAX_UNAUTHENTICATED_PER_SOURCE = 64

@@ -24,9 +24,9 @@ log = logging.getLogger("rlctl.controller.detection")
 AGENT_REGISTER_TIMEOUT_S = 30.0
 # After a controller restart, agents reconnect with backoff (up to 5 s between tries), and after
 # a paused predecessor was fenced they first wait out its silence (12 s) and may land on its
-# listener a few times (3 s each; measured: all back within 30 s): a node is not blamed for its
+# listener a few times (10 s each, the agent's handshake wait): a node is not blamed for its
 # silence until it had the time to come back.
-RESUME_GRACE_S = 45.0
+RESUME_GRACE_S = 90.0
 WORKER_CHECK_INTERVAL_S = 1.0
 WORKER_CHECK_SLICES = 8
 PROBE_TIMEOUT_S = 10.0
