@@ -174,21 +174,20 @@ class AgentHub:
         self._unauthenticated_from: dict[str, int] = {}
         self._closing = False
         self._memory = FreedMemory()
-        self._tls: ssl.SSLContext | None = None
         self._ping_queue: list[str] = []  # nodes still to ping in this round
         self.epoch = 0
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None, accept: bool = True) -> int:
         """Bind (``port`` 0 picks one; a resumed controller passes its old port) and, with ``accept``,
         start accepting agents (else ``serve`` starts that later). Returns the port. With ``tls``,
-        agents must complete a TLS handshake before the challenge is sent; it runs inside the
-        connection caps and the handshake deadline (a TLS session holds ~256 KiB of buffers, so a
-        stranger's handshake must be bounded like its hello). ``reuse_port``: a successor controller
-        can bind the port while a paused predecessor still holds it (it is then fenced)."""
-        self._tls = tls
+        agents must complete a TLS handshake (bounded by its own timeout) before the challenge is
+        sent. Upgrading inside the caps with ``start_tls`` lost a ClientHello that arrived before
+        the upgrade, so the TLS handshake runs before the caps apply. ``reuse_port``: a successor
+        controller can bind the port while a paused predecessor still holds it (it is then fenced)."""
         # A large accept backlog: thousands of agents reconnect at once after a controller restart.
         self._server = await asyncio.start_server(
             self._serve, host, port, limit=HELLO_MAX_BYTES, reuse_address=True, reuse_port=True, backlog=ACCEPT_BACKLOG,
+            ssl=tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if tls is not None else None,
             start_serving=accept,
         )
         return int(self._server.sockets[0].getsockname()[1])
@@ -341,8 +340,6 @@ class AgentHub:
     async def _secure_handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str,
     ) -> tuple[AgentLink, dict[str, Any]] | None:
-        if self._tls is not None:
-            await writer.start_tls(self._tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
         return await self._handshake(reader, writer, source)
 
     async def _handshake(
