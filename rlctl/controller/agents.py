@@ -273,11 +273,11 @@ class AgentHub:
         self._unauthenticated_from[source] = self._unauthenticated_from.get(source, 0) + 1
         try:
             try:
-                accepted = await asyncio.wait_for(self._secure_handshake(reader, writer, source), HANDSHAKE_TIMEOUT_S)
-            except ssl.SSLError as exc:
-                self._refusals.refused(source, "", f"TLS handshake failed: {str(exc)[:120]}")
+                accepted = await asyncio.wait_for(self._handshake(reader, writer, source), HANDSHAKE_TIMEOUT_S)
+            except ssl.SSLError as exc:  # a TLS record a stranger garbled, read with the hello
+                self._refusals.refused(source, "", f"TLS error: {str(exc)[:120]}")
                 self._memory.refused()
-                raise ConnectionError(f"TLS handshake failed: {exc}") from None
+                raise ConnectionError(f"TLS error: {exc}") from None
             except TimeoutError:
                 self._refusals.refused(source, "", f"no valid hello within {HANDSHAKE_TIMEOUT_S:g} s")
                 self._memory.refused()
@@ -336,11 +336,6 @@ class AgentHub:
                         await self._on_gone(node, "connection closed")
                     except Exception as exc:  # noqa: BLE001  # e.g. a fenced controller's journal: say so, go on
                         log.warning("agent %s is gone, but recording it failed: %s", node, exc)
-
-    async def _secure_handshake(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str,
-    ) -> tuple[AgentLink, dict[str, Any]] | None:
-        return await self._handshake(reader, writer, source)
 
     async def _handshake(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str,

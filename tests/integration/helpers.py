@@ -63,6 +63,14 @@ def wait_recovered(state_dir: Path, job: str, fault_ids: list[str], min_step: in
     return wait_for(done, timeout, what)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie or a reaped process does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def processes_under(path: Path) -> list[int]:
     """PIDs whose working directory or command line is inside ``path`` (what a job leaves behind)."""
     found = []

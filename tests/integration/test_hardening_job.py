@@ -17,6 +17,7 @@ from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from tests.integration.helpers import (
     kill_everything_under,
+    pid_alive,
     processes_under,
     rlctl,
     rlctl_json,
@@ -33,12 +34,6 @@ def state_dir(tmp_path: Path):
     yield tmp_path / "jobs"
     kill_everything_under(tmp_path)
 
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def events_of(jobdir: JobDir, kind: str) -> list:
@@ -86,7 +81,7 @@ def test_refusals_fencing_offline_stop_and_no_resume_of_an_ended_job(tmp_path: P
     finally:
         woke = time.monotonic()
         os.kill(old_pid, signal.SIGCONT)
-    wait_for(lambda: not alive(old_pid), 30, "the fenced controller to exit")
+    wait_for(lambda: not pid_alive(old_pid), 30, "the fenced controller to exit")
     fenced_exit_s = time.monotonic() - woke
     assert fenced_exit_s < 10, fenced_exit_s
     assert "fenced" in (jobdir.log_file.read_text(errors="replace"))
@@ -98,7 +93,7 @@ def test_refusals_fencing_offline_stop_and_no_resume_of_an_ended_job(tmp_path: P
 
     # A dead controller: `rlctl stop` stops the job through the backend and journals it.
     os.kill(new_pid, signal.SIGKILL)
-    wait_for(lambda: not alive(new_pid), 10, "the controller to die")
+    wait_for(lambda: not pid_alive(new_pid), 10, "the controller to die")
     stopped = rlctl_json(state_dir, "stop", job)
     assert stopped["state"] == "stopped" and stopped["offline"] is True and stopped["nodes_released"] >= 5
     wait_for(lambda: not processes_under(jobdir.path), 20, "every process of the job to exit")

@@ -15,6 +15,7 @@ from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from tests.integration.helpers import (
     kill_everything_under,
+    pid_alive,
     processes_under,
     rlctl,
     rlctl_json,
@@ -57,7 +58,7 @@ def test_launch_status_kill_resume_stop(tmp_path: Path, state_dir: Path) -> None
     controller_pid = int(jobdir.read_controller()["pid"])
     step_before = snap["job"]["step"]
     os.kill(controller_pid, signal.SIGKILL)
-    wait_for(lambda: not _alive(controller_pid), 10, "the controller to die")
+    wait_for(lambda: not pid_alive(controller_pid), 10, "the controller to die")
     seq_at_kill = Journal(jobdir.journal, readonly=True).last_seq()
 
     rlctl(state_dir, "resume", job)
@@ -87,13 +88,3 @@ def test_launch_status_kill_resume_stop(tmp_path: Path, state_dir: Path) -> None
     assert final["job"]["state"] == "stopped"
     assert all(n["state"] == "released" for n in final["nodes"])
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

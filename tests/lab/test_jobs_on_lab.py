@@ -40,7 +40,7 @@ from rlctl.controller.store import Journal
 from rlctl.core.events import Event
 from rlctl.lab.jobs import reference_job
 from rlctl.lab.packages import missing_packages
-from tests.integration.helpers import ROOT, rlctl, rlctl_json, status, wait_for
+from tests.integration.helpers import ROOT, pid_alive, rlctl, rlctl_json, status, wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -168,17 +168,11 @@ class LabJob:
         or SSH to each host) and the stop is journaled."""
         pid = int(self.jobdir.read_controller()["pid"])
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not _alive(pid), 10, "the controller to die")
+        wait_for(lambda: not pid_alive(pid), 10, "the controller to die")
         result = rlctl_json(self.state_dir, "stop", self.job_id)
         assert result["offline"] is True and result["state"] == "stopped", result
         assert self.status()["job"]["state"] == "stopped"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def job_processes(job_id: str, pids: set[int] | None = None) -> list[str]:
