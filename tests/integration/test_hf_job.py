@@ -21,6 +21,7 @@ from tests.chaos.test_fault_kinds import node_with_role, recovered
 from tests.hf_models import gsm8k_data, tiny_model
 from tests.integration.helpers import (
     kill_everything_under,
+    pid_alive,
     rlctl,
     rlctl_json,
     run_to_end,
@@ -28,7 +29,6 @@ from tests.integration.helpers import (
     wait_for,
     write_job,
 )
-from tests.integration.test_local_job import _alive
 
 # The user's reward file: scores like gsm8k, but raises on some responses and hangs on others.
 REWARD_FILE = textwrap.dedent('''
@@ -94,7 +94,7 @@ def test_user_model_data_and_reward_through_faults_and_resume(tmp_path: Path, jo
     step_before = status(state_dir, job_id)["job"]["step"]
     controller = int(jobdir.read_controller()["pid"])
     os.kill(controller, signal.SIGKILL)
-    wait_for(lambda: not _alive(controller), 10, "the controller to die")
+    wait_for(lambda: not pid_alive(controller), 10, "the controller to die")
     rlctl(state_dir, "resume", job_id)
     wait_for(lambda: (s := status(state_dir, job_id)) and s["controller"].get("live") and s["job"]["step"] >= step_before + 3
              and s["job"]["step"] >= 9, 240, "training to continue after resume and pass a checkpoint")
