@@ -168,6 +168,7 @@ class AgentHub:
         self._server: asyncio.base_events.Server | None = None
         self._cmd_ids = itertools.count(1)
         self._hello_tasks: set[asyncio.Task[None]] = set()
+        self._connection_tasks: set[asyncio.Task[None]] = set()
         self._refusals = RefusalReporter(on_refused or (lambda *_: None))
         self._on_fenced = on_fenced or (lambda _: None)
         self._unauthenticated = 0
@@ -175,22 +176,78 @@ class AgentHub:
         self._closing = False
         self._memory = FreedMemory()
         self._ping_queue: list[str] = []  # nodes still to ping in this round
+        self._tls: ssl.SSLContext | None = None
         self.epoch = 0
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None, accept: bool = True) -> int:
         """Bind (``port`` 0 picks one; a resumed controller passes its old port) and, with ``accept``,
         start accepting agents (else ``serve`` starts that later). Returns the port. With ``tls``,
         agents must complete a TLS handshake (bounded by its own timeout) before the challenge is
-        sent. Upgrading inside the caps with ``start_tls`` lost a ClientHello that arrived before
-        the upgrade, so the TLS handshake runs before the caps apply. ``reuse_port``: a successor
-        controller can bind the port while a paused predecessor still holds it (it is then fenced)."""
+        sent; it runs inside the caps on unauthenticated connections (``_Admission``).
+        ``reuse_port``: a successor controller can bind the port while a paused predecessor still
+        holds it (it is then fenced)."""
+        self._tls = tls
+        loop = asyncio.get_running_loop()
         # A large accept backlog: thousands of agents reconnect at once after a controller restart.
-        self._server = await asyncio.start_server(
-            self._serve, host, port, limit=HELLO_MAX_BYTES, reuse_address=True, reuse_port=True, backlog=ACCEPT_BACKLOG,
-            ssl=tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if tls is not None else None,
+        self._server = await loop.create_server(
+            lambda: _Admission(self), host, port, reuse_address=True, reuse_port=True, backlog=ACCEPT_BACKLOG,
             start_serving=accept,
         )
         return int(self._server.sockets[0].getsockname()[1])
+
+    def _admit(self, transport: asyncio.Transport) -> None:
+        """A new connection, not yet read from: refused at once over the caps, else counted as
+        unauthenticated (until ``_serve`` ends its handshake) and opened."""
+        peer = transport.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        if (self._closing or self._unauthenticated >= MAX_UNAUTHENTICATED
+                or self._unauthenticated_from.get(source, 0) >= MAX_UNAUTHENTICATED_PER_SOURCE):
+            if not self._closing:
+                self._refusals.refused(source, "", "too many unauthenticated connections")
+                self._memory.refused()
+            transport.abort()
+            return
+        self._unauthenticated += 1
+        self._unauthenticated_from[source] = self._unauthenticated_from.get(source, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._open(transport, source))
+        self._connection_tasks.add(task)
+        task.add_done_callback(_log_connection_failure)
+        task.add_done_callback(self._connection_tasks.discard)
+
+    def _authenticated_or_gone(self, source: str) -> None:
+        self._unauthenticated -= 1
+        left = self._unauthenticated_from.pop(source, 1) - 1
+        if left > 0:
+            self._unauthenticated_from[source] = left
+        if self._unauthenticated == 0:
+            self._memory.burst_over()
+
+    async def _open(self, transport: asyncio.Transport, source: str) -> None:
+        """Put a stream on an admitted connection (after the TLS handshake, with ``tls``) and serve it."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=HELLO_MAX_BYTES, loop=loop)
+        stream = asyncio.StreamReaderProtocol(reader, loop=loop)
+        if self._tls is not None:
+            try:
+                upgraded = await loop.start_tls(transport, stream, self._tls, server_side=True,
+                                                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
+            except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
+                self._refusals.refused(source, "", f"TLS handshake failed: {str(exc)[:120] or type(exc).__name__}")
+                self._memory.refused()
+                self._authenticated_or_gone(source)
+                transport.abort()
+                return
+            if upgraded is None:  # the peer closed during the handshake
+                self._authenticated_or_gone(source)
+                transport.abort()
+                return
+            transport = upgraded
+        else:
+            transport.set_protocol(stream)
+        stream.connection_made(transport)
+        if self._tls is None:
+            transport.resume_reading()
+        await self._serve(reader, asyncio.StreamWriter(transport, stream, reader, loop), source)
 
     async def serve(self) -> None:
         """Start accepting agents (after ``start``)."""
@@ -258,19 +315,12 @@ class AgentHub:
         except (ConnectionError, RuntimeError):
             return False
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str) -> None:
+        """One admitted connection: the handshake (counted as unauthenticated until it ends), then
+        the authenticated agent's messages until it closes."""
         peer = writer.get_extra_info("peername")
-        source = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
-        if (self._unauthenticated >= MAX_UNAUTHENTICATED
-                or self._unauthenticated_from.get(source, 0) >= MAX_UNAUTHENTICATED_PER_SOURCE):
-            self._refusals.refused(source, "", "too many unauthenticated connections")
-            self._memory.refused()
-            writer.close()
-            return
         node = ""
         link: AgentLink | None = None
-        self._unauthenticated += 1
-        self._unauthenticated_from[source] = self._unauthenticated_from.get(source, 0) + 1
         try:
             try:
                 accepted = await asyncio.wait_for(self._handshake(reader, writer, source), HANDSHAKE_TIMEOUT_S)
@@ -287,12 +337,7 @@ class AgentHub:
                 self._memory.refused()
                 raise
             finally:
-                self._unauthenticated -= 1
-                left = self._unauthenticated_from.pop(source, 1) - 1
-                if left > 0:
-                    self._unauthenticated_from[source] = left
-                if self._unauthenticated == 0:
-                    self._memory.burst_over()
+                self._authenticated_or_gone(source)
             if accepted is None:
                 return
             link, hello = accepted
@@ -368,6 +413,20 @@ class AgentHub:
         return link, hello
 
 
+class _Admission(asyncio.Protocol):
+    """The first protocol of every accepted connection. It pauses reading before the first byte
+    arrives, so nothing (a TLS ClientHello included) is read before the hub decides: refused over
+    the caps, or handed to a stream (upgraded to TLS first when the hub has a context)."""
+
+    def __init__(self, hub: AgentHub) -> None:
+        self._hub = hub
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()
+        self._hub._admit(transport)
+
+
 def _allow_full_messages(reader: asyncio.StreamReader) -> None:
     """Raise the reader's line limit from the hello's to the protocol's, once authenticated.
 
@@ -378,3 +437,8 @@ def _allow_full_messages(reader: asyncio.StreamReader) -> None:
 def _log_hello_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.error("handling an agent's hello failed", exc_info=exc)
+
+
+def _log_connection_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("serving an agent connection failed", exc_info=exc)

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import ssl
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rlctl_agent.config import ConfigError, parse_config
 
+from rlctl.controller import agents
 from rlctl.controller.agents import AgentHub
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
 
@@ -61,7 +66,8 @@ def _spawn_agent(workdir: Path, port: int, cert_pem: str) -> subprocess.Popen[by
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-async def _start_hub(job_dir: Path, heartbeats: list[dict[str, Any]]) -> tuple[AgentHub, int]:
+async def _start_hub(job_dir: Path, heartbeats: list[dict[str, Any]],
+                     refusals: list[tuple[str, str, str, int]] | None = None) -> tuple[AgentHub, int]:
     async def on_hello(node: str, hello: dict[str, Any]) -> None:
         return None
 
@@ -72,7 +78,8 @@ async def _start_hub(job_dir: Path, heartbeats: list[dict[str, Any]]) -> tuple[A
     async def on_gone(node: str, reason: str) -> None:
         return None
 
-    hub = AgentHub(SECRET, lambda node: node == "node01", on_hello, on_message, on_gone, 0.2)
+    hub = AgentHub(SECRET, lambda node: node == "node01", on_hello, on_message, on_gone, 0.2,
+                   on_refused=None if refusals is None else (lambda *args: refusals.append(args)))
     certificate = ensure_job_certificate(job_dir, "job-tls")
     return hub, await hub.start("127.0.0.1", 0, server_context(certificate))
 
@@ -121,6 +128,68 @@ def test_an_agent_pinning_another_jobs_certificate_refuses_the_controller(tmp_pa
         finally:
             agent.kill()
             agent.wait(5)
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def _pinned_client(cert_pem: str) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.load_verify_locations(cadata=cert_pem)
+    return context
+
+
+def test_a_client_hello_waiting_before_the_hub_accepts_is_not_lost(tmp_path: Path) -> None:
+    """Clients connect and send their ClientHello while the hub's loop is busy; when it accepts,
+    each hello is already in the socket. Every one completes TLS and gets the challenge."""
+    async def scenario() -> None:
+        hub, port = await _start_hub(tmp_path, [])
+        client = _pinned_client((tmp_path / "agent-tls.crt").read_text())
+        challenges: list[bytes] = []
+
+        def connect() -> None:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                with client.wrap_socket(raw) as tls:
+                    challenges.append(tls.makefile("rb").readline())
+
+        threads = [threading.Thread(target=connect) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # the hub's loop is blocked: the ClientHellos wait in the accepted sockets
+        try:
+            await asyncio.to_thread(lambda: [thread.join(15) for thread in threads])
+            assert len(challenges) == 8 and all(b'"challenge"' in line for line in challenges), challenges
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_tls_handshakes_count_against_the_unauthenticated_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strangers that open the port and never start TLS hold the per-source cap; the next TLS
+    client is closed at once, before any handshake, and the refusal is reported."""
+    monkeypatch.setattr(agents, "MAX_UNAUTHENTICATED_PER_SOURCE", 3)
+
+    async def scenario() -> None:
+        refusals: list[tuple[str, str, str, int]] = []
+        hub, port = await _start_hub(tmp_path, [], refusals)
+        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        try:
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
+                await asyncio.wait_for(asyncio.open_connection(
+                    "127.0.0.1", port, ssl=_pinned_client((tmp_path / "agent-tls.crt").read_text())), 5)
+            assert time.monotonic() - started < 2.0
+            assert any(r[2] == "too many unauthenticated connections" for r in refusals), refusals
+            for _, writer in silent:
+                writer.close()
+            await asyncio.sleep(0.2)
+            _, writer = await asyncio.wait_for(asyncio.open_connection(
+                "127.0.0.1", port, ssl=_pinned_client((tmp_path / "agent-tls.crt").read_text())), 5)
+            writer.close()  # the cap is free again once the strangers left
+        finally:
             await hub.close()
 
     asyncio.run(scenario())
