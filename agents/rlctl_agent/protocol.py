@@ -68,6 +68,8 @@ def auth_digest(secret: bytes, nonce: str, node: str) -> str:
 
 
 WEIGHTS_TOKEN_ENV = "RLCTL_WEIGHTS_TOKEN"
+# The GPUs (the node's local indices, comma-separated) a worker holds, as the controller placed it.
+GPUS_ENV = "RLCTL_GPUS"
 _WEIGHTS_PURPOSE = b"rlctl weights pull v1"
 
 

@@ -31,6 +31,18 @@ log = logging.getLogger("rlctl_agent.supervisor")
 STATE_VERSION = 1
 
 
+def _placed_gpus(env: dict[str, str]) -> list[int]:
+    """The local GPU indices the controller placed a worker on (``RLCTL_GPUS``), [] if none."""
+    return [int(part) for part in str(env.get(protocol.GPUS_ENV, "")).split(",") if part.strip().isdigit()]
+
+
+def visible_devices(placed: list[int], node_visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a worker on the node's GPUs ``placed``: the entries of the
+    node's own list (a Slurm step's, say) at those positions, else the indices themselves."""
+    own = [part.strip() for part in (node_visible or "").split(",") if part.strip()]
+    return ",".join(own[index] if index < len(own) else str(index) for index in placed)
+
+
 class SupervisorError(Exception):
     """A worker cannot be started or signalled (unknown wid, bad argv, missing cwd...)."""
 
@@ -164,9 +176,10 @@ class Supervisor:
             except OSError as exc:
                 raise SupervisorError(f"cannot start {argv[0]!r}: {exc.strerror}") from None
         stat = read_proc_stat(popen.pid)
+        placed = _placed_gpus(env)
         record = WorkerRecord(wid=wid, slot=slot, role=role, pid=popen.pid, start_time=stat[1] if stat else 0,
                               log_path=log_path, watcher=WorkerLogWatcher(wid, log_path, offset), popen=popen,
-                              gpu=self._pick_gpu(env))
+                              gpu=placed[0] if placed else self._pick_gpu(env))
         self.workers[wid] = record
         self.save_state()
         log.info("started worker %s (role %s, slot %s) pid %d", wid, role, slot, popen.pid)
@@ -186,6 +199,9 @@ class Supervisor:
         config = self._config
         env = dict(os.environ)
         env.update({str(key): str(value) for key, value in extra.items()})
+        placed = _placed_gpus(extra)
+        if placed:
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(placed, os.environ.get("CUDA_VISIBLE_DEVICES"))
         env.update({
             "RLCTL_AGENT_SOCK": str(config.socket_path), "RLCTL_WORKER_ID": wid, "RLCTL_SLOT": str(slot),
             "RLCTL_ROLE": role, "RLCTL_NODE": config.node, "RLCTL_JOB_ID": config.job_id,

@@ -27,13 +27,17 @@ def inject_fault(
     duration: float = typer.Option(None, "--duration", help="For hang/slow/partition: seconds until it heals."),
     factor: float = typer.Option(None, "--factor", help="For slow: slow-down factor (e.g. 4)."),
     ecc: str = typer.Option("dbe", "--ecc", help="For --kind ecc: sbe or dbe."),
+    gpu: int = typer.Option(None, "--gpu", help="For xid/ecc: the GPU's index on the node (default 0); the "
+                                                "signal is attributed to the worker on that GPU."),
+    worker: str = typer.Option(None, "--worker", help="The worker to hit: a slot of the node (e.g. trainer-1) or a "
+                                                      "worker id (default: the worker on --gpu, else the node's first)."),
     json_out: bool = typer.Option(False, "--json"),
     state_dir: str = typer.Option(None, "--state-dir"),
 ) -> None:
     """Inject a fault into NODE of a running job. Answers once the node's agent (or the backend)
     has carried the fault out or refused it; a refusal exits non-zero with the reason."""
     params: dict[str, object] = {"after": after}
-    for key, value in (("code", code), ("duration", duration), ("factor", factor)):
+    for key, value in (("code", code), ("duration", duration), ("factor", factor), ("gpu", gpu), ("worker", worker)):
         if value is not None:
             params[key] = value
     if kind == "ecc":

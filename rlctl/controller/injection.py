@@ -74,10 +74,11 @@ class FaultInjection:
 
     async def _by_agent(self, node: str, kind: str, params: dict[str, Any]) -> str | None:
         """Hand the fault to the node's agent; the reason it refused (or did not answer), or None."""
-        slot = self.model.slot_on_node(node)
         agent_params = dict(params)
-        if slot is not None and slot.wid:
-            agent_params.setdefault("wid", slot.wid)
+        wid = self._target_wid(node, agent_params)
+        agent_params.pop("worker", None)
+        if wid is not None:
+            agent_params["wid"] = wid
         ack = await self.command(node, "inject", wait=AGENT_ACK_WAIT_S, kind=kind, params=agent_params)
         if ack is None:
             return f"the agent on {node} did not accept {kind} within {AGENT_ACK_WAIT_S:g} s (not connected?)"
@@ -85,3 +86,13 @@ class FaultInjection:
             log.warning("agent on %s refused %s: %s", node, kind, ack.get("error"))
             return f"the agent on {node} refused {kind}: {ack.get('error')}"
         return None
+
+    def _target_wid(self, node: str, params: dict[str, Any]) -> str | None:
+        """The worker a fault hits: ``--worker`` (a slot of the node, e.g. ``trainer-1``, or a worker
+        id), else the worker on ``--gpu``, else the node's first worker."""
+        named = params.get("worker") or params.get("wid")
+        if named:
+            slot = self.model.slots.get(str(named))
+            return slot.wid if slot is not None and slot.node == node and slot.wid else str(named)
+        slot = self.model.slot_on_gpu(node, params.get("gpu"))
+        return slot.wid if slot is not None and slot.wid else None

@@ -227,7 +227,7 @@ class Controller:
         self.record(EventKind.JOB_STATE_CHANGED, state=JobState.STARTING.value, reason="allocating nodes")
         nodes = await self.backend.allocate(self.plan.allocation(self.jobdir.job_id))
         self.node_infos.update((n.name, n) for n in nodes)
-        self.orc.place([fx.NodeGrant(n.name, n.host, n.backend_ref) for n in nodes], self.plan.nodes_by_role,
+        self.orc.place([fx.NodeGrant(n.name, n.host, n.backend_ref) for n in nodes], self.plan.roles,
                        self.plan.warm_spares)
         failures = [(n, exc) for n, exc in zip(nodes, await asyncio.gather(*(self.effects.start_agent(n) for n in nodes)))
                     if exc is not None]

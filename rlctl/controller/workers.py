@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from rlctl_agent.protocol import GPUS_ENV
+
 from rlctl.controller.seam import Workload
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.spec import JobSpec
@@ -50,6 +52,7 @@ class WorkerLauncher:
             "dataset_size": spec.rollout.dataset_size,
             "model": {**spec.model, "path": self.workload.model_path()},
             "reward": spec.reward,
+            "tensor_parallel_size": role.tensor_parallel_size if slot.role == "rollout" else 1,
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
         if self.on_this_machine:
@@ -66,6 +69,9 @@ class WorkerLauncher:
             "RLCTL_WEIGHTS_HOST": self._weights_host(slot),
             "RLCTL_STANDBY": "1" if slot.standby else "0",
         }
+        if slot.gpus and not slot.standby:
+            # The agent maps these onto the node's CUDA_VISIBLE_DEVICES and attributes the GPUs' signals to the worker.
+            env[GPUS_ENV] = ",".join(str(gpu) for gpu in slot.gpus)
         return argv, env
 
     def _weights_host(self, slot: SlotRecord) -> str:
@@ -85,16 +91,19 @@ class WorkerLauncher:
         return node.host if node is not None and node.host else configured
 
     def _trainer_group_env(self, slot: SlotRecord) -> dict[str, str]:
-        """torch.distributed rendezvous for data-parallel trainers (one rank per trainer node):
-        rank = the slot's index, the store on trainer-0's node. Nothing for a single trainer."""
+        """torch.distributed rendezvous for a trainer group (one rank per GPU, as torchrun sets it):
+        rank = the slot's index, local rank its place among the trainer slots on its node, the store
+        on trainer-0's node. Nothing for a single trainer."""
         group = self.model.slots_of("trainer")
         if len(group) < 2 or slot.standby:
             return {}
+        on_node = sorted((s for s in group if s.node == slot.node), key=lambda s: int(s.slot.rsplit("-", 1)[1]))
         first = self.model.slots.get("trainer-0")
         master = first.node if first is not None else None
         host = self.spec.weights_host if self.on_this_machine or master is None else (
             self.model.nodes[master].host or master)
-        return {"WORLD_SIZE": str(len(group)), "RANK": slot.slot.rsplit("-", 1)[1], "LOCAL_RANK": "0",
+        return {"WORLD_SIZE": str(len(group)), "RANK": slot.slot.rsplit("-", 1)[1],
+                "LOCAL_RANK": str(on_node.index(slot)), "LOCAL_WORLD_SIZE": str(len(on_node)),
                 "MASTER_ADDR": host, "MASTER_PORT": str(trainer_rendezvous_port(self.model.job_id))}
 
     def _trainer_collective_env(self, slot: SlotRecord) -> dict[str, str]:

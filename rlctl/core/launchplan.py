@@ -28,14 +28,26 @@ class AllocationRequest:
 
 @dataclass(frozen=True)
 class RolePlan:
+    """A role's nodes and their workers: ``workers_per_node`` processes of ``gpus_per_worker`` GPUs
+    each. Slot ``<role>-<i>`` is worker ``i % workers_per_node`` of the role's node ``i //
+    workers_per_node`` and holds that worker's GPUs; the trainer's slot index is its rank."""
+
     role: str
     nodes: int
     gpus_per_node: int
     command: tuple[str, ...]
+    workers_per_node: int = 1
+    gpus_per_worker: int = 0
 
     @property
     def slots(self) -> tuple[str, ...]:
-        return tuple(f"{self.role}-{index}" for index in range(self.nodes))
+        return tuple(f"{self.role}-{index}" for index in range(self.nodes * self.workers_per_node))
+
+    def node_slots(self, node_index: int) -> dict[str, list[int]]:
+        """The slots of the role's ``node_index``-th node, each with the GPUs (local indices) it holds."""
+        per_node, per_worker = self.workers_per_node, self.gpus_per_worker
+        return {f"{self.role}-{node_index * per_node + local}": list(range(local * per_worker, (local + 1) * per_worker))
+                for local in range(per_node)}
 
 
 @dataclass(frozen=True)
@@ -63,15 +75,16 @@ class LaunchPlan:
                                  gpus_per_node={role.role: role.gpus_per_node for role in self.roles})
 
     def scaled(self, nodes_by_role: dict[str, int], spares: int) -> LaunchPlan:
-        """The same plan with other node counts (the simulator's ``--gpus``)."""
-        return replace(self, roles=tuple(replace(role, nodes=nodes_by_role[role.role]) for role in self.roles),
-                       spares=spares)
+        """The same plan with other node counts, each node one worker: the simulator's ``--gpus``
+        (its cost model prices a node's work as a whole)."""
+        return replace(self, roles=tuple(replace(role, nodes=nodes_by_role[role.role], workers_per_node=1)
+                                         for role in self.roles), spares=spares)
 
     def lines(self) -> list[str]:
         return [
             f"job {self.job}: {self.steps} steps, policy {self.policy}, backend {self.backend}",
-            "roles: " + ", ".join(f"{r.role} x{r.nodes} ({r.gpus_per_node} GPU/node): {' '.join(r.command)}"
-                                  for r in self.roles),
+            "roles: " + ", ".join(f"{r.role} x{r.nodes} ({r.gpus_per_node} GPU/node, {r.workers_per_node} "
+                                  f"worker(s)/node): {' '.join(r.command)}" for r in self.roles),
             f"spares: {self.spares} ({'warm trainer standby' if self.warm_spares else 'cold'})",
         ]
 
@@ -82,8 +95,9 @@ def plan(spec: JobSpec) -> LaunchPlan:
         backend=spec.backend,
         steps=spec.steps,
         policy=spec.fault_tolerance.policy,
-        roles=tuple(RolePlan(name, spec.roles[name].nodes, spec.roles[name].gpus_per_node, spec.roles[name].command)
-                    for name in ROLE_ORDER),
+        roles=tuple(RolePlan(name, role.nodes, role.gpus_per_node, role.command, role.workers_per_node,
+                             role.gpus_per_worker)
+                    for name in ROLE_ORDER for role in (spec.roles[name],)),
         spares=spec.spare_nodes,
         warm_spares=spec.warm_spares,
         gpus_per_node=int(spec.cluster.get("gpus_per_node", 1)),

@@ -97,6 +97,15 @@ class JobModel(FaultLedger, WeightsRegistry):
                 return slot
         return None
 
+    def slot_on_gpu(self, node: str, gpu: int | None) -> SlotRecord | None:
+        """The worker slot on ``node`` that holds GPU ``gpu`` (its agent's index); the node's first
+        slot when no slot names that GPU (a node without GPUs, or no GPU given)."""
+        if gpu is not None:
+            for slot in self.slots_on_node(node):
+                if not slot.standby and gpu in slot.gpus:
+                    return slot
+        return self.slot_on_node(node)
+
     def standby_slots(self) -> list[SlotRecord]:
         return [s for s in self.slots.values() if s.standby and s.node is not None]
 
@@ -154,14 +163,18 @@ class JobModel(FaultLedger, WeightsRegistry):
             life=Lifecycle.begin(NodeState.STARTING, ev.at, "allocated"),
             backend_ref=d.get("backend_ref", ""),
         )
-        slot_name = d["slot"]
-        if slot_name:
-            standby = bool(d.get("standby", False))
+        # ``slots`` (slot -> GPUs) names every worker of the node; ``slot`` alone is a one-worker node.
+        placed: dict[str, list[int]] = d.get("slots") or ({d["slot"]: []} if d["slot"] else {})
+        standby = bool(d.get("standby", False))
+        for slot_name, gpus in placed.items():
             slot = self.slots.get(slot_name)
             if slot is None:
-                self.slots[slot_name] = SlotRecord(slot=slot_name, role=d["role_of_slot"] if "role_of_slot" in d else d["role"], node=d["node"], standby=standby)
+                slot = self.slots[slot_name] = SlotRecord(slot=slot_name, role=d.get("role_of_slot", d["role"]),
+                                                          node=d["node"], standby=standby)
             else:
                 slot.node = d["node"]
+            if gpus:
+                slot.gpus = tuple(int(g) for g in gpus)
             self._node_slots = None
 
     def _on_NodeStateChanged(self, ev: Event) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from rlctl.core import detector as det
 from rlctl.core.effects import Effect, NodeGrant, Shell, StartWorker, StopWorker, in_order, some
 from rlctl.core.events import Event, EventKind, event
+from rlctl.core.launchplan import RolePlan
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.recovery import LIVE_WORKER, Recovery, Tally
 from rlctl.core.rounds import RoundScheduler
@@ -73,17 +74,21 @@ class Orchestrator:
 
     # ------------------------------------------------------------------------ placement
 
-    def place(self, grants: list[NodeGrant], nodes_by_role: dict[str, int], warm_spares: bool) -> None:
+    def place(self, grants: list[NodeGrant], roles: tuple[RolePlan, ...], warm_spares: bool) -> None:
         """Roles onto the granted nodes in order: trainers, rollouts, rewards, then spares (warm
-        standbys when ``warm_spares``)."""
+        standbys when ``warm_spares``). Each role node gets its plan's worker slots with their GPUs."""
         now = self.shell.clock()
         events: list[Event] = []
         queue = list(grants)
+        by_name = {role.role: role for role in roles}
         for role in ROLES:
-            for index in range(nodes_by_role.get(role, 0)):
+            if role not in by_name:
+                continue
+            for index in range(by_name[role].nodes):
                 node = queue.pop(0)
+                slots = by_name[role].node_slots(index)
                 events.append(event(EventKind.NODE_ALLOCATED, now, node=node.name, host=node.host, role=role,
-                                    slot=f"{role}-{index}", backend_ref=node.backend_ref))
+                                    slot=next(iter(slots)), slots=slots, backend_ref=node.backend_ref))
         for index, node in enumerate(queue):
             events.append(event(EventKind.NODE_ALLOCATED, now, node=node.name, host=node.host, role="spare",
                                 slot=f"standby-{index}" if warm_spares else "", role_of_slot="trainer", standby=True,
@@ -182,7 +187,8 @@ class Orchestrator:
                      worker: str | None = None) -> None:
         """An agent's fault signal (XID, ECC, NCCL watchdog...): journaled, classified, acted on."""
         self.record(EventKind.FAULT_SIGNAL, node=node, kind=kind, detail=detail[:300], code=code, gpu=gpu, worker=worker)
-        verdict = signal_verdict(self.model, node, kind, code, detail, self.shell.clock())
+        verdict = signal_verdict(self.model, node, kind, code, detail, self.shell.clock(),
+                                 gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else None)
         if verdict is not None:
             self.handle(verdict)
 
@@ -249,13 +255,16 @@ class Orchestrator:
 # ------------------------------------------------------------------------------------ helpers
 
 
-def signal_verdict(model: JobModel, node: str, kind: str, code: int | None, detail: str, now: float) -> det.Verdict | None:
-    """An agent's fault signal classified; ``observe`` actions give None."""
+def signal_verdict(model: JobModel, node: str, kind: str, code: int | None, detail: str, now: float,
+                   gpu: int | None = None) -> det.Verdict | None:
+    """An agent's fault signal classified, attributed to the worker on that GPU; ``observe``
+    actions give None."""
     fault, action = det.classify_signal(kind, code)
     if action == "observe":
         return None
-    slot = model.slot_on_node(node)
-    reason = f"{kind}{' ' + str(code) if code is not None else ''} on {node}: {detail or fault}"
+    slot = model.slot_on_gpu(node, gpu)
+    where = f"{node} GPU {gpu}" if gpu is not None else node
+    reason = f"{kind}{' ' + str(code) if code is not None else ''} on {where}: {detail or fault}"
     return det.Verdict(node, slot.slot if slot else None, "failed", fault, action, reason, now)
 
 

@@ -45,7 +45,7 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
         return _retire_node(verdict, drain=verdict.action == "drain-replace") if node_bad else []
     if slot.role == "trainer" and not slot.standby and len(trainer_group(model)) > 1:
         return _restart_trainer_group(model, verdict, slot, node_bad, max_restarts_per_slot)
-    if _standbys(model, verdict.node):
+    if _standbys(model, verdict.node) and len(workers_on(model, verdict.node, slot)) == 1:
         # A warm standby takes the role at once; a healthy old node becomes the new spare.
         steps = [Step("stop-worker", {"slot": slot.slot}), Step("activate-standby", {
             "slot": slot.slot, "standby_slot": _standbys(model, verdict.node)[0].slot})]
@@ -56,7 +56,15 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
         return steps + [Step("make-standby", {"node": verdict.node})]
     if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
         return [Step("restart-worker", {"slot": slot.slot})]
-    return _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, slot, verdict.node)
+    return (_retire_node(verdict, drain=verdict.action == "drain-replace")
+            + _move(model, workers_on(model, verdict.node, slot), verdict.node))
+
+
+def workers_on(model: JobModel, node: str, slot: SlotRecord) -> list[SlotRecord]:
+    """The role workers that leave ``node`` with it when it is retired (``slot`` among them): all
+    of a node's ranks or engines move together."""
+    on_node = [s for s in model.slots_on_node(node) if not s.standby]
+    return on_node if slot in on_node else [slot, *on_node]
 
 
 def trainer_group(model: JobModel) -> list[SlotRecord]:
@@ -72,11 +80,13 @@ def _restart_trainer_group(model: JobModel, verdict: Verdict, slot: SlotRecord, 
     restore from the checkpoint plus the retained batches. A warm standby is not used here: it
     would need the same group restart and it holds no rank."""
     if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
-        steps = [Step("restart-worker", {"slot": slot.slot})]
+        steps, moved = [Step("restart-worker", {"slot": slot.slot})], {slot.slot}
     else:
-        steps = _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, slot, verdict.node)
+        leaving = workers_on(model, verdict.node, slot)
+        steps = _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, leaving, verdict.node)
+        moved = {s.slot for s in leaving}
     return steps + [Step("restart-worker", {"slot": s.slot}) for s in trainer_group(model)
-                    if s.slot != slot.slot and s.node is not None]
+                    if s.slot not in moved and s.node is not None]
 
 
 def _standbys(model: JobModel, bad_node: str) -> list[SlotRecord]:
@@ -100,22 +110,24 @@ def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
     return [Step("fail-node", {"node": verdict.node, "reason": verdict.reason, "drain": drain})]
 
 
-def _move(model: JobModel, slot: SlotRecord, bad_node: str) -> list[Step]:
-    """Put ``slot`` on a healthy spare node: an idle one; else one whose standby worker (not ready
-    to take over, or not usable for this slot) is retired to make room; else a new node. A node
-    never runs two workers."""
+def _move(model: JobModel, slots: list[SlotRecord], bad_node: str) -> list[Step]:
+    """Put ``slots`` (the workers of one node) together on a healthy spare node: an idle one; else
+    one whose standby worker (not ready to take over, or not usable for these slots) is retired to
+    make room; else a new node. A spare never runs a role's workers beside a standby."""
     spares = [n.name for n in model.nodes.values() if n.role == "spare" and n.name != bad_node and _usable(model, n.name)]
     placed = [(name, model.slots_on_node(name)) for name in spares]
-    moved = [Step("move-slot", {"slot": slot.slot, "node": ""}), Step("restart-worker", {"slot": slot.slot})]
-    for name, slots in placed:
-        if not slots:
-            moved[0].args["node"] = name
-            return moved
-    for name, slots in placed:
-        if all(s.standby for s in slots):
-            moved[0].args["node"] = name
-            return [Step("retire-standby", {"standby_slot": s.slot}) for s in slots] + moved
-    return [Step("request-node", {"slot": slot.slot, "exclude_node": bad_node})]
+
+    def onto(node: str) -> list[Step]:
+        return ([Step("move-slot", {"slot": s.slot, "node": node}) for s in slots]
+                + [Step("restart-worker", {"slot": s.slot}) for s in slots])
+
+    for name, on_spare in placed:
+        if not on_spare:
+            return onto(name)
+    for name, on_spare in placed:
+        if all(s.standby for s in on_spare):
+            return [Step("retire-standby", {"standby_slot": s.slot}) for s in on_spare] + onto(name)
+    return [Step("request-node", {"slot": slots[0].slot, "slots": [s.slot for s in slots], "exclude_node": bad_node})]
 
 
 def _usable(model: JobModel, node: str | None) -> bool:
@@ -135,9 +147,9 @@ def _full_restart(model: JobModel, verdict: Verdict) -> list[Step]:
     if verdict.action == "restart-agent":
         steps.append(Step("restart-agent", {"node": verdict.node}))
     if verdict.action in ("replace-node", "drain-replace"):
-        slot = model.slot_on_node(verdict.node)
+        leaving = [s for s in model.slots_on_node(verdict.node) if not s.standby]
         steps += _retire_node(verdict, drain=verdict.action == "drain-replace")
-        if slot is not None:
-            steps += [s for s in _move(model, slot, verdict.node) if s.kind != "restart-worker"]
+        if leaving:
+            steps += [s for s in _move(model, leaving, verdict.node) if s.kind != "restart-worker"]
     steps += [Step("rollback", {"to_step": max(model.checkpoint_step, 0)}), Step("start-all", {})]
     return steps

@@ -73,6 +73,7 @@ class SlotRecord:
     restarts_on_node: int = 0
     weights_version: int = -1
     standby: bool = False
+    gpus: tuple[int, ...] = ()  # the node's GPUs (local indices) its worker holds; () on a node without GPUs
 
 
 @dataclass

@@ -127,7 +127,8 @@ class Recovery:
             return
         if self.model.life.can_move(JobState.RECOVERING):
             self.record(EventKind.JOB_STATE_CHANGED, state=JobState.RECOVERING.value, reason=verdict.reason[:120])
-        slots = {str(s.args["slot"]) for s in steps if s.args.get("slot")}
+        slots = {str(s.args["slot"]) for s in steps if s.args.get("slot")} | {
+            str(name) for s in steps for name in s.args.get("slots", ())}
         self._busy_slots.update(slots)
         self.shell.run_plan(self._run_plan(steps, verdict, fault_id, key, slots))
 
@@ -218,7 +219,7 @@ class Recovery:
                 self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=standby.node or "", slot=standby.slot,
                             reason="spare node re-used", fault_ids=[])
         elif step.kind == "request-node":
-            yield from self._request_node(args["slot"], args["exclude_node"], fault_id)
+            yield from self._request_node(list(args.get("slots") or [args["slot"]]), args["exclude_node"], fault_id)
         elif step.kind == "request-spare":
             yield from self._request_spare(args["exclude_node"])
         elif step.kind == "restart-agent":
@@ -287,20 +288,24 @@ class Recovery:
     def _excluded(self, bad_node: str) -> frozenset[str]:
         return frozenset(n.name for n in self.model.nodes.values() if n.excluded) | {bad_node}
 
-    def _request_node(self, slot_name: str, exclude_node: str, fault_id: str) -> Plan:
+    def _request_node(self, slot_names: list[str], exclude_node: str, fault_id: str) -> Plan:
+        """A new node for the workers of a retired one (all of them, with their GPUs)."""
         grant: NodeGrant | None = yield ReplaceNode(exclude_node, self._excluded(exclude_node))
-        slot = self.model.slots[slot_name]
+        slots = [self.model.slots[name] for name in slot_names]
         if grant is None:
-            self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=exclude_node, slot=slot_name,
-                        reason="no replacement node available: the job continues degraded", fault_ids=[fault_id],
-                        degraded=True)
-            if slot.role == "trainer":
+            for slot in slots:
+                self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=exclude_node, slot=slot.slot,
+                            reason="no replacement node available: the job continues degraded", fault_ids=[fault_id],
+                            degraded=True)
+            if any(slot.role == "trainer" for slot in slots):
                 self.workers.request_stop("failed: trainer lost and no node to restore it on")
             return
-        self.record(EventKind.NODE_ALLOCATED, node=grant.name, host=grant.host, role=slot.role, slot=slot_name,
+        self.record(EventKind.NODE_ALLOCATED, node=grant.name, host=grant.host, role=slots[0].role,
+                    slot=slots[0].slot, slots={slot.slot: list(slot.gpus) for slot in slots},
                     backend_ref=grant.backend_ref)
-        self.record(EventKind.ACTION_TAKEN, action="move-slot", node=grant.name, slot=slot_name,
-                    reason="replacement node", fault_ids=[])
+        for slot in slots:
+            self.record(EventKind.ACTION_TAKEN, action="move-slot", node=grant.name, slot=slot.slot,
+                        reason="replacement node", fault_ids=[])
         yield StartAgent(grant.name)
 
     def _request_spare(self, exclude_node: str) -> Plan:

@@ -51,12 +51,12 @@ def _non_empty_list(value: list[str]) -> str | None:
     return None if value else "expected a non-empty list of strings"
 
 
-def _role_fields(nodes_default: int, command: list[str], minimum_nodes: int) -> dict[str, Field]:
+def _role_fields(nodes_default: int, command: list[str], minimum_nodes: int, workers: str,
+                 extra: dict[str, Field] | None = None) -> dict[str, Field]:
     return {
-        "nodes": Field("int", "Nodes that run this role, one worker per node. Several trainer nodes are the ranks of "
-                       "one data-parallel group (torch.distributed: gloo on CPU, NCCL on GPU; the store on the first "
-                       "trainer's node); a failed rank restarts the whole group.", nodes_default, minimum=minimum_nodes),
+        "nodes": Field("int", f"Nodes that run this role. {workers}", nodes_default, minimum=minimum_nodes),
         "gpus_per_node": Field("int", "GPUs each node of this role uses (simulated on the local backend).", 1, minimum=0),
+        **(extra or {}),
         "command": Field(
             "str-list",
             "Program the role's worker runs (argv). `python` means the controller's interpreter on the local backend "
@@ -155,22 +155,35 @@ JOB_SCHEMA: dict[str, Field] = {
     ),
     "roles": Field(
         "table",
-        "The three RL roles. Each runs one worker per node.",
+        "The three RL roles. A trainer node runs one rank per GPU, a rollout node one engine per "
+        "`tensor_parallel_size` GPUs, a reward node one worker.",
         fields={
             "trainer": Field(
                 "table",
                 "The policy trainer (GRPO).",
-                fields=_role_fields(1, ["python", "-m", "rlctl.roles.trainer"], 0),
+                fields=_role_fields(
+                    1, ["python", "-m", "rlctl.roles.trainer"], 0,
+                    "A node runs one rank per GPU (one process each, `CUDA_VISIBLE_DEVICES` and "
+                    "`RANK`/`LOCAL_RANK`/`WORLD_SIZE` set as torchrun would; one rank on a node without GPUs). "
+                    "All ranks of all trainer nodes form one group (torch.distributed: gloo on CPU, NCCL on GPU; "
+                    "the store on the first trainer's node); a failed rank restarts the whole group."),
             ),
             "rollout": Field(
                 "table",
                 "Generation workers; they also hold the newest weights and are the trainer's warm standbys.",
-                fields=_role_fields(2, ["python", "-m", "rlctl.roles.rollout"], 0),
+                fields=_role_fields(
+                    2, ["python", "-m", "rlctl.roles.rollout"], 0,
+                    "A node runs `gpus_per_node / tensor_parallel_size` engines (one process each, on its own "
+                    "GPUs; one engine on a node without GPUs); each engine is recovered on its own.",
+                    {"tensor_parallel_size": Field(
+                        "int", "GPUs of one generation engine (vLLM tensor parallelism); must divide gpus_per_node.",
+                        1, minimum=1)}),
             ),
             "reward": Field(
                 "table",
                 "Verifier workers that score completions.",
-                fields=_role_fields(1, ["python", "-m", "rlctl.roles.reward"], 0),
+                fields=_role_fields(1, ["python", "-m", "rlctl.roles.reward"], 0,
+                                    "A node runs one verifier worker, with all the node's GPUs."),
             ),
         },
     ),
@@ -370,13 +383,35 @@ JOB_SCHEMA: dict[str, Field] = {
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """One role: how many nodes, GPUs per node, what it runs."""
+    """One role: how many nodes, GPUs per node, what it runs, and how a node's GPUs split into
+    workers (processes)."""
 
     name: str
     nodes: int
     gpus_per_node: int
     command: tuple[str, ...]
     env: dict[str, str]
+    tensor_parallel_size: int = 1
+
+    @property
+    def gpus_per_worker(self) -> int:
+        """GPUs one worker holds: one per trainer rank, ``tensor_parallel_size`` per engine, all a
+        reward node's; 0 on nodes without GPUs."""
+        if self.gpus_per_node == 0:
+            return 0
+        if self.name == "trainer":
+            return 1
+        if self.name == "rollout":
+            return self.tensor_parallel_size
+        return self.gpus_per_node
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.gpus_per_node // self.gpus_per_worker if self.gpus_per_worker else 1
+
+    @property
+    def workers(self) -> int:
+        return self.nodes * self.workers_per_node
 
 
 @dataclass(frozen=True)
@@ -490,6 +525,10 @@ def _cross_checks(values: dict[str, Any]) -> list[Problem]:
         problems.append(Problem("roles.trainer.nodes", "expected at least 1 trainer node, got 0"))
     if roles["rollout"]["nodes"] < 1:
         problems.append(Problem("roles.rollout.nodes", "expected at least 1 rollout node, got 0"))
+    rollout_gpus, tensor_parallel = roles["rollout"]["gpus_per_node"], roles["rollout"]["tensor_parallel_size"]
+    if rollout_gpus and rollout_gpus % tensor_parallel:
+        problems.append(Problem("roles.rollout.tensor_parallel_size",
+                                f"expected a divisor of roles.rollout.gpus_per_node ({rollout_gpus}), got {tensor_parallel}"))
     needed = sum(r["nodes"] for r in roles.values()) + values["spares"]["nodes"]
     backend = values["cluster"]["backend"]
     cluster = values["cluster"][backend]
@@ -574,6 +613,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
             gpus_per_node=table["gpus_per_node"],
             command=tuple(table["command"]),
             env=dict(table["env"]),
+            tensor_parallel_size=int(table.get("tensor_parallel_size", 1)),
         )
         for name, table in values["roles"].items()
     }

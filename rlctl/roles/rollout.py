@@ -52,7 +52,8 @@ class Rollout:
             return TorchEngine(load_policy(self.settings, device), sampling, device=device)
         from rlctl.workload.engine_vllm import VllmEngine, VllmOptions, vllm_dtype
 
-        options = VllmOptions(dtype=vllm_dtype(str(self.settings.get("model", {}).get("dtype", "auto")), device))
+        options = VllmOptions(dtype=vllm_dtype(str(self.settings.get("model", {}).get("dtype", "auto")), device),
+                              tensor_parallel_size=int(self.settings.get("tensor_parallel_size", 1)))
         return VllmEngine(model_path(self.settings), sampling, on_phase=lambda phase: self.w.phase(phase, self.step),
                           options=options)
 

@@ -161,7 +161,7 @@ class Simulation:
     def _allocated(self) -> None:
         launch = plan(self.spec).scaled(self.layout.nodes, self.layout.spares)
         names = [node_name(index) for index in range(launch.nodes)]
-        self.orc.place([NodeGrant(name, name, name) for name in names], launch.nodes_by_role, launch.warm_spares)
+        self.orc.place([NodeGrant(name, name, name) for name in names], launch.roles, launch.warm_spares)
         for name in names:
             self.nodes[name] = NodeTruth(name, beat_offset=self.rng.random() * self.interval)
             self.start_agent(name, self.cost.init.agent_start_s)

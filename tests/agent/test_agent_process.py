@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from agent_testkit import DROP, AgentProcess, ControllerStub, process_gone, wait_until, worker_argv
 from conftest import SECRET
+from rlctl_agent import protocol
+from rlctl_agent.supervisor import visible_devices
 
 from rlctl.agent_bundle import build_agent_zipapp
 
@@ -314,3 +316,25 @@ def test_secret_stays_out_of_argv_logs_state_and_worker_env(controller: Controll
     assert SECRET.hex() not in (agent.workdir / "agent-state.json").read_text()
     assert stat.S_IMODE((agent.workdir / "agent.sock").stat().st_mode) == 0o600
     assert stat.S_IMODE((agent.workdir / "agent-state.json").stat().st_mode) == 0o600
+
+
+# ---- workers per GPU -------------------------------------------------------------------------
+
+def test_each_worker_gets_the_gpus_it_was_placed_on_and_their_signals_name_it(controller: ControllerStub,
+                                                                            spawn_agent: Spawn) -> None:
+    """Two ranks on one node: each sees its own GPU in CUDA_VISIBLE_DEVICES, the heartbeat says which
+    GPU each holds, and an XID on GPU 1 comes with that GPU's index."""
+    spawn_agent()
+    controller.wait_type("hello")
+    for wid, gpu in (("r0", "0"), ("r1", "1")):
+        start_worker(controller, wid, env={protocol.GPUS_ENV: gpu})
+    assert (controller.worker_entry("r0", since=controller.mark())["gpu"],
+            controller.worker_entry("r1", since=controller.mark())["gpu"]) == (0, 1)
+    assert controller.ack(controller.send("inject", kind="xid", params={"code": 79, "gpu": 1}))["ok"] is True
+    assert controller.wait_type("fault_signal", kind="xid")["gpu"] == 1
+
+
+def test_visible_devices_follow_the_nodes_own_list() -> None:
+    assert visible_devices([1], None) == "1"
+    assert visible_devices([0, 1], "4,5,6,7") == "4,5"  # a Slurm step that holds GPUs 4-7 of the machine
+    assert visible_devices([1], "GPU-aa,GPU-bb") == "GPU-bb"  # a list of GPU UUIDs
