@@ -376,6 +376,10 @@ JOB_SCHEMA: dict[str, Field] = {
                                      "task's answers, before RL (0: random init).", 600, minimum=0),
             "device": Field("str", "torch device for trainer and rollouts (`cpu`, `cuda`, `auto`).", "auto"),
             "engine": Field("choice", "Rollout generation engine.", "torch", choices=("torch", "vllm")),
+            "sharding": Field("choice", "How a trainer group of several ranks holds the model: `fsdp` shards "
+                              "weights, gradients and optimizer state over the ranks (FSDP2; float32 master "
+                              "weights, layers computing in `[model] dtype` on GPU); `ddp` keeps a whole copy "
+                              "on every rank and all-reduces the gradients.", "fsdp", choices=("fsdp", "ddp")),
         },
     ),
 }

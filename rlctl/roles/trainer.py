@@ -9,10 +9,12 @@ After every step a single-node trainer also serves its full state (weights, opti
 step; ``[spares] replicate_trainer_state``), and the warm standby keeps a copy in memory: a
 standby that takes over resumes at that step, with nothing to retrain.
 
-With several trainer nodes the workers are the ranks of one data-parallel group (the controller
-sets ``WORLD_SIZE``/``RANK``/``MASTER_ADDR``/``MASTER_PORT``; gloo on CPU, NCCL on GPU): every
-rank trains its shard of the same batch and the gradients are all-reduced; rank 0 alone publishes
-weights, writes checkpoints and reports to the controller.
+With several trainer ranks (one per GPU of every trainer node) the workers are one group (the
+controller sets ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``; gloo on
+CPU, NCCL on GPU): every rank trains its part of the same batch; weights, gradients and optimizer
+state are sharded over the ranks (FSDP2, ``[workload] sharding``). Every rank takes part in
+publishing and checkpointing (the weights are gathered to rank 0); rank 0 alone serves the weights,
+writes the checkpoint folder and reports to the controller.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class TrainerRole:
             warmup_steps=int(settings.get("lr_warmup_steps", 5)),
             grpo=GRPOConfig(clip_eps=float(settings.get("clip_eps", 0.2)), kl_coef=float(settings.get("kl_coef", 0.0))),
             micro_batch_tokens=int(settings.get("micro_batch_tokens", TrainerConfig.micro_batch_tokens)),
+            sharding=str(settings.get("sharding", TrainerConfig.sharding)),
         )
         model_table = settings.get("model", {})
         self.trainer = Trainer.from_hf(model_path(settings), config, device=device,
@@ -90,8 +93,8 @@ class TrainerRole:
             self.train(batch)
             self.version = step + 1
             replayed.append(step)
+        self.publish(metrics=None)
         if self.leader:
-            self.publish(metrics=None)
             self.w.request("trainer.restored", checkpoint_step=init.get("checkpoint_step"), replayed_steps=replayed,
                            state_step=state_step)
 
@@ -132,9 +135,11 @@ class TrainerRole:
         return metrics
 
     def publish(self, metrics: dict[str, float] | None) -> None:
+        """Every rank calls it (a sharded group gathers the weights); rank 0 serves them."""
+        weights = self.trainer.state_dict_for_publish()
         if self.server is None:
             return  # not rank 0
-        descriptor = self.server.publish(self.version, self.trainer.state_dict_for_publish())
+        descriptor = self.server.publish(self.version, weights)
         args: dict[str, Any] = {"version": self.version, "source": descriptor}
         if self.replicate_state:
             args["state_source"] = self.offer_state()
@@ -160,15 +165,21 @@ class TrainerRole:
                 server.close()
 
     def checkpoint(self) -> None:
-        if not self.leader:
+        """Rank 0 writes the folder; in a sharded group every rank gathers to it and writes its
+        optimizer shard, so every rank takes part."""
+        if not (self.leader or self.trainer.sharded):
             return
         self.w.phase("checkpointing", self.version)
         # A folder from_pretrained, vLLM and `rlctl export` read, with the optimizer state and the
         # controller's data cursor at this step beside it.
         path = self.settings.checkpoint_dir / f"step-{self.version:06d}"
-        cursor = self.w.request("trainer.cursor", step=self.version) or {}
-        self.trainer.save_checkpoint(path, {CURSOR_FILE: json.dumps(cursor, indent=1).encode()})
-        self.w.request("trainer.checkpointed", step=self.version, path=str(path))
+        extra: dict[str, bytes] = {}
+        if self.leader:
+            cursor = self.w.request("trainer.cursor", step=self.version) or {}
+            extra[CURSOR_FILE] = json.dumps(cursor, indent=1).encode()
+        self.trainer.save_checkpoint(path, extra)
+        if self.leader:
+            self.w.request("trainer.checkpointed", step=self.version, path=str(path))
 
     def run(self) -> int:
         init = self.wait_until_active()

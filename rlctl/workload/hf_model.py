@@ -177,11 +177,12 @@ class HFPolicy(nn.Module):
         """Parameter names and shapes: two policies with the same signature can swap weights."""
         return {name: list(t.shape) for name, t in self.hf_model.state_dict().items()}
 
-    def save(self, target: str | Path) -> Path:
-        """An HF folder at ``target``: config, safetensors weights and the source folder's tokenizer files."""
+    def save(self, target: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
+        """An HF folder at ``target``: config, safetensors weights (``state_dict``: the full weights
+        of a sharded model, gathered) and the source folder's tokenizer files."""
         out = Path(target)
         out.mkdir(parents=True, exist_ok=True)
-        self.hf_model.save_pretrained(str(out), safe_serialization=True)
+        self.hf_model.save_pretrained(str(out), safe_serialization=True, state_dict=state_dict)
         if self.source_dir is not None:
             copy_tokenizer_files(self.source_dir, out)
         return out

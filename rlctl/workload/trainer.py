@@ -16,11 +16,16 @@ Contract:
   ``load_checkpoint`` followed by ``train_step`` on the retained batches reproduces the
   uninterrupted run's weights exactly (same process layout, same device). ``state_bytes`` /
   ``load_state_bytes`` are the same payload in memory, for a warm standby's replica.
-- Data parallel when ``WORLD_SIZE`` > 1 (env, ``torch.distributed``: gloo on CPU, nccl on CUDA):
-  every rank receives the *whole* batch, computes the same advantages, trains on its shard
-  (``samples[rank::world]``), and gradients are summed with one all-reduce after each rank scaled its
-  loss by the global token count, so the update equals the single-process one on the whole batch.
-  Only rank 0 writes checkpoints.
+- A group when ``WORLD_SIZE`` > 1 (env, ``torch.distributed``: gloo on CPU, nccl on CUDA): every
+  rank receives the *whole* batch, computes the same advantages, trains on its shard
+  (``samples[rank::world]``) after scaling its loss by the global token count, and the gradients
+  are summed, so the update equals the single-process one on the whole batch. ``sharding``:
+  ``fsdp`` (default) shards weights, gradients and optimizer state over the ranks with FSDP2
+  (``rlctl.workload.fsdp``; every rank runs as many micro-batches as the busiest one, so their
+  collectives pair up); ``ddp`` keeps a whole copy on every rank and all-reduces the gradients.
+  Publishing and checkpointing are then collectives every rank enters (``state_dict_for_publish``,
+  ``save_checkpoint``); rank 0 gets the full weights and writes the folder, and with ``fsdp``
+  every rank writes its optimizer shard (``torch.distributed.checkpoint``) into it.
 """
 
 from __future__ import annotations
@@ -43,10 +48,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlctl.workload.fsdp import (
+    SHARDINGS,
+    full_state_dict,
+    load_full_state_dict,
+    load_optimizer,
+    save_optimizer,
+    shard_model,
+    total_norm,
+)
 from rlctl.workload.grpo import GRPOConfig, LossParts, group_advantages, grpo_loss_parts, sequence_logprobs_from_logits
 from rlctl.workload.task import PAD_ID
 
 CHECKPOINT_FORMAT = "rlctl-trainer-ckpt-v1"
+OPTIMIZER_SHARDS_DIR = "optimizer-shards"  # a sharded group's optimizer state (torch.distributed.checkpoint)
 # An HF-format checkpoint is a folder: the model as ``save_pretrained`` writes it (plus the
 # tokenizer files), and this file beside it with the optimizer, schedule, RNG and step.
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -85,6 +100,7 @@ class TrainerConfig:
     # Padded tokens per forward pass: the batch is cut into length-sorted micro-batches whose
     # gradients accumulate, so one long sample does not pad every row (0: the whole batch at once).
     micro_batch_tokens: int = 4096
+    sharding: str = "fsdp"  # of a group of ranks: fsdp (FSDP2) or ddp (whole copies, all-reduce)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,9 +150,11 @@ def init_distributed_from_env(device: torch.device) -> DistContext:
 
 
 def rank_device(device: torch.device) -> torch.device:
-    """``cuda`` without an index becomes ``cuda:$LOCAL_RANK`` (one GPU per rank); others unchanged."""
+    """``cuda`` without an index becomes ``cuda:$LOCAL_RANK`` (one GPU per rank), or ``cuda:0`` when
+    the rank sees a single GPU (the agent gave it only its own in ``CUDA_VISIBLE_DEVICES``)."""
     if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank if local_rank < torch.cuda.device_count() else 0)
     return device
 
 
@@ -221,15 +239,23 @@ class Trainer:
     """Policy model + AdamW + LR schedule; see the module docstring for the contract."""
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig | None = None, device: str | torch.device = "cpu",
-                 distributed: bool | None = None) -> None:
+                 distributed: bool | None = None, compute_dtype: torch.dtype | None = None) -> None:
         self.config = config or TrainerConfig()
         self.device = rank_device(torch.device(device))
         self.model = model.to(self.device)
         use_dist = distributed if distributed is not None else int(os.environ.get("WORLD_SIZE", "1")) > 1
         self.dist = init_distributed_from_env(self.device) if use_dist else DistContext()
+        if self.config.sharding not in SHARDINGS:
+            raise ValueError(f"sharding: expected one of {', '.join(SHARDINGS)}, got {self.config.sharding!r}")
         if self.dist.enabled:
             self._broadcast_parameters()
+        self._tied = tied_names(self.model.state_dict())
         self.ref_model = self._make_reference() if self.config.grpo.kl_coef > 0 else None
+        self.sharded = self.dist.enabled and self.config.sharding == "fsdp"
+        if self.sharded:
+            shard_model(self.model, self.device, compute_dtype)
+            if self.ref_model is not None:
+                shard_model(self.ref_model, self.device, compute_dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
                                            weight_decay=self.config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -242,11 +268,18 @@ class Trainer:
                 gradient_checkpointing: bool = False) -> Trainer:
         """A trainer on the HF model folder at ``path``; a folder this trainer checkpointed (with
         ``trainer_state.pt``) restores everything, a plain model folder only the weights."""
-        from rlctl.workload.hf_model import load_hf_policy
+        from rlctl.workload.hf_model import load_hf_policy, resolve_dtype
 
         source = Path(path)
-        model = load_hf_policy(source, rank_device(torch.device(device)), dtype, trust_remote_code, gradient_checkpointing)
-        trainer = cls(model, config, device, distributed)
+        target = rank_device(torch.device(device))
+        world = int(os.environ.get("WORLD_SIZE", "1")) if distributed is None else (2 if distributed else 1)
+        wanted = resolve_dtype(dtype, target)
+        compute_dtype = None
+        if world > 1 and (config or TrainerConfig()).sharding == "fsdp" and wanted != torch.float32:
+            # FSDP2 mixed precision: float32 master weights and optimizer, layers compute in ``dtype``.
+            dtype, compute_dtype = "float32", wanted
+        model = load_hf_policy(source, target, dtype, trust_remote_code, gradient_checkpointing)
+        trainer = cls(model, config, device, distributed, compute_dtype)
         if (source / TRAINER_STATE_FILE).is_file():
             trainer.load_checkpoint(source)
         return trainer
@@ -317,22 +350,39 @@ class Trainer:
             parts = self._local_parts([local[i] for i in chunk], local_advantages[chunk])
             ((parts.policy_sum + self.config.grpo.kl_coef * parts.kl_sum) / total_tokens).backward()
             sums += torch.stack([parts.policy_sum, parts.kl_sum, parts.clipped_sum, parts.tokens]).detach().double().cpu()
+        if self.sharded:
+            # Sharded layers gather and reduce in every forward/backward: a rank with fewer
+            # micro-batches than the busiest one runs more that contribute nothing.
+            for _ in range(self._busiest_plan(samples) - len(plan)):
+                parts = self._local_parts(samples[:1], advantages[:1])
+                (0.0 * (parts.policy_sum + parts.kl_sum)).backward()
         totals = self._all_reduce(sums)
-        if self.dist.enabled:
+        if self.dist.enabled and not self.sharded:
             self._all_reduce_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        grad_norm = total_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         policy, kl, clipped = (float(totals[i]) / total_tokens for i in range(3))
         return {"step": float(self.step), "reward_mean": float(rewards.mean()), "loss": policy + self.config.grpo.kl_coef * kl,
-                "kl": kl, "clip_frac": clipped, "grad_norm": float(grad_norm), "tokens": float(totals[3]),
+                "kl": kl, "clip_frac": clipped, "grad_norm": grad_norm, "tokens": float(totals[3]),
                 "lr": float(lr), "seconds": time.perf_counter() - started,
-                "micro_batches": float(len(plan))}
+                "micro_batches": float(len(plan)), "ranks": float(self.dist.world_size), "sharded": float(self.sharded)}
+
+    def _busiest_plan(self, samples: Sequence[TrainSample]) -> int:
+        """The most micro-batches any rank runs on ``samples`` (every rank can work it out)."""
+        world = self.dist.world_size
+        return max(len(micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in samples[rank::world]],
+                                     self.config.micro_batch_tokens)) for rank in range(world))
 
     def state_dict_for_publish(self) -> dict[str, Tensor]:
-        """Detached, contiguous CPU copies of the model weights (version = ``self.step``)."""
+        """Detached, contiguous CPU copies of the model weights (version = ``self.step``). In a group
+        every rank calls it (sharded weights are gathered); rank 0 gets them, the others ``{}``."""
+        if self.sharded:
+            return full_state_dict(self.model)
+        if self.dist.rank != 0:
+            return {}
         return {name: t.detach().to("cpu").contiguous().clone() for name, t in self.model.state_dict().items()}
 
     def checkpoint_payload(self) -> dict[str, Any]:
@@ -366,8 +416,11 @@ class Trainer:
         """Atomically write a full checkpoint (rank 0 only; other ranks return None).
 
         A folder (``save_pretrained`` output, tokenizer files, ``trainer_state.pt`` and
-        ``extra_files`` by name) written beside the target and renamed into place.
+        ``extra_files`` by name) written beside the target and renamed into place. A sharded
+        group's ranks all call it (see ``_save_sharded``).
         """
+        if self.sharded:
+            return self._save_sharded(Path(path), extra_files)
         if self.dist.rank != 0:
             return None
         target = Path(path)
@@ -386,8 +439,48 @@ class Trainer:
         _replace_folder(staging, target)
         return target
 
+    def _save_sharded(self, target: Path, extra_files: Mapping[str, bytes] | None) -> Path | None:
+        """Every rank: gather the full weights to rank 0, write its optimizer shard; rank 0 writes
+        the HF folder and the trainer state, then renames the staged folder into place."""
+        leader = self.dist.rank == 0
+        staging = target.with_name(f".{target.name}.tmp-group")  # one name every rank agrees on
+        weights = full_state_dict(self.model)
+        reference = full_state_dict(self.ref_model) if self.ref_model is not None else None
+        rng_states: list[Any] = [None] * self.dist.world_size
+        dist.all_gather_object(rng_states, capture_rng_state())
+        if leader:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        dist.barrier()
+        failed = torch.zeros(1)
+        try:
+            save_optimizer(self.model, self.optimizer, staging / OPTIMIZER_SHARDS_DIR)
+            if leader:
+                self.model.save(staging, state_dict=weights)  # type: ignore[operator]
+                atomic_torch_save({
+                    "format": CHECKPOINT_FORMAT, "step": self.step, "model_config": self.model_signature(),
+                    "trainer_config": self.config.to_dict(), "ref_model": reference, "optimizer": None,
+                    "optimizer_shards": OPTIMIZER_SHARDS_DIR, "scheduler": self.scheduler.state_dict(),
+                    "rng": rng_states[0], "rank_rng": rng_states,
+                }, staging / TRAINER_STATE_FILE)
+                for name, data in (extra_files or {}).items():
+                    (staging / name).write_bytes(data)
+        except Exception:
+            failed += 1
+            raise
+        finally:
+            dist.all_reduce(failed)  # every rank learns whether the folder is whole
+            if leader:
+                if failed.item():
+                    shutil.rmtree(staging, ignore_errors=True)  # the previous checkpoint stays as it was
+                else:
+                    _replace_folder(staging, target)
+            dist.barrier()
+        return target if leader else None
+
     def load_checkpoint(self, path: str | Path) -> int:
-        """Restore everything ``save_checkpoint`` wrote; returns the restored step."""
+        """Restore everything ``save_checkpoint`` wrote; returns the restored step. A sharded
+        group's ranks all call it."""
         source = Path(path)
         state_file = source / TRAINER_STATE_FILE
         if not state_file.is_file():
@@ -395,8 +488,26 @@ class Trainer:
         payload = torch.load(state_file, map_location="cpu", weights_only=True)
         if payload.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{state_file} is not an rlctl trainer state")
-        payload["model"] = read_hf_weights(source, self.model.state_dict())
+        payload["model"] = read_hf_weights(source, self.model.state_dict(), self._tied)
+        if self.sharded or payload.get("optimizer_shards"):
+            return self._restore_sharded(source, payload)
         return self._restore(payload)
+
+    def _restore_sharded(self, source: Path, payload: Mapping[str, Any]) -> int:
+        if payload["model_config"] != self.model_signature():
+            raise ValueError("checkpoint model shape differs from this trainer's model")
+        if not self.sharded or not payload.get("optimizer_shards"):
+            raise ValueError(f"{source}: a sharded group's checkpoint loads in a sharded group (and only there)")
+        load_full_state_dict(self.model, payload["model"])
+        if self.ref_model is not None:
+            load_full_state_dict(self.ref_model, payload["ref_model"] if payload["ref_model"] is not None
+                                 else payload["model"])
+        load_optimizer(self.model, self.optimizer, source / str(payload["optimizer_shards"]))
+        self.scheduler.load_state_dict(payload["scheduler"])
+        per_rank = payload.get("rank_rng") or []
+        restore_rng_state(per_rank[self.dist.rank] if self.dist.rank < len(per_rank) else payload["rng"])
+        self.step = int(payload["step"])
+        return self.step
 
     def _restore(self, payload: Mapping[str, Any]) -> int:
         if payload["model_config"] != self.model_signature():
@@ -412,23 +523,32 @@ class Trainer:
         return self.step
 
 
-def read_hf_weights(folder: Path, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The safetensors weights of an HF folder as a full state dict shaped like ``like``: keys
+def tied_names(state: Mapping[str, Tensor]) -> dict[str, list[str]]:
+    """For every name, the other names whose tensor shares its storage (tied embeddings), read
+    from an unsharded state dict."""
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
+    return {name: [twin for twin in by_storage[tensor.untyped_storage().data_ptr()] if twin != name]
+            for name, tensor in state.items()}
+
+
+def read_hf_weights(folder: Path, like: Mapping[str, Tensor],
+                    tied: Mapping[str, list[str]] | None = None) -> dict[str, Tensor]:
+    """The safetensors weights of an HF folder as a full state dict with the keys of ``like``: keys
     ``save_pretrained`` leaves out because they are tied to another (``lm_head.weight`` with tied
-    embeddings) are filled from the tensor they share storage with in ``like``."""
+    embeddings) are filled from their twin (``tied``: from ``tied_names``; read from ``like`` if not given)."""
     from safetensors.torch import load_file
 
     from rlctl.workload.modeldir import weight_files
 
+    twins_of = tied if tied is not None else tied_names(like)
     state: dict[str, Tensor] = {}
     for shard in weight_files(folder):
         state.update(load_file(str(folder / shard)))
-    by_storage: dict[int, list[str]] = {}
-    for name, tensor in like.items():
-        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
-    for name, tensor in like.items():
+    for name in like:
         if name not in state:
-            twins = [t for t in by_storage[tensor.untyped_storage().data_ptr()] if t in state]
+            twins = [t for t in twins_of.get(name, []) if t in state]
             if not twins:
                 raise ValueError(f"{folder}: the checkpoint has no weights for {name}")
             state[name] = state[twins[0]]

@@ -40,6 +40,8 @@ def test_a_gpu_fault_moves_the_nodes_ranks_together_and_an_engine_crash_restarts
             {"trainer-0", "trainer-1"}, "both ranks of the node train"
         assert {e.data["slot"] for e in events if e.type == "ItemsDispatched"} >= {"rollout-0", "rollout-1"}, \
             "both engines of the node generate"
+        trained = [e.data["metrics"] for e in events if e.type == "StepTrained"]
+        assert trained and all((m["ranks"], m["sharded"]) == (2.0, 1.0) for m in trained), "one FSDP group of 2 ranks"
 
         crash = rlctl_json(state_dir, "inject-fault", rollout_node, "--job", job, "--kind", "crash",
                            "--worker", "rollout-1")

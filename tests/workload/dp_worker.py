@@ -23,9 +23,11 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     model = small_model(11 + rank)  # rank 1 starts different: the broadcast must fix it
-    trainer = Trainer(model, TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05)))
+    # Plain data parallel (whole copies, all-reduced gradients); test_fsdp.py covers the sharded group.
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), sharding="ddp"))
     metrics = [trainer.train_step(synthetic_batch(seed)) for seed in (1, 2)]
-    torch.save({"state": trainer.state_dict_for_publish(), "metrics": metrics, "world": trainer.dist.world_size}, out)
+    state = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}  # this rank's whole copy
+    torch.save({"state": state, "metrics": metrics, "world": trainer.dist.world_size}, out)
     if trainer.dist.enabled:
         torch.distributed.destroy_process_group()
 

@@ -1,0 +1,114 @@
+"""FSDP2 for the trainer group: parameters, gradients and optimizer state sharded over every rank.
+
+Role: the ``Trainer``'s sharding when its group has more than one rank (``sharding = "fsdp"``, the
+default). Each decoder layer is one ``fully_shard`` unit and the whole HF model the root one
+(``torch.distributed.fsdp.fully_shard`` over a 1-D device mesh: NCCL on GPU, gloo on CPU). On GPU
+the master weights stay float32 and layers compute in the model's dtype (bfloat16) with float32
+gradient reduction; on CPU everything is float32.
+
+Gradients are summed, not averaged (``set_gradient_divide_factor(1)``): every rank scales its loss
+by the whole batch's token count, so the sum is the single-process gradient, as in the plain
+data-parallel path.
+
+The full state (weights to publish, an HF export) is gathered with
+``torch.distributed.checkpoint.state_dict`` — a collective every rank enters. The optimizer state
+is saved sharded with ``torch.distributed.checkpoint`` (each rank writes its own shard).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+SHARDINGS = ("fsdp", "ddp")
+
+
+def hf_root(model: nn.Module) -> nn.Module:
+    """The HF model inside an ``HFPolicy`` (its module names are the HF names), or ``model``."""
+    inner = getattr(model, "hf_model", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF causal LM (``model.layers`` of Qwen, Llama, Mistral...)."""
+    for name, module in model.named_modules():
+        if name.endswith("model.layers") and isinstance(module, nn.ModuleList):
+            return list(module)
+    raise ValueError("no decoder layers (an HF *ForCausalLM with model.layers) to shard")
+
+
+def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+    """``fully_shard`` every decoder layer, then the root, over all ranks of the default group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    model = hf_root(model)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mixed = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype else \
+        MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mixed)
+    fully_shard(model, mesh=mesh, mp_policy=mixed)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(hf_root(model), FSDPModule)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The whole model's weights as CPU tensors on rank 0 (other ranks get ``{}``). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(hf_root(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: tensor.contiguous() for name, tensor in state.items() if isinstance(tensor, Tensor)}
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Every rank passes the same full state dict; each keeps its shard. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(hf_root(model), dict[str, Any](state), options=StateDictOptions(full_state_dict=True))
+
+
+def local_shards(model: nn.Module) -> dict[str, Tensor]:
+    """This rank's shard of every parameter (``DTensor.to_local``), by HF name."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (t.to_local() if isinstance(t, DTensor) else t).detach()
+            for name, t in hf_root(model).state_dict().items()}
+
+
+def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """The optimizer's sharded state into ``folder`` (every rank writes its shard). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(hf_root(model), optimizer)}, checkpoint_id=str(folder))
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Restore what ``save_optimizer`` wrote (any rank count that shards the same parameters). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    root = hf_root(model)
+    state: dict[str, Any] = {"optimizer": get_optimizer_state_dict(root, optimizer)}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_optimizer_state_dict(root, optimizer, state["optimizer"])
+
+
+def total_norm(value: Tensor) -> float:
+    """A gradient norm that may be a ``DTensor`` (sharded parameters) as a float."""
+    from torch.distributed.tensor import DTensor
+
+    return float(value.full_tensor() if isinstance(value, DTensor) else value)

@@ -1,0 +1,50 @@
+"""One rank of a sharded (FSDP2, gloo) trainer group, or a trainer alone, for tests/workload/test_fsdp.py.
+
+Usage: python fsdp_worker.py OUT_FILE MODE [CHECKPOINT_DIR]   (WORLD_SIZE/RANK/MASTER_* from the env)
+- ``first-step``: one GRPO step; saves the published weights (rank 0's full copy), the metrics and
+  how many parameter elements this rank holds.
+- ``checkpoint``: a step, a sharded checkpoint into CHECKPOINT_DIR, another step; saves the weights.
+- ``resume``: restores CHECKPOINT_DIR, takes the second step; saves the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from batches import small_model, synthetic_batch
+
+from rlctl.workload.fsdp import local_shards
+from rlctl.workload.grpo import GRPOConfig
+from rlctl.workload.trainer import Trainer, TrainerConfig
+
+
+def main(out: str, mode: str, checkpoint: str = "") -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    model = small_model(11 + rank)  # rank 1 starts different: the broadcast must fix it
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=96))
+    result: dict[str, object] = {"world": trainer.dist.world_size, "sharded": trainer.sharded}
+    if mode == "first-step":
+        result["metrics"] = trainer.train_step(synthetic_batch(1))
+        result["held_elements"] = sum(t.numel() for t in local_shards(trainer.model).values())
+    elif mode == "checkpoint":
+        trainer.train_step(synthetic_batch(1))
+        trainer.save_checkpoint(checkpoint)
+        result["metrics"] = trainer.train_step(synthetic_batch(2))
+    elif mode == "resume":
+        result["restored_step"] = trainer.load_checkpoint(checkpoint)
+        result["metrics"] = trainer.train_step(synthetic_batch(2))
+    result["state"] = trainer.state_dict_for_publish()
+    torch.save(result, out)
+    if trainer.dist.enabled:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,70 @@
+"""The sharded trainer group (FSDP2 over gloo, 2 ranks on CPU): the same first step as one process,
+half the parameters held per rank, weights gathered for publishing on rank 0 only, and a sharded
+checkpoint (optimizer shards per rank, one HF folder) that resumes like the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlctl.workload.hf_model import load_hf_policy
+from rlctl.workload.trainer import OPTIMIZER_SHARDS_DIR
+
+from .batches import small_model
+
+HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_group(tmp_path: Path, tag: str, ranks: int, *args: str) -> list[dict]:
+    port = str(_free_port())
+    procs = []
+    for rank in range(ranks):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "fsdp_worker.py"), str(tmp_path / f"{tag}{rank}.pt"),
+                                       *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    for proc in procs:
+        output, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, output.decode()[-3000:]
+    return [torch.load(tmp_path / f"{tag}{rank}.pt", weights_only=False) for rank in range(ranks)]
+
+
+def test_two_sharded_ranks_take_the_same_first_step_as_one_process(tmp_path: Path) -> None:
+    group = run_group(tmp_path, "fsdp", 2, "first-step")
+    alone = run_group(tmp_path, "alone", 1, "first-step")[0]
+    assert [r["sharded"] for r in group] == [True, True] and not alone["sharded"]
+    assert group[1]["state"] == {}, "only rank 0 receives the gathered weights"
+    worst = max((group[0]["state"][k] - v).abs().max().item() for k, v in alone["state"].items())
+    assert worst < 1e-5, worst
+    moved = max((v - small_model(11).state_dict()[k]).abs().max().item() for k, v in alone["state"].items())
+    assert moved > 1e-4, "the step changed the weights"
+    total = sum(v.numel() for v in alone["state"].values())
+    assert [r["held_elements"] for r in group] == pytest.approx([total / 2, total / 2], rel=0.05)
+    assert group[0]["metrics"]["loss"] == pytest.approx(alone["metrics"]["loss"], abs=1e-6)
+    assert group[0]["metrics"]["grad_norm"] == pytest.approx(alone["metrics"]["grad_norm"], rel=1e-5)
+
+
+def test_a_sharded_checkpoint_resumes_like_the_uninterrupted_run(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "step-000001"
+    straight = run_group(tmp_path, "straight", 2, "checkpoint", str(checkpoint))
+    shards = sorted(p.name for p in (checkpoint / OPTIMIZER_SHARDS_DIR).iterdir())
+    assert any(name.endswith(".distcp") for name in shards) and ".metadata" in shards, shards
+    exported = load_hf_policy(checkpoint).state_dict()  # one HF folder, loadable on its own
+    assert exported.keys() <= straight[0]["state"].keys()
+    resumed = run_group(tmp_path, "resumed", 2, "resume", str(checkpoint))
+    assert resumed[0]["restored_step"] == 1
+    worst = max((resumed[0]["state"][k] - v).abs().max().item() for k, v in straight[0]["state"].items())
+    assert worst == 0.0, worst
