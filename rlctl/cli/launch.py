@@ -111,6 +111,9 @@ def _workload_lines(checks: dict[str, object]) -> list[str]:
                          "left out)")
     if "reward" in checks:
         lines.append(f"reward: {checks['reward']}")
+    sizing = checks.get("sizing")
+    if isinstance(sizing, dict):
+        lines.extend(str(line) for line in sizing["lines"])
     return lines
 
 

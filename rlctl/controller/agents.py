@@ -7,8 +7,9 @@ close the connection and the agent must authenticate again.
 What a stranger can make it hold is bounded before authentication: the hello is read with a
 small limit (``HELLO_MAX_BYTES``, the full message bound applies only once authenticated), the
 whole handshake has a deadline, and unauthenticated connections are capped globally and per
-source address (extra ones are closed at once). Every refusal is reported to the controller,
-which journals it as a security event, rate-limited per source.
+source address (extra ones are closed at once), counted from the moment a connection is accepted,
+before any byte of it is read, so a TLS handshake runs inside the caps. Every refusal is reported
+to the controller, which journals it as a security event, rate-limited per source.
 
 Fencing: the controller's epoch goes out in the welcome and in every command; an agent that has
 seen a newer controller says so in its hello (``epoch``), and this hub then knows its controller

@@ -10,7 +10,7 @@ does not know is caught here too.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ class ModelDir:
     weights: tuple[str, ...]
     vocab_size: int
     has_chat_template: bool
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
 
     def summary(self) -> dict[str, Any]:
         return {"path": str(self.path), "model_type": self.model_type, "architectures": list(self.architectures),
@@ -78,7 +79,7 @@ def check_model_dir(path: str | Path, trust_remote_code: bool = False, load_conf
     if load_config:
         _load_with_transformers(folder, trust_remote_code)
     return ModelDir(folder, str(config["model_type"]), tuple(config.get("architectures") or ()), tuple(weights),
-                    int(config.get("vocab_size", tokenizer.vocab_size)), tokenizer.chat_template is not None)
+                    int(config.get("vocab_size", tokenizer.vocab_size)), tokenizer.chat_template is not None, config)
 
 
 def _load_with_transformers(folder: Path, trust_remote_code: bool) -> None:

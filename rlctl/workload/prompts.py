@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.core.rounds import PromptRef
+from rlctl.core.sizing import ModelShape, SizingError, plan_sizes
 from rlctl.core.spec import JobSpec
 from rlctl.workload.datafiles import Columns, DataError, Record, read_records
 from rlctl.workload.modeldir import ModelDirError, check_model_dir
@@ -134,8 +135,12 @@ def preflight(spec: JobSpec) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     if spec.hf_model:
         try:
-            facts["model"] = check_model_dir(spec.model["path"]).summary()
+            model_dir = check_model_dir(spec.model["path"])
+            facts["model"] = model_dir.summary()
+            facts["sizing"] = plan_sizes(spec, ModelShape.from_hf_config(model_dir.config)).to_dict()
         except ModelDirError as exc:
+            problems.append(f"[model] path: {exc}")
+        except SizingError as exc:
             problems.append(f"[model] path: {exc}")
     if spec.hf_model and not problems:
         for files_key in ("train_files", "eval_files"):

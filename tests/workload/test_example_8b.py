@@ -31,4 +31,6 @@ def test_the_8b_example_renders_with_its_sbatch_scripts(tmp_path: Path) -> None:
     plan = json.loads(result.stdout.strip().splitlines()[-1])["plan"]
     assert "#SBATCH" in plan and "--exclusive" in plan and "--gres=gpu:8" in plan
     assert "reward: gsm8k" in plan and "data eval_files:" in plan
+    assert "sizing (estimates" in plan and "trainer: 64 worker(s) on 8 node(s)" in plan, plan
+    assert "rollout: 160 worker(s) on 20 node(s)" in plan and "weight sync per step:" in plan
     assert not (tmp_path / "jobs").exists()
