@@ -59,7 +59,8 @@ class Rollout:
 
     def sync_weights(self, version: int, source: dict[str, Any] | None) -> None:
         """Pull ``version`` from any live holder; a holder that fails is reported and another tried."""
-        from rlctl.weights import WeightError, fetch_bundle_sync, unflatten
+        from rlctl.weights import WeightError, unflatten
+        from rlctl.weights.shards import fetch_source_sync
 
         self.w.phase("weight-sync", self.step)
         failed: dict[str, Any] | None = None
@@ -72,7 +73,7 @@ class Rollout:
                 if source is None:
                     time.sleep(0.2)
             try:
-                bundle = fetch_bundle_sync(source, timeout=fetch_timeout(source))
+                bundle = fetch_source_sync(source, timeout=fetch_timeout(source))  # sharded: all ranks at once
                 break
             except WeightError as exc:
                 failed, error, source = source, str(exc), None

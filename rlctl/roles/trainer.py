@@ -55,8 +55,8 @@ class TrainerRole:
                                        trust_remote_code=bool(model_table.get("trust_remote_code", False)),
                                        gradient_checkpointing=bool(model_table.get("gradient_checkpointing", False)))
         self.leader = self.trainer.dist.rank == 0
-        self.server: WeightServerThread | None = None  # the weights rollouts pull
-        if self.leader:
+        self.server: WeightServerThread | None = None  # the weights (or this rank's shard) rollouts pull
+        if self.leader or self.trainer.sharded:
             self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
             self.server.start()
         self.version = 0
@@ -135,17 +135,34 @@ class TrainerRole:
         return metrics
 
     def publish(self, metrics: dict[str, float] | None) -> None:
-        """Every rank calls it (a sharded group gathers the weights); rank 0 serves them."""
-        weights = self.trainer.state_dict_for_publish()
-        if self.server is None:
-            return  # not rank 0
-        descriptor = self.server.publish(self.version, weights)
+        """Every rank calls it. In a sharded group each rank serves its own shard and rank 0
+        reports one source naming them all (no gather); otherwise rank 0 serves the whole model."""
+        if self.trainer.sharded:
+            descriptor = self.publish_shard()
+        else:
+            weights = self.trainer.state_dict_for_publish()
+            descriptor = self.server.publish(self.version, weights) if self.server is not None else None
+        if descriptor is None or not self.leader:
+            return
         args: dict[str, Any] = {"version": self.version, "source": descriptor}
         if self.replicate_state:
             args["state_source"] = self.offer_state()
         if metrics is not None:
             args["metrics"] = {"mean_reward": metrics["reward_mean"], "round": self.round_kind, **metrics}
         self.w.request("trainer.publish", **args)
+
+    def publish_shard(self) -> dict[str, Any] | None:
+        """Serve this rank's shard of the version; rank 0 gets the combined sharded source (the
+        ranks swap their descriptors, a few hundred bytes each), the others None."""
+        import torch.distributed as dist
+
+        from rlctl.weights.shards import combine
+
+        assert self.server is not None
+        mine = self.server.publish(self.version, self.trainer.shard_for_publish())
+        descriptors: list[Any] = [None] * self.trainer.dist.world_size
+        dist.all_gather_object(descriptors, mine)
+        return combine(descriptors, self.version) if self.leader else None
 
     def offer_state(self) -> dict[str, Any]:
         """Serve the full trainer state of this version for the warm standby to copy; its descriptor."""

@@ -80,12 +80,14 @@ def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
     set_model_state_dict(hf_root(model), dict[str, Any](state), options=StateDictOptions(full_state_dict=True))
 
 
-def local_shards(model: nn.Module) -> dict[str, Tensor]:
-    """This rank's shard of every parameter (``DTensor.to_local``), by HF name."""
+def local_shards(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """This rank's shard of every parameter (``DTensor.to_local``: its rows of dim 0, in rank
+    order), by HF name; cast to ``dtype`` when given (what goes on the wire)."""
     from torch.distributed.tensor import DTensor
 
-    return {name: (t.to_local() if isinstance(t, DTensor) else t).detach()
-            for name, t in hf_root(model).state_dict().items()}
+    shards = {name: (t.to_local() if isinstance(t, DTensor) else t).detach()
+              for name, t in hf_root(model).state_dict().items()}
+    return {name: t.to(dtype) if dtype is not None else t for name, t in shards.items()}
 
 
 def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:

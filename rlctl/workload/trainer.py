@@ -53,6 +53,7 @@ from rlctl.workload.fsdp import (
     full_state_dict,
     load_full_state_dict,
     load_optimizer,
+    local_shards,
     save_optimizer,
     shard_model,
     total_norm,
@@ -252,6 +253,7 @@ class Trainer:
         self._tied = tied_names(self.model.state_dict())
         self.ref_model = self._make_reference() if self.config.grpo.kl_coef > 0 else None
         self.sharded = self.dist.enabled and self.config.sharding == "fsdp"
+        self.compute_dtype = compute_dtype
         if self.sharded:
             shard_model(self.model, self.device, compute_dtype)
             if self.ref_model is not None:
@@ -369,6 +371,11 @@ class Trainer:
                 "kl": kl, "clip_frac": clipped, "grad_norm": grad_norm, "tokens": float(totals[3]),
                 "lr": float(lr), "seconds": time.perf_counter() - started,
                 "micro_batches": float(len(plan)), "ranks": float(self.dist.world_size), "sharded": float(self.sharded)}
+
+    def shard_for_publish(self) -> dict[str, Tensor]:
+        """This rank's shard of the weights in the compute dtype (a sharded group's ranks each serve
+        theirs; ``rlctl.weights.shards`` puts them together on the receiving side). Not a collective."""
+        return {name: t.to("cpu").contiguous() for name, t in local_shards(self.model, self.compute_dtype).items()}
 
     def _busiest_plan(self, samples: Sequence[TrainSample]) -> int:
         """The most micro-batches any rank runs on ``samples`` (every rank can work it out)."""

@@ -42,6 +42,10 @@ def test_a_gpu_fault_moves_the_nodes_ranks_together_and_an_engine_crash_restarts
             "both engines of the node generate"
         trained = [e.data["metrics"] for e in events if e.type == "StepTrained"]
         assert trained and all((m["ranks"], m["sharded"]) == (2.0, 1.0) for m in trained), "one FSDP group of 2 ranks"
+        published = [e.data["source"] for e in events if e.type == "WeightsPublished"]
+        assert published and all(s.get("sharded") and len(s["shards"]) == 2 for s in published), \
+            "each rank serves its own shard (no gather to rank 0)"
+        assert {e.data["slot"] for e in events if e.type == "WeightsHeld"} >= {"rollout-0", "rollout-1"}
 
         crash = rlctl_json(state_dir, "inject-fault", rollout_node, "--job", job, "--kind", "crash",
                            "--worker", "rollout-1")

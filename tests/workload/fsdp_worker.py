@@ -5,6 +5,8 @@ Usage: python fsdp_worker.py OUT_FILE MODE [CHECKPOINT_DIR]   (WORLD_SIZE/RANK/M
   how many parameter elements this rank holds.
 - ``checkpoint``: a step, a sharded checkpoint into CHECKPOINT_DIR, another step; saves the weights.
 - ``resume``: restores CHECKPOINT_DIR, takes the second step; saves the weights.
+- ``shards``: a step, then every rank serves its own shard (TCP holder) and rank 0 pulls all of
+  them point to point (``rlctl.weights.shards``); saves what rank 0 pulled and the gathered weights.
 """
 
 from __future__ import annotations
@@ -40,10 +42,33 @@ def main(out: str, mode: str, checkpoint: str = "") -> None:
     elif mode == "resume":
         result["restored_step"] = trainer.load_checkpoint(checkpoint)
         result["metrics"] = trainer.train_step(synthetic_batch(2))
+    elif mode == "shards":
+        result["pulled"] = serve_and_pull_shards(trainer)
     result["state"] = trainer.state_dict_for_publish()
     torch.save(result, out)
     if trainer.dist.enabled:
         torch.distributed.destroy_process_group()
+
+
+def serve_and_pull_shards(trainer: Trainer) -> dict[str, torch.Tensor]:
+    from rlctl.weights import WeightServerThread, unflatten
+    from rlctl.weights.shards import combine, fetch_sharded_sync
+
+    trainer.train_step(synthetic_batch(1))
+    server = WeightServerThread("tcp", host="127.0.0.1")
+    server.start()
+    try:
+        mine = server.publish(trainer.step, trainer.shard_for_publish())
+        descriptors: list[object] = [None] * trainer.dist.world_size
+        torch.distributed.all_gather_object(descriptors, mine)
+        pulled: dict[str, torch.Tensor] = {}
+        if trainer.dist.rank == 0:
+            bundle = fetch_sharded_sync(combine(descriptors, trainer.step), timeout=60)  # type: ignore[arg-type]
+            pulled = {k: v.clone() for k, v in unflatten(bundle.manifest, bundle.buffer).items()}
+        torch.distributed.barrier()  # every rank serves until rank 0 has pulled
+        return pulled
+    finally:
+        server.close()
 
 
 if __name__ == "__main__":

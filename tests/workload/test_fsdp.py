@@ -68,3 +68,11 @@ def test_a_sharded_checkpoint_resumes_like_the_uninterrupted_run(tmp_path: Path)
     assert resumed[0]["restored_step"] == 1
     worst = max((resumed[0]["state"][k] - v).abs().max().item() for k, v in straight[0]["state"].items())
     assert worst == 0.0, worst
+
+
+def test_every_rank_serves_its_shard_and_a_pull_of_all_of_them_is_the_whole_model(tmp_path: Path) -> None:
+    group = run_group(tmp_path, "shards", 2, "shards")
+    pulled, gathered = group[0]["pulled"], group[0]["state"]
+    assert pulled.keys() == gathered.keys() and group[1]["pulled"] == {}
+    for name, tensor in gathered.items():
+        assert torch.equal(pulled[name], tensor), name

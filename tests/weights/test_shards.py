@@ -1,0 +1,87 @@
+"""Sharded point-to-point sync over real holders (TCP): a model split the way fully_shard splits
+dim 0, each shard served by its own holder, pulled at once and put together bit for bit; a gone
+rank fails the pull cleanly, shards that do not fit are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from rlctl.weights import WeightError, WeightServerThread, unflatten
+from rlctl.weights.errors import WeightIntegrityError
+from rlctl.weights.shards import combine, fetch_sharded_sync, fetch_source_sync, shard_rows
+
+
+def model_state() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "embed.weight": torch.randn(37, 16, generator=generator, dtype=torch.bfloat16),
+        "layers.0.norm.weight": torch.randn(16, generator=generator),
+        "layers.0.proj.weight": torch.randn(2, 16, generator=generator),  # fewer rows than ranks
+        "lm_head.weight": torch.randn(37, 16, generator=generator, dtype=torch.bfloat16),
+    }
+
+
+def split(state: dict[str, torch.Tensor], ranks: int) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for rank in range(ranks):
+        shard = {}
+        for name, tensor in state.items():
+            start, stop = shard_rows(tensor.shape[0], ranks, rank)
+            shard[name] = tensor[start:stop].contiguous()
+        out.append(shard)
+    return out
+
+
+@contextmanager
+def serving(shards: list[dict[str, torch.Tensor]], version: int) -> Iterator[tuple[dict, list[WeightServerThread]]]:
+    servers = [WeightServerThread("tcp", host="127.0.0.1") for _ in shards]
+    try:
+        descriptors = []
+        for server, shard in zip(servers, shards):
+            server.start()
+            descriptors.append(server.publish(version, shard))
+        yield combine(descriptors, version), servers
+    finally:
+        for server in servers:
+            server.close()
+
+
+def test_three_ranks_shards_are_pulled_at_once_and_put_together_exactly() -> None:
+    state = model_state()
+    with serving(split(state, 3), version=5) as (source, _):
+        assert source["sharded"] and len(source["shards"]) == 3
+        assert source["nbytes"] == sum(d["nbytes"] for d in source["shards"])
+        bundle = fetch_sharded_sync(source, timeout=30)
+        assert bundle.manifest.version == 5 and fetch_source_sync(source, timeout=30).manifest.checksum == \
+            bundle.manifest.checksum
+    got = unflatten(bundle.manifest, bundle.buffer)
+    assert list(got) == list(state)
+    for name, tensor in state.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_a_gone_rank_fails_the_pull_with_a_weight_error() -> None:
+    with serving(split(model_state(), 2), version=1) as (source, servers):
+        servers[1].close()
+        with pytest.raises(WeightError):
+            fetch_sharded_sync(source, timeout=5)
+
+
+def test_shards_that_do_not_fit_together_are_refused() -> None:
+    shards = split(model_state(), 2)
+    shards[1]["embed.weight"] = shards[1]["embed.weight"][:, :8].contiguous()  # another width
+    with serving(shards, version=1) as (source, _), pytest.raises(WeightIntegrityError, match="embed.weight"):
+        fetch_sharded_sync(source, timeout=10)
+
+
+def test_rows_follow_torch_chunk() -> None:
+    for rows, ranks in ((37, 3), (2, 3), (8, 4), (0, 2)):
+        chunks = [len(c) for c in torch.chunk(torch.arange(rows), ranks)] if rows else []
+        held = [shard_rows(rows, ranks, r)[1] - shard_rows(rows, ranks, r)[0] for r in range(ranks)]
+        assert [h for h in held if h] == chunks and sum(held) == rows
+    assert np.sum([shard_rows(37, 3, r)[0] for r in range(3)]) == 0 + 13 + 26
