@@ -44,12 +44,13 @@ def _parts() -> dict[str, Callable[[], Figures]]:
         "ucx_cuda": ucx_part.cuda_transfer,
         "nccl_watchdog": nccl_part.stalled_collective,
         "nccl_data_parallel": dp_part.data_parallel,
+        "nccl_fsdp": dp_part.fsdp,
         "vllm_engine": vllm_part.engine,
     }
 
 
 PART_NAMES = ("nvml", "nvml_sample_cost", "torch_rollout", "torch_train_step", "ucx_cuda", "nccl_watchdog",
-              "nccl_data_parallel", "vllm_engine")
+              "nccl_data_parallel", "nccl_fsdp", "vllm_engine")
 
 
 def environment() -> dict[str, Any]:

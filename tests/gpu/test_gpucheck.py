@@ -131,3 +131,13 @@ def test_the_data_parallel_part_compares_a_real_group_with_a_single_run_on_cpu()
     figures = compare_group_with_single("cpu")
     assert figures["rank_weight_gap"] == 0.0 and figures["worst_gap_vs_single"] <= 0.05, figures
     assert [len(pair) for pair in figures["losses_group_vs_single"]] == [2, 2]
+
+
+@pytest.mark.timeout(300)
+def test_the_fsdp_part_compares_a_real_sharded_group_with_a_single_run_on_cpu() -> None:
+    from rlctl.gpucheck.dp_part import compare_group_with_single
+
+    # The GPU check's FSDP2 part, here over gloo: rank 0's gathered weights close to one process.
+    figures = compare_group_with_single("cpu", "fsdp")
+    assert figures["worst_gap_vs_single"] <= 0.05, figures
+    assert [len(pair) for pair in figures["losses_group_vs_single"]] == [2, 2]

@@ -1,0 +1,234 @@
+"""Sharded point-to-point weight sync against gathering to rank 0, and against a checkpoint reload.
+
+The weights of the ~0.5B-parameter Qwen3 of ``hf_init`` (size ``0.5b``, random init, bfloat16 as
+on the wire, 0.95 GB) are split into N trainer ranks' shards the way ``fully_shard`` splits dim 0
+(each rank its own process, a gloo group among them). Then a new version reaches 2 rollouts (each
+its own process), timed from the moment every rank holds its shard to the moment both rollouts
+hold the whole model, verified:
+
+- ``sharded``: every rank serves its own shard (``WeightServerThread``), rank 0 combines the
+  descriptors, each rollout pulls all shards at once and assembles them (``rlctl.weights.shards``).
+- ``gathered`` (baseline): the ranks send their shards to rank 0 (gloo point to point), rank 0
+  puts the model together and serves it, each rollout pulls it.
+- ``disk`` (baseline): each rollout reads the same weights from a safetensors checkpoint, cold
+  (dropped from the page cache with ``posix_fadvise``) and warm.
+
+    python bench/sharded_weight_sync.py [--ranks 1,2,4] [--transport tcp] [--repeats 2]
+
+Prints progress to stderr and one JSON object on the last stdout line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CTX = mp.get_context("spawn")
+ROLLOUTS = 2
+VERSION = 1
+
+
+def set_env(transport: str) -> None:
+    os.environ.update(UCX_NET_DEVICES="lo", UCX_TLS="tcp,self", UCXPY_PROGRESS_MODE="blocking",
+                      UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1")
+
+
+def load_shard(path: str, rank: int, ranks: int) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    from rlctl.weights.shards import shard_rows
+
+    shard = {}
+    with safe_open(path, framework="pt") as weights:
+        for name in weights.keys():  # noqa: SIM118 (safe_open is not a dict)
+            tensor = weights.get_slice(name)
+            rows = tensor.get_shape()[0]
+            start, stop = shard_rows(rows, ranks, rank)
+            shard[name] = tensor[start:stop].contiguous()
+    return shard
+
+
+def rank_main(rank: int, ranks: int, mode: str, path: str, port: int, transport: str, out: Any, go: Any,
+              done: Any) -> None:
+    set_env(transport)
+    import torch
+    import torch.distributed as dist
+
+    from rlctl.weights import WeightServerThread
+    from rlctl.weights.shards import combine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    shard = load_shard(path, rank, ranks)
+    server = WeightServerThread(transport, host="127.0.0.1") if mode == "sharded" or rank == 0 else None
+    if server is not None:
+        server.start()
+    go.wait()  # the rollouts are up and waiting
+    dist.barrier()
+    started = time.time()
+    if mode == "sharded":
+        assert server is not None
+        descriptors: list[Any] = [None] * ranks
+        dist.all_gather_object(descriptors, server.publish(VERSION, shard))
+        if rank == 0:
+            out.put((started, combine(descriptors, VERSION)))
+    else:
+        names = list(shard)
+        if rank == 0:
+            parts: dict[str, list[Any]] = {name: [shard[name]] for name in names}
+            for peer in range(1, ranks):
+                sizes: list[Any] = [None]
+                dist.recv_object_list(sizes, src=peer)
+                for name, shape in zip(names, sizes[0]):
+                    received = torch.empty(shape, dtype=shard[name].dtype)
+                    dist.recv(received.view(torch.int16), src=peer)
+                    parts[name].append(received)
+            assert server is not None
+            out.put((started, server.publish(VERSION, {name: torch.cat(parts[name]) for name in names})))
+        else:
+            dist.send_object_list([[list(shard[name].shape) for name in names]], dst=0)
+            for name in names:
+                dist.send(shard[name].view(torch.int16), dst=0)
+    done.wait()
+    if server is not None:
+        server.close()
+    dist.destroy_process_group()
+
+
+def rollout_main(source_queue: Any, out: Any, transport: str) -> None:
+    set_env(transport)
+    import torch  # noqa: F401  (imported before the clock starts, as in a running rollout)
+
+    from rlctl.weights import unflatten
+    from rlctl.weights.shards import fetch_source_sync
+
+    out.put("ready")
+    source = source_queue.get()
+    bundle = fetch_source_sync(source, timeout=600)
+    state = unflatten(bundle.manifest, bundle.buffer)
+    out.put((time.time(), bundle.manifest.nbytes, len(state)))
+
+
+def disk_main(path: str, out: Any, cold: bool) -> None:
+    from safetensors.torch import load_file
+
+    if cold:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    started = time.time()
+    state = load_file(path)
+    touched = sum(float(t.view(-1)[-1].float()) for t in state.values())  # every tensor really read
+    out.put((time.time() - started, touched))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def sync_once(path: str, ranks: int, mode: str, transport: str) -> float:
+    """Seconds from every rank holding its shard to both rollouts holding the whole model."""
+    rank_out, source_queues, rollout_out = CTX.Queue(), [CTX.Queue() for _ in range(ROLLOUTS)], CTX.Queue()
+    go, done = CTX.Event(), CTX.Event()
+    port = _free_port()
+    procs = [CTX.Process(target=rank_main, args=(r, ranks, mode, path, port, transport, rank_out, go, done))
+             for r in range(ranks)]
+    procs += [CTX.Process(target=rollout_main, args=(q, rollout_out, transport)) for q in source_queues]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in range(ROLLOUTS):
+            assert rollout_out.get(timeout=300) == "ready"
+        go.set()
+        started, source = rank_out.get(timeout=900)
+        for queue in source_queues:
+            queue.put(source)
+        ends = [rollout_out.get(timeout=900) for _ in range(ROLLOUTS)]
+        return max(end for end, _, _ in ends) - started
+    finally:
+        done.set()
+        for proc in procs:
+            proc.join(120)
+            if proc.is_alive():
+                proc.kill()
+
+
+def disk_once(path: str, cold: bool) -> float:
+    out = CTX.Queue()
+    procs = [CTX.Process(target=disk_main, args=(path, out, cold)) for _ in range(ROLLOUTS)]
+    for proc in procs:
+        proc.start()
+    seconds = max(out.get(timeout=900)[0] for _ in procs)
+    for proc in procs:
+        proc.join(60)
+    return seconds
+
+
+def make_model(folder: Path, size: str) -> tuple[str, int]:
+    import torch
+    from safetensors.torch import save_file
+
+    from rlctl.workload.hf_init import random_policy
+
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in random_policy("qwen3", size, seed=0).state_dict().items()}
+    state = {k: v for k, v in state.items() if k != "lm_head.weight" or "model.embed_tokens.weight" not in state
+             or v.data_ptr() != state["model.embed_tokens.weight"].data_ptr()}
+    path = folder / "model.safetensors"
+    save_file(state, str(path))
+    return str(path), sum(v.numel() * v.element_size() for v in state.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--transport", default="tcp", choices=("tcp", "ucx"))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--size", default="0.5b")
+    args = parser.parse_args()
+    set_env(args.transport)
+    rank_counts = [int(n) for n in args.ranks.split(",")]
+    with tempfile.TemporaryDirectory(prefix="rlctl-sharded-sync-") as tmp:
+        path, nbytes = make_model(Path(tmp), args.size)
+        print(f"[sharded_weight_sync] model {nbytes / 1e9:.2f} GB bf16", file=sys.stderr, flush=True)
+        rows: list[dict[str, Any]] = []
+        for ranks in rank_counts:
+            for mode in ("sharded", "gathered"):
+                times = [sync_once(path, ranks, mode, args.transport) for _ in range(args.repeats)]
+                row = {"ranks": ranks, "mode": mode, "seconds": round(statistics.median(times), 3),
+                       "runs": [round(t, 3) for t in times]}
+                print(f"[sharded_weight_sync] {row}", file=sys.stderr, flush=True)
+                rows.append(row)
+        disk = {"cold": [disk_once(path, True) for _ in range(args.repeats)],
+                "warm": [disk_once(path, False) for _ in range(args.repeats)]}
+        print(f"[sharded_weight_sync] disk {disk}", file=sys.stderr, flush=True)
+    sharded = {r["ranks"]: r["seconds"] for r in rows if r["mode"] == "sharded"}
+    gathered = {r["ranks"]: r["seconds"] for r in rows if r["mode"] == "gathered"}
+    disk_cold = statistics.median(disk["cold"])
+    best = min(sharded.values())
+    print(json.dumps({
+        "model_bytes": nbytes, "rollouts": ROLLOUTS, "transport": args.transport, "results": rows,
+        "disk_cold_s": round(disk_cold, 3), "disk_warm_s": round(statistics.median(disk["warm"]), 3),
+        "sharded_over_1_rank": {n: round(s / sharded[rank_counts[0]], 3) for n, s in sharded.items()},
+        "gathered_over_sharded": {n: round(gathered[n] / sharded[n], 3) for n in sharded},
+        "disk_cold_over_best_sharded": round(disk_cold / best, 2),
+        "goal": "time close to 1/N of one rank's, and >= 3x faster than a cold checkpoint reload",
+        "meets_disk_goal": disk_cold / best >= 3.0,
+    }))
+
+
+if __name__ == "__main__":
+    main()
