@@ -50,15 +50,12 @@ backend = "local"
 agent_tls = "{agent_tls}"
 [cluster.local]
 nodes = 0
-gpus_per_node = {gpus}
-
+{local_gpus}
 [roles.trainer]
 nodes = {trainers}
-gpus_per_node = {gpus}
-[roles.rollout]
+{role_gpus}[roles.rollout]
 nodes = {rollouts}
-gpus_per_node = {gpus}
-[roles.reward]
+{role_gpus}[roles.reward]
 nodes = 1
 
 [spares]
@@ -78,8 +75,17 @@ training = 8.0
 weight-sync = 8.0
 scoring = 6.0
 loading = 60.0
+checkpointing = 8.0
 
 """
+
+
+def gpu_lines(gpus_per_node: int) -> dict[str, str]:
+    """The template's GPU lines: none for the default of 1 simulated GPU a node (the template's text
+    is then what tests that edit it expect)."""
+    if gpus_per_node == 1:
+        return {"local_gpus": "", "role_gpus": ""}
+    return {"local_gpus": f"gpus_per_node = {gpus_per_node}\n", "role_gpus": f"gpus_per_node = {gpus_per_node}\n"}
 
 
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
@@ -93,6 +99,7 @@ def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: i
     path = tmp_path / f"{name}.toml"
     path.write_text(SMALL_JOB.format(name=name, steps=steps, trainers=trainers, rollouts=rollouts, spares=spares, nodes=nodes,
                                      policy=policy, checkpoint_every=checkpoint_every,
-                                     max_restarts=max_restarts, agent_tls=agent_tls, gpus=gpus_per_node) + workload_tables(step_scale)
+                                     max_restarts=max_restarts, agent_tls=agent_tls,
+                                     **gpu_lines(gpus_per_node)) + workload_tables(step_scale)
                     + extra_tables)
     return path

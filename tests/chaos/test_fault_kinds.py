@@ -1,6 +1,7 @@
 """Every fault kind injected into a running reference job on the local backend: detected with the
 right verdict, recovered by the right action, the job keeps training, nothing is lost or trained
-twice. The truth is read from the journal."""
+twice; with one worker per node and with two simulated GPUs per node (2 FSDP trainer ranks, 2
+rollout engines a node). The truth is read from the journal."""
 
 from __future__ import annotations
 
@@ -34,10 +35,13 @@ FAULTS = [
 ]
 
 
-@pytest.fixture()
-def job(tmp_path: Path):
+# 1: a worker per node; 2: two simulated GPUs per node, so a trainer node runs 2 ranks of one FSDP2
+# group and a rollout node 2 engines (a node-level fault moves both, a worker fault hits one).
+@pytest.fixture(params=[1, 2], ids=["one-worker-per-node", "two-gpus-per-node"])
+def job(tmp_path: Path, request: pytest.FixtureRequest):
     state_dir = tmp_path / "jobs"
-    launched = rlctl_json(state_dir, "launch", str(write_job(tmp_path, name="chaos", spares=2, max_restarts=20)))
+    job_file = write_job(tmp_path, name="chaos", spares=2, max_restarts=20, gpus_per_node=request.param)
+    launched = rlctl_json(state_dir, "launch", str(job_file))
     yield state_dir, launched["job_id"], JobDir(Path(launched["job_dir"]))
     rlctl(state_dir, "stop", launched["job_id"], check=False)
     kill_everything_under(tmp_path)
