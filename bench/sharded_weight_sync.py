@@ -130,8 +130,8 @@ def disk_main(path: str, out: Any, cold: bool) -> None:
         os.close(fd)
     started = time.time()
     state = load_file(path)
-    touched = sum(float(t.view(-1)[-1].float()) for t in state.values())  # every tensor really read
-    out.put((time.time() - started, touched))
+    copies = [t.clone() for t in state.values()]  # every byte read (the file is mapped lazily)
+    out.put((time.time() - started, len(copies)))
 
 
 def _free_port() -> int:
