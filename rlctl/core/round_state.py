@@ -1,0 +1,306 @@
+"""The round scheduler's state and how events change it: prompts, samples, rounds, batches.
+
+Role: the half of ``rlctl.core.rounds`` that a journal replay runs. ``RoundState.apply`` is the only
+place the scheduler's state changes; ``RoundScheduler`` (its subclass) decides and returns the
+events, and applies each at once. The data types of rounds and samples live here too. Pure: no
+I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.core.events import Event
+
+PENDING, INFLIGHT, DONE, SCORING, SCORED = "pending", "inflight", "done", "scoring", "scored"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    batch_prompts: int
+    group_size: int
+    max_new_tokens: int
+    tail_enabled: bool
+    short_max_tokens: int
+    overprovision: float
+    long_batch: int
+    seed: int
+    held_out_every: int = 0
+
+
+@dataclass(frozen=True)
+class PromptRef:
+    prompt_id: str
+    tokens: tuple[int, ...]
+    meta: dict[str, Any]
+
+
+@dataclass
+class Sample:
+    item_id: str
+    prompt_id: str
+    sample_index: int
+    seed: int
+    status: str = PENDING
+    wid: str | None = None
+    response_tokens: list[int] | None = None
+    truncated: bool = False
+    weights_version: int = -1
+    reward: float | None = None
+    correct: bool | None = None
+
+
+@dataclass
+class Round:
+    step: int
+    kind: str  # "short" | "long" | "sync"
+    weights_version: int
+    max_new_tokens: int
+    target_groups: int
+    prompt_ids: list[str]
+    samples: dict[str, Sample] = field(default_factory=dict)
+    completed: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    def progress(self) -> dict[str, Any]:
+        longest = max((len(s.response_tokens or ()) for s in self.samples.values() if s.response_tokens), default=0)
+        generated = sum(1 for s in self.samples.values() if s.status in (DONE, SCORING, SCORED))
+        return {
+            "step": self.step,
+            "kind": self.kind,
+            "weights_version": self.weights_version,
+            "max_new_tokens": self.max_new_tokens,
+            "groups_done": len(self.completed),
+            "groups_target": self.target_groups,
+            "prompts": len(self.prompt_ids),
+            "deferred": len(self.deferred),
+            "samples_generated": generated,
+            "samples_total": len(self.samples),
+            "longest_response": longest,
+            "closed": self.closed,
+        }
+
+
+@dataclass
+class HeldOutRun:
+    """One held-out evaluation of weights ``version``: a sample per held-out prompt."""
+
+    version: int
+    max_new_tokens: int
+    samples: dict[str, Sample] = field(default_factory=dict)
+
+
+HELD_OUT_SEED_STEP = -1  # the step in every held-out sample's seed: the same at every evaluation
+
+
+@dataclass
+class Batch:
+    step: int
+    kind: str
+    epoch: int
+    weights_version: int
+    prompt_ids: list[str]
+    samples: list[Sample]
+
+
+def sample_seed(job_seed: int, step: int, prompt_id: str, sample_index: int) -> int:
+    """The per-sample seed: the same sample is reproducible whichever worker generates it."""
+    digest = hashlib.sha256(f"{job_seed}/{step}/{prompt_id}/{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+class RoundState:
+    """The epoch's prompt pool, the long queue, the current round, the held-out run and the retained
+    batches; ``apply`` replays one event onto them."""
+
+    def __init__(self, config: SchedulerConfig, prompts: list[PromptRef],
+                 held_out_prompts: list[PromptRef] | None = None) -> None:
+        self.config = config
+        self.prompts = {p.prompt_id: p for p in prompts}
+        self.held_out_prompts = {p.prompt_id: p for p in held_out_prompts or []}
+        self.held_out: HeldOutRun | None = None
+        self.held_out_results: list[dict[str, Any]] = []
+        self.epoch = -1
+        self.pool: deque[str] = deque()
+        self.long_queue: list[str] = []
+        self.round: Round | None = None
+        self.batches: dict[int, Batch] = {}
+        self.epoch_trained: set[str] = set()
+        self.cancelled: set[str] = set()
+        self.trajectories_stored = 0
+        self.trajectories_discarded = 0
+        self.trajectories_lost = 0
+
+    # ------------------------------------------------------------------------------- apply
+
+    def apply(self, ev: Event) -> None:
+        """Change state by one event. The only mutator; replaying the journal calls just this."""
+        handler = getattr(self, f"_on_{ev.type}", None)
+        if handler is not None:
+            handler(ev.data)
+
+    def _on_EpochStarted(self, data: dict[str, Any]) -> None:
+        self.epoch = int(data["epoch"])
+        self.pool = deque(data["order"])
+        self.epoch_trained = set()
+
+    def _on_RoundStarted(self, data: dict[str, Any]) -> None:
+        step = int(data["step"])
+        prompts = list(data["prompts"])
+        rnd = Round(
+            step=step,
+            kind=data["kind"],
+            weights_version=int(data["weights_version"]),
+            max_new_tokens=int(data["max_new_tokens"]),
+            target_groups=int(data["target_groups"]),
+            prompt_ids=prompts,
+        )
+        for prompt_id in prompts:
+            for index in range(self.config.group_size):
+                item_id = f"s{step}/{prompt_id}/{index}"
+                rnd.samples[item_id] = Sample(item_id, prompt_id, index, sample_seed(self.config.seed, step, prompt_id, index))
+        taken = set(prompts)
+        if rnd.kind == "long":
+            self.long_queue = [p for p in self.long_queue if p not in taken]
+        else:
+            self.pool = deque(p for p in self.pool if p not in taken)
+        self.round = rnd
+        self.cancelled = set()
+
+    def _on_ItemsDispatched(self, data: dict[str, Any]) -> None:
+        for sample in self._samples(data["item_ids"]):
+            sample.status, sample.wid = INFLIGHT, data["wid"]
+
+    def _on_ItemsReturned(self, data: dict[str, Any]) -> None:
+        for sample in self._samples(data["item_ids"]):
+            if sample.status == INFLIGHT:
+                sample.status, sample.wid = PENDING, None
+            elif sample.status == SCORING:
+                sample.status, sample.wid = DONE, None
+
+    def _on_TrajectoryStored(self, data: dict[str, Any]) -> None:
+        for sample in self._samples([data["item_id"]]):
+            sample.status, sample.wid = DONE, None
+            sample.response_tokens = list(data["response_tokens"])
+            sample.truncated = bool(data["truncated"])
+            sample.weights_version = int(data["weights_version"])
+            if self._held_out_sample(sample.item_id) is None:
+                self.trajectories_stored += 1
+
+    def _on_HeldOutStarted(self, data: dict[str, Any]) -> None:
+        version = int(data["version"])
+        run = HeldOutRun(version, int(data["max_new_tokens"]))
+        for prompt_id in data["prompts"]:
+            item_id = f"h{version}/{prompt_id}"
+            run.samples[item_id] = Sample(item_id, prompt_id, 0,
+                                          sample_seed(self.config.seed, HELD_OUT_SEED_STEP, prompt_id, 0))
+        self.held_out = run
+
+    def _on_HeldOutScored(self, data: dict[str, Any]) -> None:
+        self.held_out_results.append({k: data[k] for k in ("version", "prompts", "reward_mean", "reward_std_err",
+                                                           "accuracy")})
+        self.held_out = None
+
+    def _on_PromptDeferred(self, data: dict[str, Any]) -> None:
+        rnd = self.round
+        prompt_id = data["prompt_id"]
+        if rnd is None or prompt_id in rnd.deferred:
+            return
+        rnd.deferred.append(prompt_id)
+        for sample in [s for s in rnd.samples.values() if s.prompt_id == prompt_id]:
+            if sample.status == INFLIGHT:
+                self.cancelled.add(sample.item_id)
+            del rnd.samples[sample.item_id]
+        self.long_queue.append(prompt_id)
+
+    def _on_ScoringDispatched(self, data: dict[str, Any]) -> None:
+        for sample in self._samples(data["item_ids"]):
+            sample.status, sample.wid = SCORING, data["wid"]
+
+    def _on_RewardsStored(self, data: dict[str, Any]) -> None:
+        for score in data["scores"]:
+            held_out = self._held_out_sample(score["item_id"])
+            if held_out is not None:
+                held_out.status, held_out.wid = SCORED, None
+                held_out.reward, held_out.correct = float(score["reward"]), bool(score["correct"])
+        rnd = self.round
+        if rnd is None or rnd.closed:
+            return
+        touched: set[str] = set()
+        for score in data["scores"]:
+            sample = rnd.samples.get(score["item_id"])
+            if sample is None:
+                continue
+            sample.status, sample.wid = SCORED, None
+            sample.reward, sample.correct = float(score["reward"]), bool(score["correct"])
+            touched.add(sample.prompt_id)
+        for prompt_id in sorted(touched, key=rnd.prompt_ids.index):
+            group = [s for s in rnd.samples.values() if s.prompt_id == prompt_id]
+            if prompt_id not in rnd.completed and all(s.status == SCORED for s in group):
+                rnd.completed.append(prompt_id)
+
+    def _on_BatchFormed(self, data: dict[str, Any]) -> None:
+        rnd = self.round
+        if rnd is None:
+            return
+        chosen = list(data["prompt_ids"])
+        in_batch = set(chosen)
+        samples = sorted(
+            (s for s in rnd.samples.values() if s.prompt_id in in_batch),
+            key=lambda s: (chosen.index(s.prompt_id), s.sample_index),
+        )
+        for sample in rnd.samples.values():
+            if sample.prompt_id not in in_batch and sample.status in (INFLIGHT, SCORING):
+                self.cancelled.add(sample.item_id)
+            if sample.prompt_id not in in_batch and sample.status in (DONE, SCORING, SCORED):
+                self.trajectories_discarded += 1
+        self.batches[rnd.step] = Batch(rnd.step, rnd.kind, self.epoch, rnd.weights_version, chosen, samples)
+        self.epoch_trained.update(chosen)
+        returned = [p for p in data["returned_prompt_ids"]]
+        self.pool.extendleft(reversed(returned))
+        rnd.closed = True
+
+    def _on_Checkpointed(self, data: dict[str, Any]) -> None:
+        for step in [s for s in self.batches if s < int(data["step"])]:
+            del self.batches[step]
+
+    def _on_SchedulerRolledBack(self, data: dict[str, Any]) -> None:
+        to_step = int(data["to_step"])
+        undone: list[str] = []
+        for step in sorted(s for s in self.batches if s >= to_step):
+            batch = self.batches.pop(step)
+            self.trajectories_lost += len(batch.samples)
+            if batch.epoch == self.epoch:
+                undone.extend(batch.prompt_ids)
+                self.epoch_trained.difference_update(batch.prompt_ids)
+        rnd = self.round
+        if rnd is not None and not rnd.closed:
+            live = [p for p in rnd.prompt_ids if p not in rnd.deferred]
+            self.trajectories_lost += sum(1 for s in rnd.samples.values() if s.status in (DONE, SCORING, SCORED))
+            self.cancelled.update(s.item_id for s in rnd.samples.values() if s.status in (INFLIGHT, SCORING))
+            if rnd.kind == "long":
+                self.long_queue = live + self.long_queue
+            else:
+                undone.extend(live)
+            rnd.closed = True
+        self.pool.extendleft(reversed(undone))
+        self.round = None
+        self.held_out = None
+
+    def _samples(self, item_ids: list[str]) -> list[Sample]:
+        rnd = self.round
+        found = []
+        for item_id in item_ids:
+            sample = self._held_out_sample(item_id)
+            if sample is None and rnd is not None:
+                sample = rnd.samples.get(item_id)
+            if sample is not None:
+                found.append(sample)
+        return found
+
+    def _held_out_sample(self, item_id: str) -> Sample | None:
+        return self.held_out.samples.get(item_id) if self.held_out is not None else None
