@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rlctl import lab
-from rlctl.backends.slurm import parse_scontrol_record
+from rlctl.backends.slurm_commands import parse_scontrol_record
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.events import Event

@@ -25,110 +25,22 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jinja2
-
 from rlctl.backends.base import AgentLaunch, AllocationRequest, BackendError, FaultInjector, NodeInfo, ProbeResult
-from rlctl.backends.slurm_states import JobOutcome, JobVerdict, map_job_state, map_node_state
+from rlctl.backends.slurm_commands import (
+    SlurmCommands,
+    SlurmTask,
+)
+from rlctl.backends.slurm_scripts import SPARE_ROLE, SbatchScripts
+from rlctl.backends.slurm_states import JobOutcome, map_job_state, map_node_state
 
 log = logging.getLogger(__name__)
 
-SPARE_ROLE = "spare"
-ROLE_TEMPLATE = "slurm_role.sbatch.j2"
-TASK_TEMPLATE = "slurm_agent_task.sh.j2"
-
-
-def template_dir_candidates() -> list[Path]:
-    """Where the sbatch templates are: ``templates/`` of a source checkout, then the copy a wheel
-    installs under ``<prefix>/share/rlctl/templates`` (pyproject's data-files)."""
-    return [Path(__file__).resolve().parents[2] / "templates", Path(sys.prefix) / "share" / "rlctl" / "templates"]
-
-
-def find_template_dir(candidates: list[Path] | None = None) -> Path:
-    """The first candidate folder that holds both templates; a ``BackendError`` naming every
-    folder tried when none does."""
-    candidates = template_dir_candidates() if candidates is None else candidates
-    for candidate in candidates:
-        if (candidate / ROLE_TEMPLATE).is_file() and (candidate / TASK_TEMPLATE).is_file():
-            return candidate
-    raise BackendError("the sbatch templates are missing: looked for "
-                       f"{ROLE_TEMPLATE} and {TASK_TEMPLATE} in {', '.join(map(str, candidates))}")
 POLL_S = 0.5
-DEFAULT_SLURMD_PORT = 6818
-
-
-@dataclass(frozen=True)
-class SlurmTask:
-    """One array task as seen in ``squeue --json``."""
-
-    job_id: str
-    array_job_id: str
-    array_task_id: int | None
-    name: str
-    state: str
-    nodes: str
-    reason: str
-    exit_code: int | None
-
-
-def parse_squeue_json(text: str) -> list[SlurmTask]:
-    """The jobs in ``squeue --json`` output (Slurm 22.05 schema; newer ones are accepted too)."""
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise BackendError(f"squeue --json printed invalid JSON: {exc}") from exc
-    tasks = []
-    for job in data.get("jobs", []):
-        state = job.get("job_state", "")
-        if isinstance(state, list):  # 23.02+: a list of flags
-            state = state[0] if state else ""
-        task_id = job.get("array_task_id")
-        if isinstance(task_id, dict):  # 23.02+: {"set": bool, "number": int}
-            task_id = task_id.get("number") if task_id.get("set") else None
-        exit_code = job.get("exit_code")
-        if isinstance(exit_code, dict):
-            exit_code = (exit_code.get("return_code") or {}).get("number") if isinstance(
-                exit_code.get("return_code"), dict) else exit_code.get("return_code")
-        tasks.append(SlurmTask(
-            job_id=str(job.get("job_id")),
-            array_job_id=str(job.get("array_job_id") or job.get("job_id")),
-            array_task_id=int(task_id) if isinstance(task_id, int) else None,
-            name=str(job.get("name", "")),
-            state=str(state),
-            nodes=str(job.get("nodes", "") or ""),
-            reason=str(job.get("state_reason", "") or ""),
-            exit_code=exit_code if isinstance(exit_code, int) else None,
-        ))
-    return tasks
-
-
-_KV_SPLIT = re.compile(r"\s+(?=[A-Za-z][\w/:]*=)")
-
-
-def parse_scontrol_record(line: str) -> dict[str, str]:
-    """One ``scontrol show node|job -o`` line as a dict (values may contain spaces, e.g. Reason)."""
-    out: dict[str, str] = {}
-    for token in _KV_SPLIT.split(line.strip()):
-        key, sep, value = token.partition("=")
-        if sep:
-            out[key] = value
-    return out
-
-
-def parse_exit_code(text: str) -> tuple[int | None, int | None]:
-    """``ExitCode=2:0`` -> (2, 0)."""
-    code, _, sig = text.partition(":")
-    try:
-        return int(code), int(sig or 0)
-    except ValueError:
-        return None, None
 
 
 class SlurmBackend:
@@ -161,27 +73,18 @@ class SlurmBackend:
         self.job_dir = Path(job_dir)
         self.slurm_dir = self.job_dir / "slurm"
         self.partition = partition
-        self.account = account
-        self.time_limit = time_limit
         self.python = python
         self.node_workdir = node_workdir
-        self.exclude = frozenset(exclude)
         self.allow_drain = allow_drain
-        self.extra_sbatch = tuple(extra_sbatch)
-        self.slurm_conf = slurm_conf
+        self.commands = SlurmCommands(slurm_conf, command_timeout_s)
         self.allocate_timeout_s = allocate_timeout_s
         self.replace_timeout_s = replace_timeout_s
         self.agent_start_timeout_s = agent_start_timeout_s
         self.command_timeout_s = command_timeout_s
         self.probe_timeout_s = probe_timeout_s
-        self._slurmd_port: int | None = None
         self._faults = fault_injector
-        self._env = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(str(template_dir or find_template_dir())),
-            undefined=jinja2.StrictUndefined,
-            keep_trailing_newline=True,
-            autoescape=False,
-        )
+        self.scripts = SbatchScripts(self.slurm_dir, partition, account, time_limit, python, frozenset(exclude),
+                                     tuple(extra_sbatch), template_dir)
         self._state: dict[str, Any] = self._load_state()
 
     @classmethod
@@ -229,114 +132,27 @@ class SlurmBackend:
         tmp.replace(self._state_path())
 
     # --- rendering (pure) --------------------------------------------------------------------
-    @property
-    def task_script(self) -> Path:
-        return self.slurm_dir / "agent-task.sh"
-
-    @property
-    def zipapp_path(self) -> Path:
-        return self.slurm_dir / "agent.pyz"
-
-    def job_name(self, job_id: str, role: str) -> str:
-        return f"rlctl-{job_id}-{role}"
-
-    def render_role_script(self, job_id: str, role: str, count: int, gpus: int, *,
-                           exclude: frozenset[str] = frozenset(), nodelist: tuple[str, ...] = ()) -> str:
-        """The sbatch script for ``count`` nodes of ``role``. Pure."""
-        return self._env.get_template(ROLE_TEMPLATE).render(
-            job_id=job_id, role=role, count=count, gpus=gpus, job_name=self.job_name(job_id, role),
-            slurm_dir=str(self.slurm_dir), partition=self.partition, account=self.account,
-            time_limit=self.time_limit, exclude=sorted(exclude | self.exclude), nodelist=list(nodelist),
-            extra_sbatch=list(self.extra_sbatch), task_script=str(self.task_script),
-        )
-
-    def render_task_script(self, job_id: str) -> str:
-        """The per-node srun task (agent starter). Pure."""
-        return self._env.get_template(TASK_TEMPLATE).render(
-            job_id=job_id, slurm_dir=str(self.slurm_dir), python=self.python, zipapp=str(self.zipapp_path),
-        )
-
-    def _role_counts(self, request: AllocationRequest) -> list[tuple[str, int, int]]:
-        roles = [(r, n, request.gpus_per_node.get(r, 0)) for r, n in request.nodes_by_role.items() if n > 0]
-        if request.spares > 0:
-            spare_gpus = max(request.gpus_per_node.values(), default=0)
-            roles.append((SPARE_ROLE, request.spares, spare_gpus))
-        return roles
-
     def plan_text(self, request: AllocationRequest) -> str:
         """Every sbatch script ``allocate`` would submit, plus the task script. No side effects."""
-        parts = []
-        for role, count, gpus in self._role_counts(request):
-            parts.append(f"### {self.slurm_dir}/{role}.sbatch  (sbatch --parsable)\n")
-            parts.append(self.render_role_script(request.job_id, role, count, gpus, exclude=request.exclude))
-        parts.append(f"### {self.task_script}\n")
-        parts.append(self.render_task_script(request.job_id))
-        return "\n".join(parts)
-
-    # --- slurm commands ----------------------------------------------------------------------
-    def _cmd_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if self.slurm_conf is not None:
-            env["SLURM_CONF"] = str(self.slurm_conf)
-        return env
-
-    async def _slurm(self, *argv: str, check: bool = True) -> str:
-        """Run a Slurm client command; raise BackendError naming it on failure or timeout."""
-        if shutil.which(argv[0]) is None:
-            raise BackendError(f"{argv[0]} not found on PATH (is slurm-client installed?)")
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=self._cmd_env(),
-        )
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), self.command_timeout_s)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise BackendError(f"`{' '.join(argv)}` timed out after {self.command_timeout_s:.0f}s") from None
-        if check and proc.returncode != 0:
-            raise BackendError(f"`{' '.join(argv)}` exited {proc.returncode}: {err.decode(errors='replace').strip()}")
-        return out.decode(errors="replace")
-
-    async def squeue(self) -> list[SlurmTask]:
-        """Every job slurmctld knows about (``squeue --json``; filters are ignored by 22.05 --json)."""
-        return parse_squeue_json(await self._slurm("squeue", "--json"))
-
-    async def show_node(self, node: str) -> dict[str, str]:
-        out = await self._slurm("scontrol", "show", "node", "-o", node)
-        return parse_scontrol_record(out.splitlines()[0] if out.strip() else "")
-
-    async def show_job(self, job_id: str) -> dict[str, str] | None:
-        """``scontrol show job -o`` of one job, None once slurmctld forgot it (MinJobAge)."""
-        out = await self._slurm("scontrol", "show", "job", "-o", job_id, check=False)
-        line = out.splitlines()[0] if out.strip() else ""
-        return parse_scontrol_record(line) if line.startswith("JobId=") else None
-
-    async def job_verdict(self, job_id: str) -> JobVerdict:
-        """A job's state in rlctl terms (CANCELLED-like UNKNOWN when slurmctld forgot it)."""
-        rec = await self.show_job(job_id)
-        if rec is None:
-            return map_job_state("UNKNOWN")
-        code, sig = parse_exit_code(rec.get("ExitCode", ""))
-        return map_job_state(rec.get("JobState", "UNKNOWN"), code, sig)
+        return self.scripts.plan_text(request)
 
     # --- allocation --------------------------------------------------------------------------
     def _prepare_dirs(self, job_id: str) -> None:
         for sub in ("", "agents", "log"):
             (self.slurm_dir / sub).mkdir(parents=True, exist_ok=True)
         (self.slurm_dir / "agents").chmod(0o700)
-        self.task_script.write_text(self.render_task_script(job_id))
-        self.task_script.chmod(0o755)
+        self.scripts.task_script.write_text(self.scripts.render_task_script(job_id))
+        self.scripts.task_script.chmod(0o755)
 
     async def _submit(self, job_id: str, role: str, count: int, gpus: int, *,
                       exclude: frozenset[str] = frozenset(), nodelist: tuple[str, ...] = ()) -> str:
         """Write and sbatch one role script; returns the array job id."""
-        script = self.render_role_script(job_id, role, count, gpus, exclude=exclude, nodelist=nodelist)
+        script = self.scripts.render_role_script(job_id, role, count, gpus, exclude=exclude, nodelist=nodelist)
         n = len(self._state["arrays"])
         path = self.slurm_dir / f"{role}-{n}.sbatch"
         path.write_text(script)
         try:
-            out = await self._slurm("sbatch", "--parsable", str(path))
+            out = await self.commands.run("sbatch", "--parsable", str(path))
         except BackendError as exc:
             if "node configuration is not available" not in str(exc):
                 raise
@@ -355,7 +171,7 @@ class SlurmBackend:
         """Wait until every task of ``arrays`` ({array id: (role, count)}) runs; raise/None on timeout."""
         deadline = time.monotonic() + timeout_s
         while True:
-            tasks = [t for t in await self.squeue() if t.array_job_id in arrays]
+            tasks = [t for t in await self.commands.squeue() if t.array_job_id in arrays]
             running = [t for t in tasks if map_job_state(t.state).outcome is JobOutcome.RUNNING and t.nodes]
             dead = [t for t in tasks if map_job_state(t.state).terminal]
             if dead:
@@ -369,7 +185,7 @@ class SlurmBackend:
             await asyncio.sleep(POLL_S)
 
     async def _node_info(self, task: SlurmTask, role: str, gpus: int) -> NodeInfo:
-        rec = await self.show_node(task.nodes)
+        rec = await self.commands.show_node(task.nodes)
         return NodeInfo(
             name=task.nodes, host=rec.get("NodeAddr", task.nodes), backend_ref=task.job_id, gpus=gpus,
             extra={"role": role, "spare": role == SPARE_ROLE, "array_job_id": task.array_job_id,
@@ -382,13 +198,13 @@ class SlurmBackend:
         self._prepare_dirs(request.job_id)
         arrays: dict[str, tuple[str, int]] = {}
         gpus_of: dict[str, int] = {}
-        for role, count, gpus in self._role_counts(request):
+        for role, count, gpus in self.scripts.role_counts(request):
             arrays[await self._submit(request.job_id, role, count, gpus, exclude=request.exclude)] = (role, count)
             gpus_of[role] = gpus
         try:
             running = await self._wait_running(arrays, self.allocate_timeout_s)
         except (TimeoutError, BackendError) as exc:
-            await self._scancel(list(arrays))
+            await self.commands.scancel(list(arrays))
             raise BackendError(f"allocate for job {request.job_id}: {exc}; cancelled the submitted arrays") from exc
         running.sort(key=lambda t: (list(arrays).index(t.array_job_id), t.array_task_id or 0))
         nodes = [await self._node_info(t, arrays[t.array_job_id][0], gpus_of[arrays[t.array_job_id][0]])
@@ -399,7 +215,7 @@ class SlurmBackend:
 
     async def adopt(self, nodes: list[NodeInfo]) -> None:
         """Check that the adopted nodes' allocations still exist; they keep running as they are."""
-        known = {t.job_id: t for t in await self.squeue()}
+        known = {t.job_id: t for t in await self.commands.squeue()}
         gone = [f"{n.name} (job {n.backend_ref})" for n in nodes if n.backend_ref not in known]
         if gone:
             log.warning("adopt: allocations no longer in squeue: %s", ", ".join(gone))
@@ -413,14 +229,14 @@ class SlurmBackend:
         if self.allow_drain:
             await self.drain(bad.name, f"rlctl: replaced in job {self._state.get('job_id', '?')}")
         if bad.backend_ref:
-            await self._scancel([bad.backend_ref])
+            await self.commands.scancel([bad.backend_ref])
         array_id = await self._submit(str(self._state.get("job_id", "job")), role, 1, bad.gpus,
                                       exclude=frozenset(exclude) | {bad.name})
         try:
             running = await self._wait_running({array_id: (role, 1)}, self.replace_timeout_s)
         except (TimeoutError, BackendError) as exc:
             log.warning("replace %s: %s; cancelling array %s", bad.name, exc, array_id)
-            await self._scancel([array_id])
+            await self.commands.scancel([array_id])
             return None
         node = await self._node_info(running[0], role, bad.gpus)
         self._state.setdefault("nodes", {})[node.name] = node.backend_ref
@@ -429,7 +245,7 @@ class SlurmBackend:
 
     async def drain(self, node: str, reason: str) -> None:
         """``scontrol update nodename=X state=drain reason=...`` (needs operator rights)."""
-        await self._slurm("scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}")
+        await self.commands.run("scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}")
 
     # --- agent -------------------------------------------------------------------------------
     def config_path(self, node: NodeInfo) -> Path:
@@ -445,11 +261,11 @@ class SlurmBackend:
 
     def _ship_zipapp(self, launch: AgentLaunch) -> bool:
         """Copy the zipapp into the shared job dir unless the same bytes are there. True if copied."""
-        if self.zipapp_path.exists() and _sha256(self.zipapp_path) == launch.agent_zipapp_sha256:
+        if self.scripts.zipapp_path.exists() and _sha256(self.scripts.zipapp_path) == launch.agent_zipapp_sha256:
             return False
-        tmp = self.zipapp_path.with_suffix(".tmp")
+        tmp = self.scripts.zipapp_path.with_suffix(".tmp")
         shutil.copyfile(launch.agent_zipapp, tmp)
-        tmp.replace(self.zipapp_path)
+        tmp.replace(self.scripts.zipapp_path)
         return True
 
     def _read_status(self, node: NodeInfo) -> list[str]:
@@ -481,7 +297,7 @@ class SlurmBackend:
                 raise BackendError(f"{node.name} (job {node.backend_ref}): agent exited with {status[1]}; "
                                    f"log {self.slurm_dir}/agents/{node.name}-{node.backend_ref}.log")
             await asyncio.sleep(0.1)
-        verdict = await self.job_verdict(node.backend_ref)
+        verdict = await self.commands.job_verdict(node.backend_ref)
         raise BackendError(f"{node.name} (job {node.backend_ref}): agent not started within "
                            f"{self.agent_start_timeout_s:.0f}s (task status {self._read_status(node) or 'none'}, "
                            f"job {verdict.outcome}/{verdict.reason})")
@@ -498,9 +314,9 @@ class SlurmBackend:
 
     async def _probe_slurm(self, node: NodeInfo) -> ProbeResult:
         try:
-            rec = await self.show_node(node.name)
+            rec = await self.commands.show_node(node.name)
             nv = map_node_state(rec.get("State", "UNKNOWN"))
-            jv = await self.job_verdict(node.backend_ref) if node.backend_ref else None
+            jv = await self.commands.job_verdict(node.backend_ref) if node.backend_ref else None
         except BackendError as exc:
             return ProbeResult(False, f"{node.name}: slurm query failed: {exc}")
         job_ok = jv is None or jv.outcome is JobOutcome.RUNNING
@@ -511,7 +327,7 @@ class SlurmBackend:
 
     async def _probe_slurmd(self, node: NodeInfo) -> ProbeResult:
         """TCP connect to ``node.host``:SlurmdPort (connect, then close at once)."""
-        port = await self.slurmd_port()
+        port = await self.commands.slurmd_port()
         address = node.host or node.name
         t0 = time.perf_counter()
         try:
@@ -523,22 +339,6 @@ class SlurmBackend:
         writer.close()
         return ProbeResult(True, f"slurmd on {node.name} answers ({time.perf_counter() - t0:.2f}s)")
 
-    async def slurmd_port(self) -> int:
-        """``SlurmdPort`` from ``scontrol show config`` (cached; 6818 when it cannot be read)."""
-        if self._slurmd_port is None:
-            try:
-                out = await self._slurm("scontrol", "show", "config")
-            except BackendError as exc:
-                log.warning("reading SlurmdPort failed (%s); assuming %d", exc, DEFAULT_SLURMD_PORT)
-                return DEFAULT_SLURMD_PORT
-            match = re.search(r"^SlurmdPort\s*=\s*(\d+)", out, re.MULTILINE)
-            self._slurmd_port = int(match.group(1)) if match else DEFAULT_SLURMD_PORT
-        return self._slurmd_port
-
-    async def _scancel(self, job_ids: list[str]) -> None:
-        if job_ids:
-            await self._slurm("scancel", *job_ids, check=False)
-
     async def release(self, nodes: list[NodeInfo]) -> None:
         """Stop the agents (stop marker) and cancel the nodes' allocations. Idempotent."""
         for node in nodes:
@@ -546,7 +346,7 @@ class SlurmBackend:
                 (self.slurm_dir / "agents").mkdir(parents=True, exist_ok=True)
                 (self.slurm_dir / "agents" / f"{node.name}-{node.backend_ref}.stop").touch()
                 self.config_path(node).unlink(missing_ok=True)
-        await self._scancel([n.backend_ref for n in nodes if n.backend_ref])
+        await self.commands.scancel([n.backend_ref for n in nodes if n.backend_ref])
         for node in nodes:
             self._state.get("nodes", {}).pop(node.name, None)
         self._save_state()
@@ -555,10 +355,10 @@ class SlurmBackend:
         """Cancel every array this backend submitted for the job (pending ones too) and wait until
         squeue no longer lists them (bounded by ``command_timeout_s``)."""
         arrays = [a["array_job_id"] for a in self._state.get("arrays", [])]
-        await self._scancel(arrays)
+        await self.commands.scancel(arrays)
         deadline = time.monotonic() + self.command_timeout_s
         while time.monotonic() < deadline:
-            live = [t for t in await self.squeue() if t.array_job_id in arrays
+            live = [t for t in await self.commands.squeue() if t.array_job_id in arrays
                     and not map_job_state(t.state).terminal]
             if not live:
                 break

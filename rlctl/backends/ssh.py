@@ -55,25 +55,13 @@ from rlctl.backends.base import (
     NodeInfo,
     ProbeResult,
 )
+from rlctl.backends.ssh_connections import SshConnections, SshHost, describe
+from rlctl.backends.ssh_remote import RELEASE_GRACE_S, RemotePaths, remote_state, spawn, stop, upload
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "backend-ssh.json"
 SPARE_ROLE = "spare"
-RELEASE_GRACE_S = 5.0
-
-
-@dataclass(frozen=True)
-class SshHost:
-    """One inventory entry. ``spare`` hosts are handed out for spares and replacements first."""
-
-    name: str
-    address: str
-    user: str = "root"
-    port: int = 22
-    key_file: Path | None = None
-    spare: bool = False
-    gpus: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,38 +73,6 @@ class DeployOutcome:
     started: bool
     pid: int | None
     seconds: float
-
-
-@dataclass(frozen=True)
-class RemotePaths:
-    """Where the agent's files live on one host for one job."""
-
-    root: str
-    job_id: str
-
-    @property
-    def zipapp(self) -> str:
-        return f"{self.root}/agent.pyz"
-
-    @property
-    def job_dir(self) -> str:
-        return f"{self.root}/jobs/{self.job_id}"
-
-    @property
-    def config(self) -> str:
-        return f"{self.job_dir}/agent.json"
-
-    @property
-    def pidfile(self) -> str:
-        return f"{self.job_dir}/agent.pid"
-
-    @property
-    def logfile(self) -> str:
-        return f"{self.job_dir}/agent.log"
-
-    @property
-    def workdir(self) -> str:
-        return f"{self.job_dir}/work"
 
 
 def parse_host_entry(entry: str, *, user: str, port: int, spare: bool = False,
@@ -169,22 +125,18 @@ class SshBackend:
             log.warning("!!! SSH HOST KEY VERIFICATION IS DISABLED (insecure_no_host_key_check=True). "
                         "Anyone on the network can impersonate these hosts. Use this only in tests. !!!")
         self.hosts: dict[str, SshHost] = {h.name: h for h in hosts}
-        self.known_hosts = known_hosts
+        self.ssh = SshConnections(known_hosts, key_file, insecure_no_host_key_check, connect_timeout_s,
+                                  command_timeout_s)
         self.job_dir = Path(job_dir)
-        self.key_file = key_file
         self.remote_dir = remote_dir
         self.python = python
-        self.connect_timeout_s = connect_timeout_s
         self.command_timeout_s = command_timeout_s
         self.probe_timeout_s = probe_timeout_s
-        self.insecure = insecure_no_host_key_check
         # one host's release (connect + stop), bounded so a dead host never stalls the others and
         # below the 15 s the controller gives the release of a failed node
         self.release_timeout_s = release_timeout_s or min(connect_timeout_s, 5.0) + RELEASE_GRACE_S + 2.0
         self.last_deploy: dict[str, DeployOutcome] = {}
         self._sem = asyncio.Semaphore(max_parallel)
-        self._conns: dict[str, asyncssh.SSHClientConnection] = {}
-        self._conn_locks: dict[str, asyncio.Lock] = {}
         self._assigned: dict[str, str] = {}
         self._unreleased: dict[str, str] = {}  # host name -> job id ("" = every job dir found)
         self._job_id = ""  # the job these hosts serve (from allocate/start_agent), persisted
@@ -317,66 +269,11 @@ class SshBackend:
         self._save_state()
         return self._node(host, role)
 
-    # --- connections -------------------------------------------------------------------------
-    def _connect_kwargs(self, host: SshHost, connect_timeout_s: float) -> dict[str, Any]:
-        key = host.key_file or self.key_file
-        return {
-            "host": host.address,
-            "port": host.port,
-            "username": host.user,
-            "client_keys": [str(key)] if key else None,
-            "known_hosts": None if self.insecure else str(self.known_hosts),
-            "connect_timeout": connect_timeout_s,
-            "keepalive_interval": 5,
-            "keepalive_count_max": 3,
-        }
-
-    async def _conn(self, host: SshHost) -> asyncssh.SSHClientConnection:
-        lock = self._conn_locks.setdefault(host.name, asyncio.Lock())
-        async with lock:
-            conn = self._conns.get(host.name)
-            if conn is not None and not conn.is_closed():
-                return conn
-            try:
-                conn = await asyncssh.connect(**self._connect_kwargs(host, self.connect_timeout_s))
-            except asyncssh.HostKeyNotVerifiable as exc:
-                raise BackendError(f"{host.name} ({host.address}): host key not verified against "
-                                   f"{self.known_hosts}: {exc} (add the host's key to the file that "
-                                   f"[cluster.ssh] known_hosts names)") from exc
-            except (asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as exc:
-                raise BackendError(f"{host.name}: the private key {host.key_file or self.key_file} cannot be "
-                                   f"used: {exc} (check [cluster.ssh] key_file)") from exc
-            except (TimeoutError, OSError, asyncssh.Error) as exc:
-                raise BackendError(f"{host.name} ({host.address}:{host.port}): ssh connect failed: "
-                                   f"{_describe(exc)} (check the host in [cluster.ssh] hosts, its sshd, "
-                                   f"and [cluster.ssh] user/key_file)") from exc
-            self._conns[host.name] = conn
-            return conn
-
-    def _drop(self, host: SshHost) -> None:
-        conn = self._conns.pop(host.name, None)
-        if conn is not None:
-            conn.abort()
-
-    async def _run(self, host: SshHost, command: str, what: str, timeout_s: float | None = None) -> str:
-        """Run ``command`` on ``host``; returns stdout. Raises BackendError naming host and step."""
-        timeout = timeout_s or self.command_timeout_s
-        conn = await self._conn(host)
-        try:
-            result = await asyncio.wait_for(conn.run(command, check=False), timeout)
-        except (TimeoutError, OSError, asyncssh.Error) as exc:
-            self._drop(host)
-            raise BackendError(f"{host.name}: {what} failed: {_describe(exc)} (timeout {timeout:.0f}s)") from exc
-        if result.exit_status != 0:
-            err = str(result.stderr or result.stdout or "").strip()[-500:]
-            raise BackendError(f"{host.name}: {what} exited {result.exit_status}: {err}")
-        return str(result.stdout or "")
-
     async def run_command(self, node: NodeInfo, command: str, timeout_s: float | None = None) -> str:
         """Run a shell command on ``node`` (bounded, timed out); stdout. For tools and tests."""
         host = self._host(node)
         async with self._sem:
-            return await self._run(host, command, f"`{command[:60]}`", timeout_s)
+            return await self.ssh.run(host, command, f"`{command[:60]}`", timeout_s)
 
     # --- agent -------------------------------------------------------------------------------
     def paths(self, node: NodeInfo, job_id: str) -> RemotePaths:
@@ -397,101 +294,24 @@ class SshBackend:
         config = self.agent_config(node, launch)
         config_sha = hashlib.sha256(config).hexdigest()
         async with self._sem:
-            remote = await self._remote_state(host, paths)
+            remote = await remote_state(self.ssh, host, paths)
             need_zip = remote.get(paths.zipapp) != launch.agent_zipapp_sha256
             need_cfg = remote.get(paths.config) != config_sha
             if need_zip or need_cfg:
-                await self._upload(host, paths, launch.agent_zipapp if need_zip else None,
-                                   config if need_cfg else None)
+                await upload(self.ssh, host, paths, launch.agent_zipapp if need_zip else None,
+                             config if need_cfg else None)
             pid = remote.get("alive")
             started = False
             if pid is None or need_zip or need_cfg:
                 if pid is not None:
-                    await self._stop(host, paths)
-                pid = await self._spawn(host, paths)
+                    await stop(self.ssh, host, paths)
+                pid = await spawn(self.ssh, host, paths, self.python)
                 started = True
         self.last_deploy[node.name] = DeployOutcome(need_zip, need_cfg, started, int(pid) if pid else None,
                                                     time.perf_counter() - t0)
         log.info("agent on %s: zipapp %s, config %s, %s (pid %s)", node.name,
                  "uploaded" if need_zip else "unchanged", "written" if need_cfg else "unchanged",
                  "started" if started else "already running", pid)
-
-    async def _remote_state(self, host: SshHost, paths: RemotePaths) -> dict[str, str]:
-        """sha256 of the remote zipapp/config and the running agent's pid (key ``alive``)."""
-        q = shlex.quote
-        cmd = (
-            f"mkdir -p {q(paths.workdir)} && chmod 700 {q(paths.job_dir)} && "
-            f"sha256sum {q(paths.zipapp)} {q(paths.config)} 2>/dev/null; "
-            f"p=$(cat {q(paths.pidfile)} 2>/dev/null); "
-            f'if [ -n "$p" ] && kill -0 "$p" 2>/dev/null && '
-            f"tr '\\0' ' ' </proc/$p/cmdline | grep -qF -- {q('--config ' + paths.config)}; "
-            f'then echo "alive $p"; fi; true'
-        )
-        out = await self._run(host, cmd, "reading the remote agent state")
-        state: dict[str, str] = {}
-        for line in out.splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[0] == "alive":
-                state["alive"] = parts[1]
-            elif len(parts) == 2:
-                state[parts[1]] = parts[0]
-        return state
-
-    async def _upload(self, host: SshHost, paths: RemotePaths, zipapp: Path | None, config: bytes | None) -> None:
-        """SFTP: zipapp and/or config to temp names, then atomic rename; the config is 0600 from creation."""
-        conn = await self._conn(host)
-        try:
-            async with conn.start_sftp_client() as sftp:
-                if zipapp is not None:
-                    tmp = f"{paths.zipapp}.tmp-{paths.job_id}"
-                    await asyncio.wait_for(sftp.put(str(zipapp), tmp), self.command_timeout_s)
-                    await sftp.posix_rename(tmp, paths.zipapp)
-                if config is not None:
-                    tmp = f"{paths.config}.tmp"
-                    attrs = asyncssh.SFTPAttrs(permissions=0o600)
-                    async with sftp.open(tmp, "wb", attrs) as fh:
-                        await fh.write(config)
-                    await sftp.chmod(tmp, 0o600)  # in case the server's umask widened it
-                    await sftp.posix_rename(tmp, paths.config)
-        except (TimeoutError, OSError, asyncssh.Error) as exc:
-            self._drop(host)
-            raise BackendError(f"{host.name}: SFTP upload to {paths.root} failed: {_describe(exc)}") from exc
-
-    async def _spawn(self, host: SshHost, paths: RemotePaths) -> str:
-        """Start the agent detached (own session, so its process group is its pid); returns the pid."""
-        q = shlex.quote
-        cmd = (
-            f"cd {q(paths.job_dir)} || exit 2; "  # not `cd && cmd &`: that forks a subshell holding the channel
-            f"setsid nohup {q(self.python)} {q(paths.zipapp)} --config {q(paths.config)} "
-            f">{q(paths.logfile)} 2>&1 </dev/null & p=$!; echo $p >{q(paths.pidfile)}; "
-            f'sleep 0.3; if kill -0 "$p" 2>/dev/null; then echo "pid $p"; '
-            f'else echo "agent exited at once; log:"; tail -n 20 {q(paths.logfile)}; exit 3; fi'
-        )
-        out = await self._run(host, cmd, "starting the agent")
-        return out.split()[1]
-
-    async def _stop(self, host: SshHost, paths: RemotePaths, grace_s: float = RELEASE_GRACE_S,
-                    workers: bool = False) -> None:
-        """SIGTERM the agent's process group, SIGKILL after ``grace_s``. With ``workers``, the job's
-        role workers on this host go too: each runs in its own session (outside the agent's
-        group) and outlives a killed agent, so they are found by the ``RLCTL_WORKDIR`` the agent
-        put in their environment (this job, this node) and their process groups are signalled."""
-        q = shlex.quote
-        ticks = max(1, int(grace_s * 5))
-        find_workers = (
-            f"grep -lzxF -- {q('RLCTL_WORKDIR=' + paths.workdir)} /proc/[0-9]*/environ 2>/dev/null "
-            "| cut -d/ -f3 | grep -vx $$" if workers else "true"
-        )
-        cmd = (
-            f"p=$(cat {q(paths.pidfile)} 2>/dev/null); w=$({find_workers}); "
-            f'[ -n "$p" ] && kill -0 "$p" 2>/dev/null || p=""; '
-            f'for x in $p $w; do kill -TERM -- -"$x" 2>/dev/null || kill -TERM "$x" 2>/dev/null; done; '
-            f'for i in $(seq {ticks}); do live=""; for x in $p $w; do kill -0 "$x" 2>/dev/null && live=1; done; '
-            f'[ -z "$live" ] && break; sleep 0.2; done; '
-            f'for x in $p $w; do kill -KILL -- -"$x" 2>/dev/null; kill -KILL "$x" 2>/dev/null; done; '
-            f"rm -f {q(paths.pidfile)}; true"
-        )
-        await self._run(host, cmd, "stopping the agent and its workers", timeout_s=grace_s + self.command_timeout_s)
 
     # --- probe / release / inject ------------------------------------------------------------
     async def probe(self, node: NodeInfo) -> ProbeResult:
@@ -502,13 +322,13 @@ class SshBackend:
             return ProbeResult(False, str(exc))
         t0 = time.perf_counter()
         try:
-            async with self._sem, asyncssh.connect(**self._connect_kwargs(host, self.probe_timeout_s)) as conn:
+            async with self._sem, asyncssh.connect(**self.ssh.connect_kwargs(host, self.probe_timeout_s)) as conn:
                 result = await asyncio.wait_for(conn.run("true", check=False), self.probe_timeout_s)
         except asyncssh.HostKeyNotVerifiable as exc:
             return ProbeResult(False, f"{host.name}: host key not verified: {exc}")
         except (TimeoutError, OSError, asyncssh.Error) as exc:
             return ProbeResult(False, f"{host.name} ({host.address}:{host.port}): ssh probe failed after "
-                                      f"{time.perf_counter() - t0:.1f}s: {_describe(exc)}")
+                                      f"{time.perf_counter() - t0:.1f}s: {describe(exc)}")
         if result.exit_status != 0:
             return ProbeResult(False, f"{host.name}: `true` exited {result.exit_status}")
         return ProbeResult(True, f"{host.name}: ssh ok in {time.perf_counter() - t0:.2f}s")
@@ -543,13 +363,13 @@ class SshBackend:
     async def _release_bounded(self, node: NodeInfo, clean: bool, job_id: str | None) -> None:
         host = self._host(node)
         if not await self._port_open(host):  # a dead or cut-off host: do not wait out the SSH timeouts
-            self._drop(host)
+            self.ssh.drop(host)
             raise BackendError(f"{host.name} ({host.address}:{host.port}): not reachable within "
                                f"{self.probe_timeout_s:.0f}s")
         try:
             await asyncio.wait_for(self._release_one(node, clean, job_id), self.release_timeout_s)
         except TimeoutError:
-            self._drop(host)  # a cached connection to a host that went silent is useless now
+            self.ssh.drop(host)  # a cached connection to a host that went silent is useless now
             raise BackendError(f"{host.name} ({host.address}): release timed out after "
                                f"{self.release_timeout_s:.0f}s") from None
 
@@ -568,14 +388,14 @@ class SshBackend:
         async with self._sem:
             for jid in job_ids:
                 paths = self.paths(node, jid)
-                await self._stop(host, paths, workers=True)
+                await stop(self.ssh, host, paths, workers=True)
                 if clean:
-                    await self._run(host, f"rm -rf {shlex.quote(paths.job_dir)}", "removing the job dir")
+                    await self.ssh.run(host, f"rm -rf {shlex.quote(paths.job_dir)}", "removing the job dir")
 
     async def _job_ids(self, host: SshHost, node: NodeInfo) -> list[str]:
         root = shlex.quote(self.paths(node, "_").root)
         async with self._sem:
-            out = await self._run(host, f"ls {root}/jobs 2>/dev/null; true", "listing job dirs")
+            out = await self.ssh.run(host, f"ls {root}/jobs 2>/dev/null; true", "listing job dirs")
         return [j for j in out.split() if j]
 
     async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
@@ -590,22 +410,7 @@ class SshBackend:
         """Close every cached SSH connection. Nodes and agents are left as they are."""
         if self._faults is not None:
             await self._faults.close()
-        conns = list(self._conns.values())
-        self._conns.clear()
-        for conn in conns:
-            conn.close()
-        for conn in conns:
-            try:
-                await asyncio.wait_for(conn.wait_closed(), 5)
-            except (TimeoutError, OSError, asyncssh.Error):
-                pass
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"
+        await self.ssh.close()
 
 
 def hosts_from_lab(names_and_ips: Iterable[tuple[str, str]], spares: Iterable[str] = (),

@@ -102,7 +102,6 @@ class Controller:
         self.api = ApiServer(jobdir.api_socket, ApiHandlers(status=self.snapshot, diagnostics=self.diagnostics,
                                                             stop=self.orc.request_stop, inject=self.injection.inject))
         self.agent_port = 0
-        self._last_summary = time.time()
         self._done = asyncio.Event()
         self._finishing = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -332,8 +331,8 @@ class Controller:
         if model.life.state == JobState.STARTING:
             self.detection.detect_startup(now)
         self.orc.update_job_state()
-        if now - self._last_summary >= HEARTBEAT_SUMMARY_S:
-            self._summarize_heartbeats(now)
+        if now - self.inbox.last_summary >= HEARTBEAT_SUMMARY_S:
+            self.inbox.summarize_heartbeats(now, self.spec.fault_tolerance.heartbeat_interval_s)
         if self.stopping and not self._done.is_set() and not self._finishing:
             self._finishing = True
             self.spawn(self._finish())
@@ -359,22 +358,6 @@ class Controller:
             return  # the next round waits for the running held-out evaluation (its weights version stays served)
         if rnd is None or (rnd.closed and rnd.step < version):
             self.commit_decided(self.scheduler.start_round(version, now))
-
-    def _summarize_heartbeats(self, now: float) -> None:
-        # Only the nodes that went quiet are named: every other node was heard after fresh_since.
-        # At 4,096 nodes a full map was 127 KB and ~10 ms of event-loop time per summary.
-        fresh_since = round(now - 2 * self.spec.fault_tolerance.heartbeat_interval_s, 3)
-        silent: dict[str, float | None] = {}
-        heard = 0
-        for node in self.model.nodes.values():
-            if node.last_heartbeat_at is not None and node.last_heartbeat_at >= fresh_since:
-                heard += 1
-            elif node.life.state not in (NodeState.RELEASED, NodeState.FAILED):
-                silent[node.name] = node.last_heartbeat_at
-        self.record(EventKind.HEARTBEAT_SUMMARY, beats=self.inbox.beats_since_summary, nodes=heard,
-                    window_s=round(now - self._last_summary, 3), fresh_since=fresh_since, silent=silent)
-        self.inbox.beats_since_summary = 0
-        self._last_summary = now
 
     # ------------------------------------------------------------------------------ stopping
 

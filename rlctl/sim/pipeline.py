@@ -38,7 +38,7 @@ class Pipeline:
         task = self.task
         if task is not None:
             task.advance(self.sim.now)
-            task.rate = self._stage_rate(task.stage)
+            task.rate = stage_rate(self.sim, task.stage)
             self._schedule_task()
 
     def advance(self) -> None:
@@ -271,13 +271,6 @@ class Pipeline:
         if self.task is not None and self.task.stage in ("train", "ckpt"):
             self.cancel_task()
 
-    def _stage_rate(self, stage: str) -> float:
-        if stage == "gen":
-            return self.sim.role_rate("rollout")
-        if stage == "score":
-            return self.sim.role_rate("reward")
-        return self.sim.trainer_rate()
-
     def _schedule_task(self) -> None:
         self.task_token += 1
         task = self.task
@@ -289,7 +282,7 @@ class Pipeline:
 
     def _start_task(self, stage: str, work: float) -> None:
         self.stage = stage
-        self.task = FluidTask(stage, work, self._stage_rate(stage), self.sim.now)
+        self.task = FluidTask(stage, work, stage_rate(self.sim, stage), self.sim.now)
         self._schedule_task()
 
     def _task_done(self, token: int) -> None:
@@ -377,3 +370,13 @@ class Pipeline:
         slots = self.sim.role_slots("trainer")
         if slots and slots[0].wid:
             self.sim.emit(EventKind.WORKER_PHASE, slot=slots[0].slot, wid=slots[0].wid, phase=phase, step=step)
+
+
+def stage_rate(sim: SimSite, stage: str) -> float:
+    """The share of capacity a stage's work progresses at: its role's live workers' (the trainer
+    group's for training and checkpoints)."""
+    if stage == "gen":
+        return sim.role_rate("rollout")
+    if stage == "score":
+        return sim.role_rate("reward")
+    return sim.trainer_rate()

@@ -38,18 +38,18 @@ REQUEST = AllocationRequest(job_id="demo", nodes_by_role={"trainer": 2, "rollout
 
 @pytest.mark.parametrize("role,count,gpus", [("trainer", 2, 8), ("rollout", 4, 8), ("reward", 1, 0)])
 def test_role_scripts_match_golden(backend: SlurmBackend, role: str, count: int, gpus: int) -> None:
-    check_golden(f"{role}.sbatch", backend.render_role_script("demo", role, count, gpus, exclude=REQUEST.exclude))
+    check_golden(f"{role}.sbatch", backend.scripts.render_role_script("demo", role, count, gpus, exclude=REQUEST.exclude))
 
 
 def test_replacement_script_with_exclude_and_nodelist(backend: SlurmBackend) -> None:
     check_golden("replace-exclude.sbatch",
-                 backend.render_role_script("demo", "rollout", 1, 8, exclude=frozenset({"node03", "node05"})))
+                 backend.scripts.render_role_script("demo", "rollout", 1, 8, exclude=frozenset({"node03", "node05"})))
     check_golden("replace-nodelist.sbatch",
-                 backend.render_role_script("demo", "rollout", 1, 8, nodelist=("node09",)))
+                 backend.scripts.render_role_script("demo", "rollout", 1, 8, nodelist=("node09",)))
 
 
 def test_task_script_matches_golden(backend: SlurmBackend) -> None:
-    check_golden("agent-task.sh", backend.render_task_script("demo"))
+    check_golden("agent-task.sh", backend.scripts.render_task_script("demo"))
 
 
 def test_plan_text_matches_golden(backend: SlurmBackend) -> None:
@@ -67,6 +67,6 @@ def test_plan_has_one_array_per_role_and_spares(backend: SlurmBackend) -> None:
 
 
 def test_minimal_script_has_no_empty_options() -> None:
-    script = SlurmBackend(job_dir=Path("/j")).render_role_script("x", "reward", 1, 0)
+    script = SlurmBackend(job_dir=Path("/j")).scripts.render_role_script("x", "reward", 1, 0)
     assert "--partition" not in script and "--gres" not in script and "--exclude" not in script
     assert "#SBATCH --array=0-0" in script

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlctl.backends.slurm import parse_exit_code, parse_scontrol_record, parse_squeue_json
+from rlctl.backends.slurm_commands import parse_exit_code, parse_scontrol_record, parse_squeue_json
 from rlctl.backends.slurm_states import JobOutcome, map_job_state, map_node_state
 
 FIXTURES = Path(__file__).parent / "fixtures"

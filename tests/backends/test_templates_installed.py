@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlctl.backends.base import BackendError
-from rlctl.backends.slurm import ROLE_TEMPLATE, TASK_TEMPLATE, find_template_dir, template_dir_candidates
+from rlctl.backends.slurm_scripts import ROLE_TEMPLATE, TASK_TEMPLATE, find_template_dir, template_dir_candidates
 
 ROOT = Path(__file__).resolve().parents[2]
 

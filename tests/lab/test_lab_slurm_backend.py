@@ -81,13 +81,13 @@ def test_allocate_by_role_node_loss_replace_release(healthy_lab: lab.LabStatus, 
             await wait_for(probe_fails, 60, f"probe of {victim.name} to fail")
 
             async def job_ended() -> object:
-                verdict = await backend.job_verdict(victim.backend_ref)
+                verdict = await backend.commands.job_verdict(victim.backend_ref)
                 return verdict if verdict.terminal else None
 
             verdict = await wait_for(job_ended, 90, f"Slurm to end {victim.name}'s allocation")
             assert verdict.outcome is JobOutcome.HARDWARE_FAILED and verdict.hardware, verdict
             assert verdict.reason == "slurm-node-fail"
-            node_state = (await backend.show_node(victim.name))["State"]
+            node_state = (await backend.commands.show_node(victim.name))["State"]
             assert map_node_state(node_state).health in (NodeHealth.DOWN, NodeHealth.UNREACHABLE), node_state
             # the other roles are untouched
             for n in (nodes[0], nodes[2]):
@@ -105,7 +105,7 @@ def test_allocate_by_role_node_loss_replace_release(healthy_lab: lab.LabStatus, 
             await backend.release_all()
             await asyncio.to_thread(lab.node_up, nodes[1].name, state_dir=LAB_DIR)
         ours = {n.backend_ref for n in nodes + extra}
-        left = [t for t in await backend.squeue() if t.job_id in ours and t.state in ("PENDING", "RUNNING", "COMPLETING")]
+        left = [t for t in await backend.commands.squeue() if t.job_id in ours and t.state in ("PENDING", "RUNNING", "COMPLETING")]
         assert not left, left
 
     asyncio.run(scenario())
