@@ -140,7 +140,7 @@ def flatten(state: Mapping[str, Any], version: int, checksum_algorithm: str | No
     kind = _state_kind(state)
     layout = _layout(state, kind)
     total = layout[-1].offset + layout[-1].nbytes if layout else 0
-    buffer = np.empty(total, dtype=np.uint8)
+    buffer = np.zeros(total, dtype=np.uint8)  # zeroed alignment gaps: the same weights, the same checksum
     _copy_into(buffer, state, layout, kind)
     checksum = compute_checksum(buffer, checksum_algorithm)
     manifest = Manifest(version=version, nbytes=total, checksum=checksum, kind=kind, tensors=tuple(layout))

@@ -88,7 +88,7 @@ def assemble(bundles: Sequence[Bundle], version: int) -> Bundle:
         offset += nbytes
     if any(len(names) != len(first.tensors) for names in by_name):
         raise WeightIntegrityError("the shards name different tensors")
-    buffer = np.empty(offset, dtype=np.uint8)
+    buffer = np.zeros(offset, dtype=np.uint8)  # zeroed alignment gaps, as flatten: a deterministic checksum
     for whole in entries:
         at = whole.offset
         for bundle, names in zip(bundles if whole.shape else bundles[:1], by_name):

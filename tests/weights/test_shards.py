@@ -85,3 +85,17 @@ def test_rows_follow_torch_chunk() -> None:
         held = [shard_rows(rows, ranks, r)[1] - shard_rows(rows, ranks, r)[0] for r in range(ranks)]
         assert [h for h in held if h] == chunks and sum(held) == rows
     assert np.sum([shard_rows(37, 3, r)[0] for r in range(3)]) == 0 + 13 + 26
+
+
+def test_alignment_gaps_are_zero_so_the_same_weights_have_one_checksum() -> None:
+    from rlctl.weights import flatten
+    from rlctl.weights.shards import assemble
+
+    state = model_state()
+    for bundle in (flatten(state, 1), assemble([flatten(shard, 1) for shard in split(state, 3)], 1)):
+        entries = sorted(bundle.manifest.tensors, key=lambda e: e.offset)
+        ends = [e.offset + e.nbytes for e in entries]
+        gaps = [bundle.buffer[end:nxt.offset] for end, nxt in zip(ends, entries[1:])]
+        assert any(len(gap) for gap in gaps) and all(not gap.any() for gap in gaps)
+    assert assemble([flatten(s, 1) for s in split(state, 3)], 1).manifest.checksum == \
+        assemble([flatten(s, 1) for s in split(state, 2)], 1).manifest.checksum
