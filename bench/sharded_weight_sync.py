@@ -185,8 +185,6 @@ def make_model(folder: Path, size: str) -> tuple[str, int]:
     from rlctl.workload.hf_init import random_policy
 
     state = {k: v.to(torch.bfloat16).contiguous() for k, v in random_policy("qwen3", size, seed=0).state_dict().items()}
-    state = {k: v for k, v in state.items() if k != "lm_head.weight" or "model.embed_tokens.weight" not in state
-             or v.data_ptr() != state["model.embed_tokens.weight"].data_ptr()}
     path = folder / "model.safetensors"
     save_file(state, str(path))
     return str(path), sum(v.numel() * v.element_size() for v in state.values())

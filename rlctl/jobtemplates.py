@@ -50,12 +50,12 @@ backend = "local"
 agent_tls = "{agent_tls}"
 [cluster.local]
 nodes = 0
-{local_gpus}
+{gpus_line}
 [roles.trainer]
 nodes = {trainers}
-{role_gpus}[roles.rollout]
+{gpus_line}[roles.rollout]
 nodes = {rollouts}
-{role_gpus}[roles.reward]
+{gpus_line}[roles.reward]
 nodes = 1
 
 [spares]
@@ -80,12 +80,10 @@ checkpointing = 8.0
 """
 
 
-def gpu_lines(gpus_per_node: int) -> dict[str, str]:
-    """The template's GPU lines: none for the default of 1 simulated GPU a node (the template's text
-    is then what tests that edit it expect)."""
-    if gpus_per_node == 1:
-        return {"local_gpus": "", "role_gpus": ""}
-    return {"local_gpus": f"gpus_per_node = {gpus_per_node}\n", "role_gpus": f"gpus_per_node = {gpus_per_node}\n"}
+def gpu_line(gpus_per_node: int) -> str:
+    """The template's GPU line (the cluster's and the trainer's and rollout's): none for the default
+    of 1 simulated GPU a node (the template's text is then what tests that edit it expect)."""
+    return "" if gpus_per_node == 1 else f"gpus_per_node = {gpus_per_node}\n"
 
 
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
@@ -100,6 +98,6 @@ def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: i
     path.write_text(SMALL_JOB.format(name=name, steps=steps, trainers=trainers, rollouts=rollouts, spares=spares, nodes=nodes,
                                      policy=policy, checkpoint_every=checkpoint_every,
                                      max_restarts=max_restarts, agent_tls=agent_tls,
-                                     **gpu_lines(gpus_per_node)) + workload_tables(step_scale)
+                                     gpus_line=gpu_line(gpus_per_node)) + workload_tables(step_scale)
                     + extra_tables)
     return path

@@ -167,16 +167,16 @@ class Supervisor:
         self._config.logs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._config.logs_dir / f"{_safe_name(wid)}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
+        placed = _placed_gpus(env)
         with log_path.open("ab") as log_file:
             try:
                 popen = subprocess.Popen(
-                    argv, cwd=workdir, env=self._worker_env(wid, slot, role, env), stdin=subprocess.DEVNULL,
+                    argv, cwd=workdir, env=self._worker_env(wid, slot, role, env, placed), stdin=subprocess.DEVNULL,
                     stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                 )
             except OSError as exc:
                 raise SupervisorError(f"cannot start {argv[0]!r}: {exc.strerror}") from None
         stat = read_proc_stat(popen.pid)
-        placed = _placed_gpus(env)
         record = WorkerRecord(wid=wid, slot=slot, role=role, pid=popen.pid, start_time=stat[1] if stat else 0,
                               log_path=log_path, watcher=WorkerLogWatcher(wid, log_path, offset), popen=popen,
                               gpu=placed[0] if placed else self._pick_gpu(env))
@@ -195,11 +195,10 @@ class Supervisor:
         users = [record.gpu for record in self.live()]
         return min(range(self._gpu_count), key=lambda index: (users.count(index), index))
 
-    def _worker_env(self, wid: str, slot: str, role: str, extra: dict[str, str]) -> dict[str, str]:
+    def _worker_env(self, wid: str, slot: str, role: str, extra: dict[str, str], placed: list[int]) -> dict[str, str]:
         config = self._config
         env = dict(os.environ)
         env.update({str(key): str(value) for key, value in extra.items()})
-        placed = _placed_gpus(extra)
         if placed:
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(placed, os.environ.get("CUDA_VISIBLE_DEVICES"))
         env.update({

@@ -212,7 +212,7 @@ class AgentHub:
         self._unauthenticated_from[source] = self._unauthenticated_from.get(source, 0) + 1
         task = asyncio.get_running_loop().create_task(self._open(transport, source))
         self._connection_tasks.add(task)
-        task.add_done_callback(_log_connection_failure)
+        task.add_done_callback(_log_failure("serving an agent connection"))
         task.add_done_callback(self._connection_tasks.discard)
 
     def _authenticated_or_gone(self, source: str) -> None:
@@ -232,13 +232,11 @@ class AgentHub:
             try:
                 upgraded = await loop.start_tls(transport, stream, self._tls, server_side=True,
                                                 ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
-            except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
+            except (OSError, TimeoutError) as exc:  # SSL and connection errors included
                 self._refusals.refused(source, "", f"TLS handshake failed: {str(exc)[:120] or type(exc).__name__}")
                 self._memory.refused()
-                self._authenticated_or_gone(source)
-                transport.abort()
-                return
-            if upgraded is None:  # the peer closed during the handshake
+                upgraded = None
+            if upgraded is None:  # refused above, or the peer closed during the handshake
                 self._authenticated_or_gone(source)
                 transport.abort()
                 return
@@ -351,7 +349,7 @@ class AgentHub:
             # Run the hello handler beside the read loop: it sends commands whose acks this loop reads.
             hello_task: asyncio.Task[None] = asyncio.get_running_loop().create_task(self._on_hello(node, hello))
             self._hello_tasks.add(hello_task)
-            hello_task.add_done_callback(_log_hello_failure)
+            hello_task.add_done_callback(_log_failure("handling an agent's hello"))
             hello_task.add_done_callback(self._hello_tasks.discard)
             while True:
                 line = await reader.readline()
@@ -435,11 +433,9 @@ def _allow_full_messages(reader: asyncio.StreamReader) -> None:
     reader._limit = protocol.MAX_MESSAGE_BYTES + 1  # type: ignore[attr-defined]
 
 
-def _log_hello_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("handling an agent's hello failed", exc_info=exc)
-
-
-def _log_connection_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("serving an agent connection failed", exc_info=exc)
+def _log_failure(what: str) -> Callable[[asyncio.Task[None]], None]:
+    """A task callback that logs the task's exception, if it raised one, as ``what`` failing."""
+    def log_if_failed(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("%s failed", what, exc_info=exc)
+    return log_if_failed

@@ -60,11 +60,11 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
             + _move(model, workers_on(model, verdict.node, slot), verdict.node))
 
 
-def workers_on(model: JobModel, node: str, slot: SlotRecord) -> list[SlotRecord]:
+def workers_on(model: JobModel, node: str, slot: SlotRecord | None = None) -> list[SlotRecord]:
     """The role workers that leave ``node`` with it when it is retired (``slot`` among them): all
     of a node's ranks or engines move together."""
     on_node = [s for s in model.slots_on_node(node) if not s.standby]
-    return on_node if slot in on_node else [slot, *on_node]
+    return on_node if slot is None or slot in on_node else [slot, *on_node]
 
 
 def trainer_group(model: JobModel) -> list[SlotRecord]:
@@ -147,7 +147,7 @@ def _full_restart(model: JobModel, verdict: Verdict) -> list[Step]:
     if verdict.action == "restart-agent":
         steps.append(Step("restart-agent", {"node": verdict.node}))
     if verdict.action in ("replace-node", "drain-replace"):
-        leaving = [s for s in model.slots_on_node(verdict.node) if not s.standby]
+        leaving = workers_on(model, verdict.node)
         steps += _retire_node(verdict, drain=verdict.action == "drain-replace")
         if leaving:
             steps += [s for s in _move(model, leaving, verdict.node) if s.kind != "restart-worker"]

@@ -59,12 +59,6 @@ def shard_model(model: nn.Module, device: torch.device, compute_dtype: torch.dty
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(hf_root(model), FSDPModule)
-
-
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The whole model's weights as CPU tensors on rank 0 (other ranks get ``{}``). Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

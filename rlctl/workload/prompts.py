@@ -138,9 +138,7 @@ def preflight(spec: JobSpec) -> dict[str, Any]:
             model_dir = check_model_dir(spec.model["path"])
             facts["model"] = model_dir.summary()
             facts["sizing"] = plan_sizes(spec, ModelShape.from_hf_config(model_dir.config)).to_dict()
-        except ModelDirError as exc:
-            problems.append(f"[model] path: {exc}")
-        except SizingError as exc:
+        except (ModelDirError, SizingError) as exc:
             problems.append(f"[model] path: {exc}")
     if spec.hf_model and not problems:
         for files_key in ("train_files", "eval_files"):

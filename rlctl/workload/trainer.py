@@ -150,6 +150,11 @@ def init_distributed_from_env(device: torch.device) -> DistContext:
     return DistContext(dist.get_rank(), dist.get_world_size())
 
 
+def in_group(distributed: bool | None) -> bool:
+    """Whether this trainer is a rank of a group: as asked, else as ``WORLD_SIZE`` says."""
+    return distributed if distributed is not None else int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def rank_device(device: torch.device) -> torch.device:
     """``cuda`` without an index becomes ``cuda:$LOCAL_RANK`` (one GPU per rank), or ``cuda:0`` when
     the rank sees a single GPU (the agent gave it only its own in ``CUDA_VISIBLE_DEVICES``)."""
@@ -244,8 +249,7 @@ class Trainer:
         self.config = config or TrainerConfig()
         self.device = rank_device(torch.device(device))
         self.model = model.to(self.device)
-        use_dist = distributed if distributed is not None else int(os.environ.get("WORLD_SIZE", "1")) > 1
-        self.dist = init_distributed_from_env(self.device) if use_dist else DistContext()
+        self.dist = init_distributed_from_env(self.device) if in_group(distributed) else DistContext()
         if self.config.sharding not in SHARDINGS:
             raise ValueError(f"sharding: expected one of {', '.join(SHARDINGS)}, got {self.config.sharding!r}")
         if self.dist.enabled:
@@ -274,10 +278,9 @@ class Trainer:
 
         source = Path(path)
         target = rank_device(torch.device(device))
-        world = int(os.environ.get("WORLD_SIZE", "1")) if distributed is None else (2 if distributed else 1)
         wanted = resolve_dtype(dtype, target)
         compute_dtype = None
-        if world > 1 and (config or TrainerConfig()).sharding == "fsdp" and wanted != torch.float32:
+        if in_group(distributed) and (config or TrainerConfig()).sharding == "fsdp" and wanted != torch.float32:
             # FSDP2 mixed precision: float32 master weights and optimizer, layers compute in ``dtype``.
             dtype, compute_dtype = "float32", wanted
         model = load_hf_policy(source, target, dtype, trust_remote_code, gradient_checkpointing)
@@ -375,7 +378,7 @@ class Trainer:
     def shard_for_publish(self) -> dict[str, Tensor]:
         """This rank's shard of the weights in the compute dtype (a sharded group's ranks each serve
         theirs; ``rlctl.weights.shards`` puts them together on the receiving side). Not a collective."""
-        return {name: t.to("cpu").contiguous() for name, t in local_shards(self.model, self.compute_dtype).items()}
+        return local_shards(self.model, self.compute_dtype)  # publishing flattens it: one copy, staged to host
 
     def _busiest_plan(self, samples: Sequence[TrainSample]) -> int:
         """The most micro-batches any rank runs on ``samples`` (every rank can work it out)."""
