@@ -69,9 +69,13 @@ def kill_pids(pids: set[int], grace_s: float = 6.0) -> set[int]:
 
 
 def kill_node_now(node: str) -> set[int]:
-    """SIGKILL every process in ``node``'s network namespace (machine death). Returns the pids hit."""
+    """Every process in ``node``'s network namespace dies at once (machine death). They are all
+    stopped first, then killed: killed one by one, a survivor (slurmstepd) could still report its
+    job step's death by signal to slurmctld before its own turn, which a dead machine never does.
+    Returns the pids hit."""
     pids = netns_pids(c.netns(node))
-    _signal_all(pids, signal.SIGKILL)
+    _signal_all(pids, signal.SIGSTOP)
+    _signal_all(pids | netns_pids(c.netns(node)), signal.SIGKILL)  # and any forked before the stop
     return pids
 
 
