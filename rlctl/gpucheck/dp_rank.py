@@ -15,7 +15,7 @@ import torch
 
 from rlctl.gpucheck.fixtures import synthetic_samples
 from rlctl.workload.hf_init import random_policy
-from rlctl.workload.trainer import Trainer, TrainerConfig
+from rlctl.workload.trainer import Trainer, TrainerConfig, leave_group_and_exit
 
 ARCH, SIZE = "qwen3", "tiny"
 STEPS = (1, 2)
@@ -31,8 +31,7 @@ def main(out: str, device: str = "cuda", sharding: str = "ddp") -> None:
     weights = trainer.state_dict_for_publish() if trainer.sharded else trainer.model.state_dict()
     state = {k: v.detach().to("cpu") for k, v in weights.items()}
     torch.save({"state": state, "metrics": metrics, "world": trainer.dist.world_size, "backend": backend}, out)
-    if trainer.dist.enabled:
-        torch.distributed.destroy_process_group()
+    leave_group_and_exit(0)
 
 
 if __name__ == "__main__":

@@ -227,9 +227,12 @@ def main() -> int:
     settings = RoleSettings.from_env()
     role = TrainerRole(w, settings)
     try:
-        return role.run()
+        code = role.run()
     finally:
         role.close()
+    from rlctl.workload.trainer import leave_group_and_exit
+
+    leave_group_and_exit(code)
 
 
 if __name__ == "__main__":

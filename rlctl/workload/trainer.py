@@ -32,16 +32,18 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import math
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import torch
@@ -148,6 +150,24 @@ def init_distributed_from_env(device: torch.device) -> DistContext:
         timeout = timedelta(seconds=float(os.environ.get("RLCTL_PG_TIMEOUT_S", DEFAULT_PG_TIMEOUT_S)))
         dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
     return DistContext(dist.get_rank(), dist.get_world_size())
+
+
+def leave_group_and_exit(code: int) -> NoReturn:
+    """End a process that may be a rank of a group: leave the group, flush, and exit without
+    interpreter finalization.
+
+    A gloo worker thread drops its last collective's tensors just after the main thread's wait
+    returns; when that happens while Python finalizes, the thread aborts the whole process
+    ("terminate called without an active exception"), after its results were written. Seen on a
+    loaded 2-core machine; ``destroy_process_group`` alone does not prevent it, as the device mesh
+    still holds the group.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def in_group(distributed: bool | None) -> bool:

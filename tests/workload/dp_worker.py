@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batches import small_model, synthetic_batch
 
 from rlctl.workload.grpo import GRPOConfig
-from rlctl.workload.trainer import Trainer, TrainerConfig
+from rlctl.workload.trainer import Trainer, TrainerConfig, leave_group_and_exit
 
 
 def main(out: str) -> None:
@@ -28,8 +28,7 @@ def main(out: str) -> None:
     metrics = [trainer.train_step(synthetic_batch(seed)) for seed in (1, 2)]
     state = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}  # this rank's whole copy
     torch.save({"state": state, "metrics": metrics, "world": trainer.dist.world_size}, out)
-    if trainer.dist.enabled:
-        torch.distributed.destroy_process_group()
+    leave_group_and_exit(0)
 
 
 if __name__ == "__main__":

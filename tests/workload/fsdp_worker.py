@@ -23,7 +23,7 @@ from batches import small_model, synthetic_batch
 
 from rlctl.workload.fsdp import local_shards
 from rlctl.workload.grpo import GRPOConfig
-from rlctl.workload.trainer import Trainer, TrainerConfig
+from rlctl.workload.trainer import Trainer, TrainerConfig, leave_group_and_exit
 
 
 def main(out: str, mode: str, checkpoint: str = "") -> None:
@@ -46,8 +46,7 @@ def main(out: str, mode: str, checkpoint: str = "") -> None:
         result["pulled"] = serve_and_pull_shards(trainer)
     result["state"] = trainer.state_dict_for_publish()
     torch.save(result, out)
-    if trainer.dist.enabled:
-        torch.distributed.destroy_process_group()
+    leave_group_and_exit(0)
 
 
 def serve_and_pull_shards(trainer: Trainer) -> dict[str, torch.Tensor]:

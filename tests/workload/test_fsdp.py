@@ -32,13 +32,14 @@ def run_group(tmp_path: Path, tag: str, ranks: int, *args: str) -> list[dict]:
     port = str(_free_port())
     procs = []
     for rank in range(ranks):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "RANK": str(rank),
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         procs.append(subprocess.Popen([sys.executable, str(HERE / "fsdp_worker.py"), str(tmp_path / f"{tag}{rank}.pt"),
                                        *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    for proc in procs:
+    for rank, proc in enumerate(procs):
         output, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, output.decode()[-3000:]
+        saved = (tmp_path / f"{tag}{rank}.pt").exists()
+        assert proc.returncode == 0, f"rank {rank} (result saved: {saved}): {output.decode()[-3000:]}"
     return [torch.load(tmp_path / f"{tag}{rank}.pt", weights_only=False) for rank in range(ranks)]
 
 
