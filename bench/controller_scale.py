@@ -8,9 +8,12 @@ is measured alone (utime+stime from /proc). Baseline in the same run: the journa
 journaling every heartbeat would cause (measured by writing heartbeat events to a scratch
 journal) against the aggregated summaries rlctl journals. With ``--agent-tls both`` every node count
 runs twice, plain TCP (the baseline) and TLS with the job's pinned certificate, as the ssh and
-slurm backends use by default.
+slurm backends use by default. With ``--prometheus both`` every node count runs with the
+controller's /metrics endpoint off (the baseline) and on, scraped every 5 s as Prometheus does
+(gzip accepted) through the measured window; the scrapes' size and time are reported.
 
     python bench/controller_scale.py [--nodes 256,1024,4096] [--seconds 20] [--agent-tls off|on|both]
+                                     [--prometheus off|on|both]
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -61,7 +64,8 @@ nodes = 0
 heartbeat_interval_s = 1.0
 [rollout]
 dataset_size = 64
-"""
+{observability}"""
+SCRAPE_INTERVAL_S = 5.0
 
 
 class SwarmBackend:
@@ -231,7 +235,31 @@ async def controller_up(jobdir: JobDir, tls_on: bool = True) -> tuple[int, ssl.S
     return int(jobdir.read_controller()["agent_port"]), tls
 
 
-async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict[str, Any]:
+def scrape(port: int, gzip_ok: bool) -> tuple[int, float]:
+    """One GET /metrics: (body bytes as sent, seconds)."""
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Accept-Encoding": "gzip"} if gzip_ok else {})
+    began = time.monotonic()
+    with urllib.request.urlopen(request, timeout=30) as response:
+        body = response.read()
+    return len(body), time.monotonic() - began
+
+
+async def scraper(port: int, stop: asyncio.Event, samples: list[tuple[int, float]]) -> None:
+    """Scrape every SCRAPE_INTERVAL_S until ``stop``, as a Prometheus server would."""
+    while not stop.is_set():
+        began = time.monotonic()
+        samples.append(await asyncio.to_thread(scrape, port, True))
+        try:
+            await asyncio.wait_for(stop.wait(), max(0.0, SCRAPE_INTERVAL_S - (time.monotonic() - began)))
+        except TimeoutError:
+            pass
+
+
+async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int,
+                    metrics_port: int = 0) -> dict[str, Any]:
     jobdir = JobDir(job_dir)
     port, tls = await controller_up(jobdir)
     secret = jobdir.secret()
@@ -252,9 +280,16 @@ async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict
     registered_s = time.monotonic() - started
     await asyncio.sleep(3.0)  # registration and worker-start traffic settles
     journal = Journal(jobdir.journal, readonly=True)
+    scrapes: list[tuple[int, float]] = []
+    scraping = asyncio.Event()
+    scrape_task = asyncio.create_task(scraper(metrics_port, scraping, scrapes)) if metrics_port else None
     cpu0, seq0, beats0, t0 = cpu_seconds(pid), journal.last_seq(), counter[0], time.monotonic()
     await asyncio.sleep(seconds)
     cpu1, seq1, beats1, t1 = cpu_seconds(pid), journal.last_seq(), counter[0], time.monotonic()
+    scraping.set()
+    if scrape_task is not None:
+        await scrape_task
+    plain = await asyncio.to_thread(scrape, metrics_port, False) if metrics_port else (0, 0.0)
     window = await asyncio.to_thread(diagnostics, job_dir, t0)
     written = 0
     kinds: dict[str, int] = {}
@@ -286,6 +321,11 @@ async def run_swarm(job_dir: Path, nodes: int, seconds: float, pid: int) -> dict
         "journal_events_by_type": kinds,
         "running_after_all_connected_s": round(registered_s, 2),
         "nodes_connected": sum(1 for n in snap["nodes"] if n["connected"]),
+        "prometheus": {"scrapes": len(scrapes), "interval_s": SCRAPE_INTERVAL_S,
+                       "gzip_bytes": max((b for b, _ in scrapes), default=0), "plain_bytes": plain[0],
+                       "scrape_ms_p50": round(sorted(t for _, t in scrapes)[len(scrapes) // 2] * 1000, 1),
+                       "scrape_ms_max": round(max(t for _, t in scrapes) * 1000, 1),
+                       "plain_scrape_ms": round(plain[1] * 1000, 1)} if scrapes else None,
     }
 
 
@@ -309,11 +349,13 @@ def _raise_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def measure(nodes: int, seconds: float, tmp: Path, tls: bool) -> dict[str, Any]:
-    root = tmp / f"n{nodes}-{'tls' if tls else 'tcp'}"
+def measure(nodes: int, seconds: float, tmp: Path, tls: bool, prometheus: bool = False) -> dict[str, Any]:
+    root = tmp / f"n{nodes}-{'tls' if tls else 'tcp'}-{'prom' if prometheus else 'noprom'}"
     root.mkdir()
     jobdir = JobDir(root / "scale-job")
-    jobdir.create(JOB.format(rollouts=nodes - 2, tls="on" if tls else "off"))
+    metrics_port = free_port() if prometheus else 0
+    observability = f"[observability]\nprometheus_port = {metrics_port}\n" if prometheus else ""
+    jobdir.create(JOB.format(rollouts=nodes - 2, tls="on" if tls else "off", observability=observability))
     from rlctl.specfile import load_job_file
     from rlctl.workload.reference import ensure_reference_model
 
@@ -321,13 +363,21 @@ def measure(nodes: int, seconds: float, tmp: Path, tls: bool) -> dict[str, Any]:
     env = dict(os.environ, RLCTL_MEASURE_HEARTBEAT_LATENCY="1")
     child = subprocess.Popen([sys.executable, __file__, "--serve", str(jobdir.path)], env=env)
     try:
-        result = asyncio.run(run_swarm(jobdir.path, nodes, seconds, child.pid))
+        result = asyncio.run(run_swarm(jobdir.path, nodes, seconds, child.pid, metrics_port))
     finally:
         if os.environ.get("RLCTL_BENCH_PROFILE"):
             child.send_signal(signal.SIGUSR1)
             time.sleep(2.0)
         stop_child(child)
     return result
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def stop_child(child: subprocess.Popen[bytes]) -> None:
@@ -346,6 +396,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--agent-tls", choices=("off", "on", "both"), default="off",
                         help="the agent link: plain TCP, TLS, or both (plain is then the baseline)")
+    parser.add_argument("--prometheus", choices=("off", "on", "both"), default="off",
+                        help="the controller's /metrics endpoint scraped every 5 s: off, on, or both (off is then the baseline)")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -356,11 +408,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlctl-scale-") as tmp:
         naive = naive_bytes_per_heartbeat()
         links = {"off": [False], "on": [True], "both": [False, True]}[args.agent_tls]
+        endpoints = {"off": [False], "on": [True], "both": [False, True]}[args.prometheus]
         for nodes in [int(n) for n in args.nodes.split(",")]:
-            for tls in links:
-                print(f"[controller_scale] {nodes} agents ({'TLS' if tls else 'TCP'}) for {args.seconds:.0f}s ...",
-                      file=sys.stderr, flush=True)
-                row = measure(nodes, args.seconds, Path(tmp), tls)
+            for tls, prometheus in [(t, p) for t in links for p in endpoints]:
+                print(f"[controller_scale] {nodes} agents ({'TLS' if tls else 'TCP'}, /metrics "
+                      f"{'scraped' if prometheus else 'off'}) for {args.seconds:.0f}s ...", file=sys.stderr, flush=True)
+                row = measure(nodes, args.seconds, Path(tmp), tls, prometheus)
                 row["baseline_journal_bytes_per_hour_if_every_beat"] = int(naive * nodes * 3600)
                 print(f"[controller_scale] {row}", file=sys.stderr, flush=True)
                 results.append(row)
@@ -370,7 +423,14 @@ def main() -> None:
          "controller_cores_tcp_to_tls": [plain["controller_cores"], secure["controller_cores"]],
          "heartbeat_p99_ms_tcp_to_tls": [plain["heartbeat_to_state_p99_ms"], secure["heartbeat_to_state_p99_ms"]]}
         for plain, secure in zip(results[::2], results[1::2])
-    ] if args.agent_tls == "both" else []
+    ] if args.agent_tls == "both" and args.prometheus != "both" else []
+    prometheus_cost = [
+        {"nodes": off["nodes"],
+         "controller_cores_off_to_scraped": [off["controller_cores"], on["controller_cores"]],
+         "heartbeat_p99_ms_off_to_scraped": [off["heartbeat_to_state_p99_ms"], on["heartbeat_to_state_p99_ms"]],
+         "scrape": on["prometheus"]}
+        for off, on in zip(results[::2], results[1::2])
+    ] if args.prometheus == "both" and args.agent_tls != "both" else []
     print(json.dumps({
         "results": results,
         "target": "4096 agents at 1 Hz on under one core, p99 under 50 ms",
@@ -378,6 +438,7 @@ def main() -> None:
                                                     and biggest["heartbeat_to_state_p99_ms"] < 50.0),
         "naive_bytes_per_heartbeat": round(naive, 1),
         "tls_cost": tls_cost,
+        "prometheus_cost": prometheus_cost,
     }))
 
 

@@ -24,7 +24,7 @@ class LaunchedJob(Protocol):
 
 
 def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    """Relative file paths of ``[model]``, ``[data]`` and ``[reward]`` made absolute against
+    """Relative file paths of ``[model]``, ``[data]``, ``[reward]`` and ``[observability]`` made absolute against
     ``base_dir`` (the job file's folder), ``~`` expanded. Values of the wrong type are left for
     the schema to report."""
 
@@ -35,7 +35,8 @@ def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
         return str(path if path.is_absolute() else (base_dir / path).resolve())
 
     resolved = dict(data)
-    for table_name, keys in (("model", ("path",)), ("data", ("train_files", "eval_files")), ("reward", ("path",))):
+    for table_name, keys in (("model", ("path",)), ("data", ("train_files", "eval_files")), ("reward", ("path",)),
+                             ("observability", ("tensorboard_dir",))):
         table = resolved.get(table_name)
         if not isinstance(table, dict):
             continue

@@ -6,7 +6,7 @@
 # same tiny Qwen3 the job path trains; RLCTL_SKIP_VLLM=1 leaves it out. Extra arguments go to the
 # main suite's pytest.
 set -euo pipefail
-RLCTL_EXTRAS="train,ucx,dev" source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+RLCTL_EXTRAS="train,ucx,dev,tensorboard,wandb" source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 export UCX_NET_DEVICES=lo UCX_TLS=tcp,self UCXPY_PROGRESS_MODE=blocking UCX_WARN_UNUSED_ENV_VARS=n
 export RLCTL_CACHE="${RLCTL_CACHE:-$ROOT/.cache/rlctl}"

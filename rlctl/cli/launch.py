@@ -35,6 +35,7 @@ def launch(
         for problem in exc.problems:
             err_console.print(f"[bold red]error:[/] {problem.render(exc.source)}", highlight=False)
         raise typer.Exit(2)
+    _check_observability(spec)
     checks = _preflight(spec)
     plan = _plan_text(spec, checks)
     if dry_run:
@@ -80,6 +81,18 @@ def ensure_model(spec: JobSpec) -> None:
     with err_console.status("making the reference model (a tiny Llama, warm-started on the reference task; "
                             "first run only)"):
         ensure_reference_model(spec)
+
+
+def _check_observability(spec: JobSpec) -> None:
+    """``[observability]`` settings that cannot work (a taken port, a read-only directory, a
+    missing package or login) exit 2 naming the key, nothing started."""
+    from rlctl.observe.checks import observability_problems
+
+    problems = observability_problems(spec.observability)
+    for problem in problems:
+        err_console.print(f"[bold red]error:[/] {problem.render(spec.source)}", highlight=False)
+    if problems:
+        raise typer.Exit(2)
 
 
 def _preflight(spec: JobSpec) -> dict[str, object]:

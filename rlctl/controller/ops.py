@@ -223,7 +223,8 @@ class DataOps:
         version = int(args["version"])
         events: list[Event] = []
         if "metrics" in args and version - 1 not in self.orc.model.step_metrics:
-            events.append(event(EventKind.STEP_TRAINED, now, step=version - 1, metrics=dict(args["metrics"])))
+            metrics = {**self.orc.scheduler.batch_stats.get(version - 1, {}), **dict(args["metrics"])}
+            events.append(event(EventKind.STEP_TRAINED, now, step=version - 1, metrics=metrics))
         state = {"state_source": dict(args["state_source"])} if isinstance(args.get("state_source"), dict) else {}
         events.append(event(EventKind.WEIGHTS_PUBLISHED, now, version=version, slot=slot.slot, source=dict(args["source"]), **state))
         self.orc.shell.commit(events)
@@ -252,7 +253,9 @@ class DataOps:
     # ------------------------------------------------------------------------------ weights
 
     def op_weights_held(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self.orc.shell.commit([event(EventKind.WEIGHTS_HELD, now, version=int(args["version"]), slot=slot.slot, source=dict(args["source"]))])
+        pulled = {"bytes": int(args["bytes"]), "seconds": float(args.get("seconds", 0.0))} if "bytes" in args else {}
+        self.orc.shell.commit([event(EventKind.WEIGHTS_HELD, now, version=int(args["version"]), slot=slot.slot,
+                                     source=dict(args["source"]), **pulled)])
         return {}
 
     def op_weights_source(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from rlctl.controller.effects import EffectRunner
 from rlctl.controller.inbox import AgentInbox
 from rlctl.controller.injection import FaultInjection
 from rlctl.controller.jobdir import JobDir
+from rlctl.controller.observing import ObservabilityError, Observing
 from rlctl.controller.ops import DataOps
 from rlctl.controller.seam import Workload
 from rlctl.controller.store import Journal, JournalFenced
@@ -101,6 +102,7 @@ class Controller:
         self.injection = FaultInjection(self.model, self.record, backend, self.node_infos, self.hub.command)
         self.api = ApiServer(jobdir.api_socket, ApiHandlers(status=self.snapshot, diagnostics=self.diagnostics,
                                                             stop=self.orc.request_stop, inject=self.injection.inject))
+        self.observing = Observing(spec, jobdir, self.model, self.orc.detector.config.lag_limit_s)
         self.agent_port = 0
         self._done = asyncio.Event()
         self._finishing = False
@@ -118,6 +120,7 @@ class Controller:
         stored = self._append(events)
         for ev in stored:
             self.model.apply(ev)
+        self.observing.on_events(stored)
         return stored
 
     def commit_decided(self, events: list[Event]) -> list[Event]:
@@ -126,6 +129,7 @@ class Controller:
         stored = self._append(events)
         for ev in stored:
             self.model.apply(ev, decided=True)
+        self.observing.on_events(stored)
         return stored
 
     def _append(self, events: list[Event]) -> list[Event]:
@@ -203,12 +207,14 @@ class Controller:
             if self.fenced_reason:
                 return EXIT_FENCED
             log.exception("controller failed")
-            # A backend's refusal is the user's to fix: its own message. Anything else is ours.
-            reason = f"{self.backend.name} backend: {exc}" if isinstance(exc, BackendError) else f"controller error: {exc!r}"
+            # A backend's or a setting's refusal is the user's to fix: its own message. Anything else is ours.
+            reason = (f"{self.backend.name} backend: {exc}" if isinstance(exc, BackendError)
+                      else str(exc) if isinstance(exc, ObservabilityError) else f"controller error: {exc!r}")
             self.orc.end(JobState.FAILED, reason)
             await self._release_everything()
             return 1
         finally:
+            await self.observing.close()
             await self.api.close()
             await self.hub.close()
             await self.backend.close()
@@ -240,6 +246,7 @@ class Controller:
         self.journal.take_over()
         for ev in self.journal.read():
             self.model.apply(ev)
+        self.observing.catch_up()
         info = self.jobdir.read_controller()
         await self._bind(port=int(info.get("agent_port", 0)), resumed=True)
         for node in self.model.nodes.values():
@@ -275,9 +282,10 @@ class Controller:
             orphan_timeout_s=self.spec.fault_tolerance.agent_orphan_timeout_s,
         )
         await self.api.start()
+        metrics_port = await self.observing.start()
         self.jobdir.write_controller(
             {"pid": os.getpid(), "agent_port": self.agent_port, "api_socket": str(self.jobdir.api_socket),
-             "host": host, "started_at": time.time()}
+             "host": host, "started_at": time.time(), "metrics_port": metrics_port}
         )
 
     # --------------------------------------------------------------------------------- weights
@@ -306,6 +314,7 @@ class Controller:
             before = loop.time()
             await asyncio.sleep(TICK_S)
             self.detection.lag_s = max(0.0, loop.time() - before - TICK_S)
+            self.observing.health.observe_lag(self.detection.lag_s)
             began = time.monotonic()
             try:
                 await self.tick(time.time())

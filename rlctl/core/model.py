@@ -46,6 +46,11 @@ class JobModel(FaultLedger, WeightsRegistry):
     checkpoint_path: str = ""
     trainer_state: TrainerStateOffer | None = None
     step_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
+    step_trained_at: dict[int, float] = field(default_factory=dict)
+    ettr_at_step: dict[int, float] = field(default_factory=dict)
+    weight_sync_bytes: int = 0
+    weight_sync_seconds: float = 0.0
+    weight_syncs: int = 0
     training_seconds: dict[int, float] = field(default_factory=dict)
     productive_at_version: dict[int, float] = field(default_factory=dict)
     productive_since: float | None = None

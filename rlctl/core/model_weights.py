@@ -24,6 +24,11 @@ class WeightsRegistry:
     checkpoint_path: str
     trainer_state: TrainerStateOffer | None
     step_metrics: dict[int, dict[str, Any]]
+    step_trained_at: dict[int, float]
+    ettr_at_step: dict[int, float]
+    weight_sync_bytes: int
+    weight_sync_seconds: float
+    weight_syncs: int
     training_seconds: dict[int, float]
     productive_at_version: dict[int, float]
     productive_since: float | None
@@ -67,6 +72,10 @@ class WeightsRegistry:
     def _on_WeightsHeld(self, ev: Event) -> None:
         version = int(ev.data["version"])
         self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
+        if "bytes" in ev.data:  # a pull (a trainer's own publish has none)
+            self.weight_sync_bytes += int(ev.data["bytes"])
+            self.weight_sync_seconds += float(ev.data.get("seconds", 0.0))
+            self.weight_syncs += 1
         slot = self.slots.get(ev.data["slot"])
         if slot is not None:
             slot.weights_version = max(slot.weights_version, version)
@@ -78,6 +87,8 @@ class WeightsRegistry:
     def _on_StepTrained(self, ev: Event) -> None:
         step = int(ev.data["step"])
         self.step_metrics[step] = dict(ev.data["metrics"])
+        self.step_trained_at.setdefault(step, ev.at)
+        self.ettr_at_step.setdefault(step, self.ledger.ettr())
         started = self.training_seconds.get(step)
         if started is not None and started < 0:
             self.training_seconds[step] = ev.at + started

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +130,7 @@ class RoundState:
         self.long_queue: list[str] = []
         self.round: Round | None = None
         self.batches: dict[int, Batch] = {}
+        self.batch_stats: dict[int, dict[str, float]] = {}  # kept after the batch is let go (the curves)
         self.epoch_trained: set[str] = set()
         self.cancelled: set[str] = set()
         self.trajectories_stored = 0
@@ -259,6 +261,7 @@ class RoundState:
             if sample.prompt_id not in in_batch and sample.status in (DONE, SCORING, SCORED):
                 self.trajectories_discarded += 1
         self.batches[rnd.step] = Batch(rnd.step, rnd.kind, self.epoch, rnd.weights_version, chosen, samples)
+        self.batch_stats[rnd.step] = batch_stats(self.batches[rnd.step])
         self.epoch_trained.update(chosen)
         returned = [p for p in data["returned_prompt_ids"]]
         self.pool.extendleft(reversed(returned))
@@ -304,3 +307,26 @@ class RoundState:
 
     def _held_out_sample(self, item_id: str) -> Sample | None:
         return self.held_out.samples.get(item_id) if self.held_out is not None else None
+
+
+def batch_stats(batch: Batch) -> dict[str, float]:
+    """What the step's batch says on its own: reward mean/std, accuracy, response lengths, truncation."""
+    rewards = [float(s.reward) for s in batch.samples if s.reward is not None]
+    lengths = sorted(len(s.response_tokens or []) for s in batch.samples)
+    if not rewards or not lengths:
+        return {}
+    mean = sum(rewards) / len(rewards)
+    return {
+        "reward_mean": mean,
+        "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+        "accuracy": sum(1 for s in batch.samples if s.correct) / len(batch.samples),
+        "response_length_p50": float(_median(lengths)),
+        "response_length_max": float(lengths[-1]),
+        "truncated_fraction": sum(1 for s in batch.samples if s.truncated) / len(batch.samples),
+        "samples": float(len(batch.samples)),
+    }
+
+
+def _median(ordered: Sequence[int]) -> float:
+    middle = len(ordered) // 2
+    return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0

@@ -382,6 +382,26 @@ JOB_SCHEMA: dict[str, Field] = {
                               "on every rank and all-reduces the gradients.", "fsdp", choices=("fsdp", "ddp")),
         },
     ),
+    "observability": Field(
+        "table",
+        "Where the job's figures go besides `rlctl status`: a Prometheus endpoint on the controller, and "
+        "training curves (one point per step: the trainer's metrics, ETTR and fault markers) in TensorBoard "
+        "and Weights & Biases. Each is off unless set. A sink that fails while the job runs is logged once "
+        "and never stops or slows the job.",
+        fields={
+            "prometheus_port": Field("int", "Serve `/metrics` on this port from the job's controller (0: off).", 0,
+                                     minimum=0, maximum=65535),
+            "prometheus_address": Field("str", "Address the `/metrics` endpoint binds.", "127.0.0.1"),
+            "tensorboard_dir": Field("str", "TensorBoard log directory for the curves (`~` is expanded; relative "
+                                     "to the job file); the same directory across failovers and `rlctl resume`.",
+                                     ""),
+            "wandb_project": Field("str", "Weights & Biases project for the curves (needs the `wandb` extra).", ""),
+            "wandb_mode": Field("choice", "`online` needs a W&B login (`WANDB_API_KEY` or `wandb login`); "
+                                "`offline` writes the run under the job directory for `wandb sync`.", "online",
+                                choices=("online", "offline")),
+            "wandb_entity": Field("str", "W&B entity (team or user; empty: the login's default).", ""),
+        },
+    ),
 }
 
 
@@ -453,6 +473,21 @@ class FaultToleranceSpec:
 
 
 @dataclass(frozen=True)
+class ObservabilitySpec:
+    prometheus_port: int
+    prometheus_address: str
+    tensorboard_dir: str
+    wandb_project: str
+    wandb_mode: str
+    wandb_entity: str
+
+    @property
+    def curves(self) -> bool:
+        """Any training-curve sink is set."""
+        return bool(self.tensorboard_dir or self.wandb_project)
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """A validated job. ``raw`` keeps every value (defaults filled) for the backends and workload."""
 
@@ -473,6 +508,7 @@ class JobSpec:
     weights_transport: str
     weights_host: str
     agent_tls: str
+    observability: ObservabilitySpec
     raw: dict[str, Any] = field(repr=False)
 
     @property
@@ -645,6 +681,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         weights_transport=values["weights"]["transport"],
         weights_host=values["weights"]["host"],
         agent_tls=values["cluster"]["agent_tls"],
+        observability=ObservabilitySpec(**values["observability"]),
         raw=values,
     )
 

@@ -63,6 +63,7 @@ class Rollout:
         from rlctl.weights.shards import fetch_source_sync
 
         self.w.phase("weight-sync", self.step)
+        started = time.monotonic()
         failed: dict[str, Any] | None = None
         error = ""
         for _ in range(FETCH_ATTEMPTS):
@@ -85,7 +86,8 @@ class Rollout:
         self.engine.load_state_dict(unflatten(bundle.manifest, bundle.buffer), got)
         self.held_version = got
         descriptor = self.server.publish_bundle(bundle)  # serve on exactly the bytes received, no copy
-        self.w.notify("weights.held", version=got, source=descriptor)
+        self.w.notify("weights.held", version=got, source=descriptor, bytes=int(bundle.manifest.nbytes),
+                      seconds=round(time.monotonic() - started, 6))
 
     def generate(self, work: dict[str, Any]) -> list[dict[str, Any]]:
         """Generate ``work``'s items. Finished samples go to the controller with each cancellation

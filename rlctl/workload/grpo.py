@@ -90,10 +90,12 @@ class LossParts:
     kl_sum: Tensor
     clipped_sum: Tensor
     tokens: Tensor
+    entropy_sum: Tensor | None = None  # of the policy's next-token distribution (a metric, no gradient)
 
 
 def grpo_loss_parts(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                    config: GRPOConfig, ref_logprobs: Tensor | None = None) -> LossParts:
+                    config: GRPOConfig, ref_logprobs: Tensor | None = None,
+                    entropy: Tensor | None = None) -> LossParts:
     """Token sums of the policy loss, the KL and the clip indicator over ``mask``.
 
     The loss to optimise is ``(policy_sum + kl_coef * kl_sum) / total_tokens`` where the total is
@@ -102,7 +104,7 @@ def grpo_loss_parts(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     policy, clipped = clipped_policy_objective(logprobs, old_logprobs, advantages, config.clip_eps)
     kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(logprobs)
     return LossParts(masked_sum(policy, mask), masked_sum(kl, mask), masked_sum(clipped.detach(), mask),
-                     mask.sum())
+                     mask.sum(), masked_sum(entropy, mask) if entropy is not None else None)
 
 
 def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
@@ -111,6 +113,17 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     parts = grpo_loss_parts(logprobs, old_logprobs, advantages, mask, config, ref_logprobs)
     total = parts.tokens.clamp(min=1.0)
     return (parts.policy_sum + config.kl_coef * parts.kl_sum) / total
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of each next-token distribution, ``[B, T-1]``, without gradient; one row at a time,
+    so the float32 copies stay one sequence's size (a 150k vocabulary makes them large)."""
+    with torch.no_grad():
+        rows = []
+        for row in logits[:, :-1]:
+            logp = F.log_softmax(row.float(), dim=-1)
+            rows.append(-(logp.exp() * logp).sum(-1))
+        return torch.stack(rows)
 
 
 def sequence_logprobs_from_logits(logits: Tensor, input_ids: Tensor) -> Tensor:

@@ -60,7 +60,14 @@ from rlctl.workload.fsdp import (
     shard_model,
     total_norm,
 )
-from rlctl.workload.grpo import GRPOConfig, LossParts, group_advantages, grpo_loss_parts, sequence_logprobs_from_logits
+from rlctl.workload.grpo import (
+    GRPOConfig,
+    LossParts,
+    group_advantages,
+    grpo_loss_parts,
+    sequence_logprobs_from_logits,
+    token_entropy,
+)
 from rlctl.workload.task import PAD_ID
 
 CHECKPOINT_FORMAT = "rlctl-trainer-ckpt-v1"
@@ -331,13 +338,14 @@ class Trainer:
     def _local_parts(self, samples: Sequence[TrainSample], advantages: Tensor) -> LossParts:
         ids, mask = collate(samples)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        logprobs = sequence_logprobs_from_logits(self.model(ids), ids)
+        logits = self.model(ids)
+        logprobs = sequence_logprobs_from_logits(logits, ids)
         ref_logprobs = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logprobs = sequence_logprobs_from_logits(self.ref_model(ids), ids)
         return grpo_loss_parts(logprobs, logprobs.detach(), advantages.to(self.device), mask, self.config.grpo,
-                               ref_logprobs)
+                               ref_logprobs, token_entropy(logits))
 
     def _all_reduce_gradients(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -368,13 +376,14 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = max(float(sum(len(s.response_tokens) for s in samples)), 1.0)  # every rank has the whole batch
-        sums = torch.zeros(4, dtype=torch.float64)
+        sums = torch.zeros(5, dtype=torch.float64)
         plan = micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in local],
                              self.config.micro_batch_tokens)
         for chunk in plan:
             parts = self._local_parts([local[i] for i in chunk], local_advantages[chunk])
             ((parts.policy_sum + self.config.grpo.kl_coef * parts.kl_sum) / total_tokens).backward()
-            sums += torch.stack([parts.policy_sum, parts.kl_sum, parts.clipped_sum, parts.tokens]).detach().double().cpu()
+            entropy_sum = parts.entropy_sum if parts.entropy_sum is not None else torch.zeros_like(parts.tokens)
+            sums += torch.stack([parts.policy_sum, parts.kl_sum, parts.clipped_sum, entropy_sum, parts.tokens]).detach().double().cpu()
         if self.sharded:
             # Sharded layers gather and reduce in every forward/backward: a rank with fewer
             # micro-batches than the busiest one runs more that contribute nothing.
@@ -389,10 +398,12 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        policy, kl, clipped = (float(totals[i]) / total_tokens for i in range(3))
+        policy, kl, clipped, entropy = (float(totals[i]) / total_tokens for i in range(4))
+        seconds = time.perf_counter() - started
         return {"step": float(self.step), "reward_mean": float(rewards.mean()), "loss": policy + self.config.grpo.kl_coef * kl,
-                "kl": kl, "clip_frac": clipped, "grad_norm": grad_norm, "tokens": float(totals[3]),
-                "lr": float(lr), "seconds": time.perf_counter() - started,
+                "kl": kl, "clip_frac": clipped, "entropy": entropy, "grad_norm": grad_norm, "tokens": float(totals[4]),
+                "tokens_per_s": float(totals[4]) / seconds if seconds > 0 else 0.0,
+                "lr": float(lr), "seconds": seconds,
                 "micro_batches": float(len(plan)), "ranks": float(self.dist.world_size), "sharded": float(self.sharded)}
 
     def shard_for_publish(self) -> dict[str, Tensor]:
