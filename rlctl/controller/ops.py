@@ -198,25 +198,50 @@ class DataOps:
         batch = self.orc.scheduler.batch_for(step)
         if batch is None:
             return {"wait_s": WAIT_S}
+        return {"step": step, "round": batch.kind, "weights_version": batch.weights_version,
+                "samples": self._train_samples(batch.prompt_ids, batch.samples)}
+
+    def op_trainer_get_stream(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """Stream-based training: the next part of ``step``'s batch, groups ``have`` onwards, as soon
+        as they are scored. A group among the round's first ``target_groups`` to complete is in the
+        batch whatever finishes later, so it can be trained before the batch forms. Parts are cut at
+        fixed group counts (``ceil(target / parts)``), so every rank of a group gets the same parts
+        without a collective."""
+        self._require(slot, "trainer")
+        step, have, parts = int(args["step"]), int(args.get("have", 0)), max(1, int(args.get("parts", 1)))
+        if step >= self.orc.model.total_steps:
+            return {"stop": True}
+        scheduler = self.orc.scheduler
+        batch = scheduler.batch_for(step)
+        rnd = scheduler.round
+        if batch is not None:
+            kind, version, target, closed = batch.kind, batch.weights_version, len(batch.prompt_ids), True
+            ready, samples = batch.prompt_ids, batch.samples
+        elif rnd is not None and rnd.step == step and not rnd.closed:
+            kind, version, target, closed = rnd.kind, rnd.weights_version, rnd.target_groups, False
+            ready = rnd.completed[:rnd.target_groups]
+            samples = [s for s in rnd.samples.values() if s.prompt_id in set(ready)]
+        else:
+            return {"wait_s": WAIT_S}
+        size = -(-max(target, 1) // parts)
+        part = ready[have:have + size]
+        if not closed and len(part) < size:
+            return {"wait_s": WAIT_S}
+        return {"step": step, "round": kind, "weights_version": version, "closed": closed,
+                "groups": len(ready) if closed else target, "target_groups": target,
+                "samples": self._train_samples(ready, [s for s in samples if s.prompt_id in set(part)], order=part)}
+
+    def _train_samples(self, prompt_ids: list[str], samples: list[Any], order: list[str] | None = None) -> list[dict[str, Any]]:
+        """Samples as the trainer takes them (``TrainSample`` fields plus correctness), grouped in
+        ``order`` (default: ``prompt_ids``), ``group_index`` their group's place in the batch."""
         prompts = self.orc.scheduler.prompts
-        return {
-            "step": step,
-            "round": batch.kind,
-            "weights_version": batch.weights_version,
-            "samples": [
-                {
-                    "item_id": s.item_id,
-                    "prompt_id": s.prompt_id,
-                    "group_index": batch.prompt_ids.index(s.prompt_id),
-                    "prompt_tokens": list(prompts[s.prompt_id].tokens),
-                    "response_tokens": list(s.response_tokens or []),
-                    "reward": s.reward,
-                    "correct": s.correct,
-                    "truncated": s.truncated,
-                }
-                for s in batch.samples
-            ],
-        }
+        place = {p: i for i, p in enumerate(prompt_ids)}
+        rank = {p: i for i, p in enumerate(order if order is not None else prompt_ids)}
+        ordered = sorted(samples, key=lambda s: (rank[s.prompt_id], s.sample_index))
+        return [{"item_id": s.item_id, "prompt_id": s.prompt_id, "group_index": place[s.prompt_id],
+                 "prompt_tokens": list(prompts[s.prompt_id].tokens), "response_tokens": list(s.response_tokens or []),
+                 "reward": s.reward, "correct": s.correct, "truncated": s.truncated}
+                for s in ordered]
 
     def op_trainer_publish(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         self._require(slot, "trainer")

@@ -45,6 +45,8 @@ class WorkerLauncher:
             "steps": spec.steps,
             "checkpoint_every": spec.checkpoint_every,
             "replicate_trainer_state": spec.replicate_trainer_state,
+            "stream": bool(spec.raw["trainer"]["stream"]),
+            "stream_parts": int(spec.raw["trainer"]["stream_parts"]),
             "group_size": spec.rollout.group_size,
             "batch_prompts": spec.rollout.batch_prompts,
             "max_new_tokens": spec.rollout.max_new_tokens,

@@ -382,6 +382,18 @@ JOB_SCHEMA: dict[str, Field] = {
                               "on every rank and all-reduces the gradients.", "fsdp", choices=("fsdp", "ddp")),
         },
     ),
+    "trainer": Field(
+        "table",
+        "How the trainer takes a step.",
+        fields={
+            "stream": Field("bool", "Stream-based training (RollPacker): start a step's forward and backward on "
+                            "groups as soon as they are generated and scored, while the round's other groups still "
+                            "generate; one optimizer step over exactly the batch synchronous GRPO would train, "
+                            "every sample from the current weights.", False),
+            "stream_parts": Field("int", "With `stream`: the batch is trained in this many parts of equal group "
+                                  "count (the last may be smaller).", 4, minimum=1),
+        },
+    ),
     "observability": Field(
         "table",
         "Where the job's figures go besides `rlctl status`: a Prometheus endpoint on the controller, and "

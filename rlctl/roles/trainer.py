@@ -63,6 +63,8 @@ class TrainerRole:
         self.round_kind = ""  # the kind of round the last fetched batch came from (short, long, sync)
         self.checkpoint_every = int(settings.get("checkpoint_every", 5))
         self.replicate_state = bool(settings.get("replicate_trainer_state", True)) and self.trainer.dist.world_size == 1
+        self.stream = bool(settings.get("stream", False))
+        self.stream_parts = int(settings.get("stream_parts", 4))
         self.state_server: WeightServerThread | None = None
         # (step, bytes): the previous trainer's full state, copied while this worker was a warm standby
         self.held_state: tuple[int, bytes] | None = None
@@ -128,6 +130,43 @@ class TrainerRole:
                 return [TrainSample.from_dict(s) for s in reply["samples"]]
             if wait_or_stop(reply):
                 return None
+
+    def fetch_and_train(self, step: int) -> dict[str, float] | None:
+        samples = self.fetch_batch(step)
+        if samples is None:
+            return None
+        self.w.phase("training", step)
+        return self.train(samples)
+
+    def train_streamed(self, step: int) -> dict[str, float] | None:
+        """Train ``step``'s batch part by part as its groups are scored, one optimizer step at the end
+        (``Trainer.begin_step``/``add_samples``/``finish_step``): the same step as ``train``."""
+        from rlctl.workload.trainer import TrainSample
+
+        have, opened = 0, False
+        while True:
+            self.w.phase("waiting-for-batch", step)
+            reply = self.w.request("trainer.get_stream", step=step, have=have, parts=self.stream_parts)
+            if not reply or "samples" not in reply:
+                if wait_or_stop(reply):
+                    return None
+                continue
+            samples = [TrainSample.from_dict(s) for s in reply["samples"]]
+            groups = len({s.prompt_id for s in samples})
+            if samples:
+                if not opened:
+                    tokens = sum(len(s.response_tokens) for s in samples)
+                    self.trainer.begin_step(tokens / groups * int(reply["target_groups"]))
+                    opened = True
+                self.round_kind = str(reply.get("round", ""))
+                self.w.phase("training", step)
+                self.trainer.add_samples(samples)
+                have += groups
+            if reply["closed"] and have >= int(reply["groups"]):
+                break
+        metrics = self.trainer.finish_step()
+        self.w.progress(self.trainer.step)
+        return metrics
 
     def train(self, samples: list[Any]) -> dict[str, float]:
         metrics = self.trainer.train_step(samples)
@@ -204,11 +243,9 @@ class TrainerRole:
         total = int(init.get("total_steps", self.settings.get("steps", 0)))
         while self.version < total:
             step = self.version
-            samples = self.fetch_batch(step)
-            if samples is None:
+            metrics = self.train_streamed(step) if self.stream else self.fetch_and_train(step)
+            if metrics is None:
                 return 0
-            self.w.phase("training", step)
-            metrics = self.train(samples)
             self.version = step + 1
             if self.version % self.checkpoint_every == 0 or self.version == total:
                 self.checkpoint()

@@ -268,6 +268,18 @@ def atomic_torch_save(payload: Any, path: Path) -> None:
         os.close(dir_fd)
 
 
+@dataclass
+class OpenStep:
+    """A step between ``begin_step`` and ``finish_step``: what its parts have added so far."""
+
+    started: float
+    expected_tokens: float
+    rewards: list[float] = field(default_factory=list)
+    sums: Tensor = field(default_factory=lambda: torch.zeros(5, dtype=torch.float64))
+    response_tokens: float = 0.0
+    micro_batches: int = 0
+
+
 class Trainer:
     """Policy model + AdamW + LR schedule; see the module docstring for the contract."""
 
@@ -294,6 +306,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, WarmupCosine(self.config.warmup_steps, self.config.total_steps, self.config.min_lr_ratio))
         self.step = 0
+        self._open_step: OpenStep | None = None
 
     @classmethod
     def from_hf(cls, path: str | Path, config: TrainerConfig | None = None, device: str | torch.device = "cpu",
@@ -367,30 +380,67 @@ class Trainer:
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
-        started = time.perf_counter()
+        self.begin_step(float(sum(len(s.response_tokens) for s in samples)))
+        self.add_samples(samples)
+        return self.finish_step()
+
+    def begin_step(self, expected_tokens: float) -> None:
+        """Open a step whose samples come in parts (``add_samples``, then ``finish_step``): the
+        stream-based training of RollPacker, forward/backward while later groups still generate.
+
+        Each part's loss is divided by ``expected_tokens`` (the batch's response tokens, or an
+        estimate while they are not all known) and ``finish_step`` rescales the gradients by
+        ``expected / actual``: the step is the one ``train_step`` takes on the whole batch, and the
+        gradients keep their usual size in low precision.
+        """
+        if self._open_step is not None:
+            raise RuntimeError("a step is already open")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._open_step = OpenStep(time.perf_counter(), max(float(expected_tokens), 1.0))
+
+    def add_samples(self, samples: Sequence[TrainSample]) -> None:
+        """Forward and backward of whole groups of the open step. Every rank passes the same
+        samples and takes every ``world_size``-th one; advantages are per group."""
+        step = self._open_step
+        if step is None:
+            raise RuntimeError("no step is open: call begin_step first")
+        if not samples:
+            return
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         advantages = group_advantages(rewards, [s.prompt_id for s in samples], self.config.grpo.adv_eps)
         local_index = list(range(self.dist.rank, len(samples), self.dist.world_size))
         local = [samples[i] for i in local_index]
         local_advantages = advantages[local_index]
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = max(float(sum(len(s.response_tokens) for s in samples)), 1.0)  # every rank has the whole batch
-        sums = torch.zeros(5, dtype=torch.float64)
         plan = micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in local],
                              self.config.micro_batch_tokens)
         for chunk in plan:
             parts = self._local_parts([local[i] for i in chunk], local_advantages[chunk])
-            ((parts.policy_sum + self.config.grpo.kl_coef * parts.kl_sum) / total_tokens).backward()
+            ((parts.policy_sum + self.config.grpo.kl_coef * parts.kl_sum) / step.expected_tokens).backward()
             entropy_sum = parts.entropy_sum if parts.entropy_sum is not None else torch.zeros_like(parts.tokens)
-            sums += torch.stack([parts.policy_sum, parts.kl_sum, parts.clipped_sum, entropy_sum, parts.tokens]).detach().double().cpu()
+            step.sums += torch.stack([parts.policy_sum, parts.kl_sum, parts.clipped_sum, entropy_sum,
+                                      parts.tokens]).detach().double().cpu()
         if self.sharded:
             # Sharded layers gather and reduce in every forward/backward: a rank with fewer
             # micro-batches than the busiest one runs more that contribute nothing.
             for _ in range(self._busiest_plan(samples) - len(plan)):
                 parts = self._local_parts(samples[:1], advantages[:1])
                 (0.0 * (parts.policy_sum + parts.kl_sum)).backward()
-        totals = self._all_reduce(sums)
+        step.rewards.extend(float(r) for r in rewards)
+        step.response_tokens += float(sum(len(s.response_tokens) for s in samples))  # every rank has them all
+        step.micro_batches += len(plan)
+
+    def finish_step(self) -> dict[str, float]:
+        """The optimizer step over every sample added since ``begin_step``; returns its metrics."""
+        step, self._open_step = self._open_step, None
+        if step is None or not step.rewards:
+            raise ValueError("finish_step needs an open step with at least one sample")
+        total_tokens = max(step.response_tokens, 1.0)
+        if total_tokens != step.expected_tokens:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(step.expected_tokens / total_tokens)
+        totals = self._all_reduce(step.sums)
         if self.dist.enabled and not self.sharded:
             self._all_reduce_gradients()
         grad_norm = total_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
@@ -399,12 +449,14 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         policy, kl, clipped, entropy = (float(totals[i]) / total_tokens for i in range(4))
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - step.started
+        rewards = torch.tensor(step.rewards)
         return {"step": float(self.step), "reward_mean": float(rewards.mean()), "loss": policy + self.config.grpo.kl_coef * kl,
                 "kl": kl, "clip_frac": clipped, "entropy": entropy, "grad_norm": grad_norm, "tokens": float(totals[4]),
                 "tokens_per_s": float(totals[4]) / seconds if seconds > 0 else 0.0,
                 "lr": float(lr), "seconds": seconds,
-                "micro_batches": float(len(plan)), "ranks": float(self.dist.world_size), "sharded": float(self.sharded)}
+                "micro_batches": float(step.micro_batches), "ranks": float(self.dist.world_size),
+                "sharded": float(self.sharded)}
 
     def shard_for_publish(self) -> dict[str, Tensor]:
         """This rank's shard of the weights in the compute dtype (a sharded group's ranks each serve

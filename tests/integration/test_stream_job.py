@@ -1,0 +1,42 @@
+"""Stream-based training on a real local job: the trainer trains a step's first groups before the
+round's batch is formed (the journal shows the order), every step is trained once, and the job
+succeeds; the exactness of the streamed step is tests/workload/test_stream.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlctl.controller.jobdir import JobDir
+from rlctl.controller.store import Journal
+from tests.integration.helpers import kill_everything_under, rlctl_json, status, wait_for, write_job
+
+STEPS = 6
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture()
+def state_dir(tmp_path: Path):
+    yield tmp_path / "jobs"
+    kill_everything_under(tmp_path)
+
+
+def test_a_streamed_job_trains_groups_before_the_batch_forms(tmp_path: Path, state_dir: Path) -> None:
+    job_file = write_job(tmp_path, name="stream", steps=STEPS, spares=0,
+                         extra_tables="\n[trainer]\nstream = true\nstream_parts = 2\n")
+    launched = rlctl_json(state_dir, "launch", str(job_file))
+    job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
+    done = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["state"] in ("succeeded", "failed") and s,
+                    400, "the streamed job to finish")
+    assert done["job"]["state"] == "succeeded", done["job"]
+    events = list(Journal(jobdir.journal, readonly=True).read())
+    trained = [e.data["step"] for e in events if e.type == "StepTrained"]
+    assert trained == list(range(STEPS))
+    formed_at = {e.data["step"]: e.seq for e in events if e.type == "BatchFormed"}
+    training_at: dict[int, int] = {}
+    for e in events:
+        if e.type == "WorkerPhase" and e.data["phase"] == "training" and e.data["slot"].startswith("trainer"):
+            training_at.setdefault(int(e.data["step"]), e.seq)
+    early = [step for step in range(STEPS) if training_at.get(step, 1 << 60) < formed_at[step]]
+    assert early, f"no step started training before its batch formed: {training_at} {formed_at}"
