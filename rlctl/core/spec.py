@@ -343,7 +343,8 @@ JOB_SCHEMA: dict[str, Field] = {
         "How samples are scored: verl's signature `fn(data_source, solution_str, ground_truth, extra_info) -> "
         "float | dict` (a dict has `score` plus extra metrics; `async def` works too).",
         fields={
-            "function": Field("str", "`auto` (by data_source), `gsm8k`, `gsm8k-flexible`, `math`, `task`, "
+            "function": Field("str", "`auto` (by data_source), `gsm8k`, `gsm8k-flexible`, `math`, `task`, `code` (Python run against tests "
+                              "with a time and memory limit), "
                               "`package.module:fn` or `path/to/file.py:fn`.", "auto"),
             "path": Field("str", "verl's form: a Python file (relative to the job file) holding `name`.", ""),
             "name": Field("str", "verl's form: the function in `path`.", "compute_score"),

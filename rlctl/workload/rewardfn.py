@@ -7,7 +7,8 @@ Role: the ``[reward]`` table of job.toml. A reward function has verl's signature
 - ``function = "package.module:fn"`` or ``function = "path/to/file.py:fn"``;
 - verl's own form, ``path = "file.py"`` with ``name`` (default ``compute_score``);
 - a built-in: ``gsm8k`` (the answer after ``####``; ``gsm8k-flexible`` takes the last number),
-  ``math`` (``math-verify``), ``task`` (the reference task's scorer) or ``auto`` (by
+  ``math`` (``math-verify``), ``task`` (the reference task's scorer), ``code`` (the response's
+  Python program run against the sample's tests with a time and memory limit) or ``auto`` (by
   ``data_source``, as verl's default does).
 
 ``load_function`` imports it (``RewardFunctionError`` names the function and the cause: the
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BUILTINS = ("auto", "gsm8k", "gsm8k-flexible", "math", "task")
+BUILTINS = ("auto", "gsm8k", "gsm8k-flexible", "math", "task", "code")
 ON_ERROR = ("zero", "fail")
 DEFAULT_NAME = "compute_score"
 GSM8K_TAIL_CHARS = 300  # the final answer is looked for near the end: a long ramble cannot hide one
@@ -141,9 +142,17 @@ def auto_score(data_source: str, solution_str: str, ground_truth: Any, extra_inf
                      "name a function in [reward] function")
 
 
+def code_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict[str, Any]:
+    """The response's Python program against the sample's tests, in a limited child process
+    (``rlctl.workload.code_verifier``)."""
+    from rlctl.workload.code_verifier import compute_score
+
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
 _BUILTIN_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "auto": auto_score, "gsm8k": gsm8k_score, "gsm8k-flexible": gsm8k_flexible_score, "math": math_score,
-    "task": task_score,
+    "task": task_score, "code": code_score,
 }
 # Built-ins that also want to know whether the response was cut at the length cap.
 _WANTS_TRUNCATED = {"auto", "task"}
