@@ -12,6 +12,7 @@ function that raises, hangs or kills its process gives the sample a score per ``
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from rlctl import worker
 from rlctl.roles.common import RoleSettings, model_path, wait_or_stop
 
 CAPACITY = 64
+SUBMIT_EVERY_S = 0.1
 
 ScoreItem = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -64,12 +66,19 @@ def main(w: worker.Worker | None = None) -> int:
                     return 0
                 continue
             w.phase("scoring")
-            scores = []
+            scores: list[dict[str, Any]] = []
+            sent_at = time.monotonic()
             for item in reply["items"]:
                 scores.append(score_item(item))
                 scored += 1
                 w.progress(scored)
-            w.request("reward.submit", scores=scores)
+                if time.monotonic() - sent_at >= SUBMIT_EVERY_S:
+                    # Scores stream to the controller as they come, not batch by batch: a slow
+                    # verifier does not hold back the groups it has already finished.
+                    w.request("reward.submit", scores=scores)
+                    scores, sent_at = [], time.monotonic()
+            if scores:
+                w.request("reward.submit", scores=scores)
     finally:
         close()
 

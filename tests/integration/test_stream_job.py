@@ -1,6 +1,7 @@
 """Stream-based training on a real local job: the trainer trains a step's first groups before the
-round's batch is formed (the journal shows the order), every step is trained once, and the job
-succeeds; the exactness of the streamed step is tests/workload/test_stream.py's."""
+round's batch is formed (the journal shows the order); a trainer crashed in the middle of the job
+is recovered and every step is still trained exactly once; the job succeeds. The exactness of the
+streamed step is tests/workload/test_stream.py's."""
 
 from __future__ import annotations
 
@@ -27,9 +28,14 @@ def test_a_streamed_job_trains_groups_before_the_batch_forms(tmp_path: Path, sta
                          extra_tables="\n[trainer]\nstream = true\nstream_parts = 2\n")
     launched = rlctl_json(state_dir, "launch", str(job_file))
     job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
+    snap = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["step"] >= 2 and s, 240, "two streamed steps")
+    trainer_node = next(n["name"] for n in snap["nodes"] if n["role"] == "trainer")
+    fault = rlctl_json(state_dir, "inject-fault", trainer_node, "--job", job, "--kind", "crash")
     done = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["state"] in ("succeeded", "failed") and s,
                     400, "the streamed job to finish")
     assert done["job"]["state"] == "succeeded", done["job"]
+    recovered = {f["fault_id"]: f for f in done["faults"]}[fault["fault_id"]]
+    assert recovered["recovered_at"] and recovered["slot"].startswith("trainer"), recovered
     events = list(Journal(jobdir.journal, readonly=True).read())
     trained = [e.data["step"] for e in events if e.type == "StepTrained"]
     assert trained == list(range(STEPS))
