@@ -60,7 +60,7 @@ class DataOps:
             self.orc.shell.commit_decided(scheduler.dispatch(slot.slot, wid, int(args.get("capacity", 8)), now))
             kind, held = scheduler.work_held_by(wid, "inflight")
         if not held:
-            return {"wait_s": WAIT_S}
+            return self._helper_scoring(slot, now)
         if kind == "held-out" and scheduler.held_out is not None:
             step, round_kind = self.orc.model.step, "held-out"
             version, max_new_tokens = scheduler.held_out.version, scheduler.held_out.max_new_tokens
@@ -119,25 +119,30 @@ class DataOps:
             _, held = scheduler.work_held_by(wid, "scoring")
         if not held:
             return {"wait_s": WAIT_S}
-        return {
-            "items": [
-                {
-                    "item_id": s.item_id,
-                    "prompt_id": s.prompt_id,
-                    "prompt_tokens": list(scheduler.prompt(s.prompt_id).tokens),
-                    "response_tokens": list(s.response_tokens or []),
-                    "truncated": s.truncated,
-                    "meta": scheduler.prompt(s.prompt_id).meta,
-                }
-                for s in held
-            ]
-        }
+        return {"items": self._scoring_items(held)}
+
+    def _helper_scoring(self, slot: SlotRecord, now: float) -> dict[str, Any]:
+        """A rollout worker with nothing to generate: score a chunk when the reward queue is long
+        (``[reward] helper_backlog``), else wait."""
+        scheduler = self.orc.scheduler
+        wid = slot.wid or ""
+        backlog = int(self.orc.spec.reward.get("helper_backlog", 0))
+        self.orc.shell.commit_decided(scheduler.dispatch_helper_scoring(slot.slot, wid, backlog, now))
+        _, held = scheduler.work_held_by(wid, "scoring")
+        return {"score": self._scoring_items(held)} if held else {"wait_s": WAIT_S}
+
+    def _scoring_items(self, held: list[Any]) -> list[dict[str, Any]]:
+        scheduler = self.orc.scheduler
+        return [{"item_id": s.item_id, "prompt_id": s.prompt_id, "prompt_tokens": list(scheduler.prompt(s.prompt_id).tokens),
+                 "response_tokens": list(s.response_tokens or []), "truncated": s.truncated,
+                 "meta": scheduler.prompt(s.prompt_id).meta} for s in held]
 
     def op_reward_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Store scores. A score with ``error`` (the reward function raised, timed out or died) is
         journaled as ``RewardFunctionFailed`` naming the function, the sample and the error; the
         sample keeps its zero score, or with ``on_error = "fail"`` the job stops as failed."""
-        self._require(slot, "reward")
+        if slot.role not in ("reward", "rollout"):  # a rollout worker scores too when it helps (helper_backlog)
+            raise OpError(f"{slot.slot} is a {slot.role} worker, not a reward or rollout worker")
         scores = list(args.get("scores", []))
         scheduler = self.orc.scheduler
         failed = [s for s in scores if s.get("error")]

@@ -46,6 +46,8 @@ from rlctl.core.round_state import (
 if TYPE_CHECKING:
     from rlctl.core.spec import JobSpec
 
+HELPER_CHUNK = 8  # samples an idle rollout worker scores at a time (small: it gives them back fast)
+
 
 def config_from_spec(spec: JobSpec) -> SchedulerConfig:
     tail = spec.rollout.tail_batching
@@ -157,6 +159,22 @@ class RoundScheduler(RoundState):
         if not chosen:
             return []
         return self._emit([], event(EventKind.SCORING_DISPATCHED, at, slot=slot, wid=wid, item_ids=chosen))
+
+    def scoring_backlog(self) -> int:
+        """Generated samples waiting for a reward worker (the open round's and the held-out run's)."""
+        rnd = self.round
+        waiting = sum(1 for s in rnd.samples.values() if s.status == DONE) if rnd is not None and not rnd.closed else 0
+        if self.held_out is not None:
+            waiting += sum(1 for s in self.held_out.samples.values() if s.status == DONE)
+        return waiting
+
+    def dispatch_helper_scoring(self, slot: str, wid: str, min_backlog: int, at: float) -> list[Event]:
+        """Reward capacity from idle capacity: an idle rollout worker takes a small chunk of the
+        unscored samples while at least ``min_backlog`` wait (0: never). Chunks stay small, so the
+        worker is back to generating as soon as a round has work for it."""
+        if min_backlog <= 0 or self.scoring_backlog() < min_backlog:
+            return []
+        return self.dispatch_scoring(slot, wid, HELPER_CHUNK, at)
 
     def submit_scores(self, wid: str, scores: list[dict[str, Any]], at: float) -> list[Event]:
         """Store rewards from reward worker ``wid``; close the round when the batch is full."""

@@ -354,6 +354,10 @@ JOB_SCHEMA: dict[str, Field] = {
             "on_error": Field("choice", "A function that raises or times out: `zero` scores the sample 0 and goes "
                               "on; `fail` stops the job as failed. Either way an event names the function, the "
                               "sample and the error.", "zero", choices=("zero", "fail")),
+            "helper_backlog": Field("int", "Reward scheduling: when this many generated samples wait for a score "
+                                    "(a slow verifier), rollout workers with nothing to generate score small "
+                                    "chunks too, in their own sandbox, and go back to generating as soon as a "
+                                    "round needs them (0: only the reward workers score).", 0, minimum=0),
         },
     ),
     "workload": Field(

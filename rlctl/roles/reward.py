@@ -51,6 +51,24 @@ def function_scorer(settings: RoleSettings, folder: Path) -> tuple[ScoreItem, Ca
     return score_item, sandbox.close
 
 
+def score_and_submit(w: worker.Worker, items: list[dict[str, Any]], score_item: ScoreItem, scored: int = 0) -> int:
+    """Score ``items`` and send the scores as they come (every ``SUBMIT_EVERY_S``), not batch by
+    batch: a slow verifier does not hold back the groups it has already finished. Returns the
+    running count of samples scored (the worker's progress)."""
+    scores: list[dict[str, Any]] = []
+    sent_at = time.monotonic()
+    for item in items:
+        scores.append(score_item(item))
+        scored += 1
+        w.progress(scored)
+        if time.monotonic() - sent_at >= SUBMIT_EVERY_S:
+            w.request("reward.submit", scores=scores)
+            scores, sent_at = [], time.monotonic()
+    if scores:
+        w.request("reward.submit", scores=scores)
+    return scored
+
+
 def main(w: worker.Worker | None = None) -> int:
     w = w or worker.connect()
     w.phase("loading")
@@ -66,19 +84,7 @@ def main(w: worker.Worker | None = None) -> int:
                     return 0
                 continue
             w.phase("scoring")
-            scores: list[dict[str, Any]] = []
-            sent_at = time.monotonic()
-            for item in reply["items"]:
-                scores.append(score_item(item))
-                scored += 1
-                w.progress(scored)
-                if time.monotonic() - sent_at >= SUBMIT_EVERY_S:
-                    # Scores stream to the controller as they come, not batch by batch: a slow
-                    # verifier does not hold back the groups it has already finished.
-                    w.request("reward.submit", scores=scores)
-                    scores, sent_at = [], time.monotonic()
-            if scores:
-                w.request("reward.submit", scores=scores)
+            scored = score_and_submit(w, reply["items"], score_item, scored)
     finally:
         close()
 

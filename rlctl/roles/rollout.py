@@ -42,6 +42,7 @@ class Rollout:
         self.server.start()
         self.held_version = -1
         self.tokens_generated = 0
+        self.scorer: tuple[Any, Any] | None = None  # the reward function's sandbox, made when first asked to help
 
     def _make_engine(self, sampling: Any, device: str) -> Any:
         """The torch engine, or vLLM when the job says ``engine = "vllm"`` (imported only then;
@@ -89,6 +90,18 @@ class Rollout:
         self.w.notify("weights.held", version=got, source=descriptor, bytes=int(bundle.manifest.nbytes),
                       seconds=round(time.monotonic() - started, 6))
 
+    def help_score(self, items: list[dict[str, Any]]) -> None:
+        """Score samples for the reward role while there is nothing to generate (the controller
+        asks when the reward queue is long), with the job's reward function in this worker's own
+        sandbox: a function that crashes or hangs costs a score, never this worker."""
+        from rlctl.roles.reward import function_scorer, score_and_submit
+
+        if self.scorer is None:
+            self.scorer = function_scorer(self.settings, model_path(self.settings))
+        self.w.phase("scoring", self.step)
+        # Progress counts work done: tokens generated, plus one per sample scored here.
+        self.tokens_generated = score_and_submit(self.w, items, self.scorer[0], self.tokens_generated)
+
     def generate(self, work: dict[str, Any]) -> list[dict[str, Any]]:
         """Generate ``work``'s items. Finished samples go to the controller with each cancellation
         poll, so it can score them and close the round while the rest still decode; returns the
@@ -123,6 +136,9 @@ class Rollout:
         while True:
             self.w.phase("waiting-for-work", self.step)
             work = self.w.request("rollout.get_work", capacity=capacity)
+            if work and "score" in work:
+                self.help_score(work["score"])
+                continue
             if not work or "items" not in work:
                 if wait_or_stop(work):
                     return 0
@@ -144,6 +160,8 @@ def main() -> int:
         return rollout.run()
     finally:
         rollout.server.close()
+        if rollout.scorer is not None:
+            rollout.scorer[1]()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""Reward scheduling on a real local job: with a slow verifier (50 ms a sample) and
+`[reward] helper_backlog` set, idle rollout workers score chunks of the backlog in their own
+sandbox, and the job trains every step; without it only the reward worker scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlctl.controller.jobdir import JobDir
+from rlctl.controller.store import Journal
+from tests.integration.helpers import kill_everything_under, rlctl_json, status, wait_for, write_job
+
+STEPS = 4
+pytestmark = pytest.mark.timeout(600)
+SLOW_REWARD = '''import time
+
+from rlctl.workload.rewardfn import task_score
+
+
+def slow_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.05)
+    return task_score(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+@pytest.fixture()
+def state_dir(tmp_path: Path):
+    yield tmp_path / "jobs"
+    kill_everything_under(tmp_path)
+
+
+def run_job(tmp_path: Path, state_dir: Path, name: str, backlog: int) -> list:
+    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
+    job_file = write_job(tmp_path, name=name, steps=STEPS, spares=0, extra_tables=(
+        f'\n[reward]\nfunction = "slow_reward.py:slow_score"\nhelper_backlog = {backlog}\n'))
+    launched = rlctl_json(state_dir, "launch", str(job_file))
+    job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
+    done = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["state"] in ("succeeded", "failed") and s,
+                    400, f"the {name} job to finish")
+    assert done["job"]["state"] == "succeeded", done["job"]
+    return list(Journal(jobdir.journal, readonly=True).read())
+
+
+def test_idle_rollout_workers_help_a_slow_verifier(tmp_path: Path, state_dir: Path) -> None:
+    events = run_job(tmp_path, state_dir, "helped", backlog=4)
+    scorers = {e.data["slot"].split("-")[0] for e in events if e.type == "ScoringDispatched"}
+    assert scorers == {"reward", "rollout"}, scorers
+    assert [e.data["step"] for e in events if e.type == "StepTrained"] == list(range(STEPS))
+    failures = [e for e in events if e.type == "RewardFunctionFailed"]
+    assert not failures, failures[0].data
