@@ -63,6 +63,9 @@ def launch(
         console.print(f"  watch it:  rlctl status --watch {jobdir.job_id}")
         console.print(f"  stop it:   rlctl stop {jobdir.job_id}")
         console.print(f"  job dir:   {jobdir.path}")
+        if spec.observability.prometheus_port:
+            address = spec.observability.prometheus_address
+            console.print(f"  metrics:   http://{address}:{spec.observability.prometheus_port}/metrics")
     if watch:
         from rlctl.cli.status import watch_status
 

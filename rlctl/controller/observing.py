@@ -60,6 +60,12 @@ class Observing:
         log.info("serving Prometheus metrics on http://%s:%d/metrics", address, bound)
         return bound
 
+    @property
+    def metrics_url(self) -> str | None:
+        if self.endpoint is None:
+            return None
+        return f"http://{self.settings.prometheus_address}:{self.endpoint.port}/metrics"
+
     def on_events(self, events: list[Event]) -> None:
         if self.curves is None:
             return

@@ -399,7 +399,8 @@ class Controller:
 
     def snapshot(self) -> dict[str, Any]:
         info: dict[str, Any] = {"pid": os.getpid(), "lag_s": round(self.detection.lag_s, 4), "live": True,
-                                "agent_port": self.agent_port, "journal_bytes": self.journal.size_bytes()}
+                                "agent_port": self.agent_port, "journal_bytes": self.journal.size_bytes(),
+                                "metrics_url": self.observing.metrics_url}
         if self.heartbeat_latency:
             info["heartbeat_latency_s"] = _percentiles(latency for _, latency in self.heartbeat_latency)
         return snapshot(self.model, time.time(), controller=info)

@@ -60,6 +60,7 @@ def test_prometheus_and_the_curves_follow_a_job_through_a_trainer_crash_and_a_re
         job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
         wanted = f'job_id="{job}"'
         snap = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["step"] >= 2 and s, 240, "two RL steps")
+        assert snap["controller"]["metrics_url"] == f"http://127.0.0.1:{metrics_port}/metrics"
         trainer_node = next(n["name"] for n in snap["nodes"] if n["role"] == "trainer")
         fault = rlctl_json(state_dir, "inject-fault", trainer_node, "--job", job, "--kind", "crash")
         wait_recovered(state_dir, job, [fault["fault_id"]], snap["job"]["step"] + 2, 240, "the trainer's recovery")

@@ -10,19 +10,10 @@ import pytest
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from tests.integration.helpers import kill_everything_under, rlctl_json, status, wait_for, write_job
+from tests.integration.helpers import kill_everything_under, rlctl_json, slow_reward_table, status, wait_for, write_job
 
 STEPS = 4
 pytestmark = pytest.mark.timeout(600)
-SLOW_REWARD = '''import time
-
-from rlctl.workload.rewardfn import task_score
-
-
-def slow_score(data_source, solution_str, ground_truth, extra_info=None):
-    time.sleep(0.05)
-    return task_score(data_source, solution_str, ground_truth, extra_info)
-'''
 
 
 @pytest.fixture()
@@ -32,9 +23,7 @@ def state_dir(tmp_path: Path):
 
 
 def run_job(tmp_path: Path, state_dir: Path, name: str, backlog: int) -> list:
-    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
-    job_file = write_job(tmp_path, name=name, steps=STEPS, spares=0, extra_tables=(
-        f'\n[reward]\nfunction = "slow_reward.py:slow_score"\nhelper_backlog = {backlog}\n'))
+    job_file = write_job(tmp_path, name=name, steps=STEPS, spares=0, extra_tables=slow_reward_table(tmp_path, backlog))
     launched = rlctl_json(state_dir, "launch", str(job_file))
     job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
     done = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["state"] in ("succeeded", "failed") and s,

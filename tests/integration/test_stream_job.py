@@ -11,7 +11,7 @@ import pytest
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from tests.integration.helpers import kill_everything_under, rlctl_json, status, wait_for, write_job
+from tests.integration.helpers import kill_everything_under, rlctl_json, slow_reward_table, status, wait_for, write_job
 
 STEPS = 6
 pytestmark = pytest.mark.timeout(600)
@@ -23,9 +23,12 @@ def state_dir(tmp_path: Path):
     kill_everything_under(tmp_path)
 
 
-def test_a_streamed_job_trains_groups_before_the_batch_forms(tmp_path: Path, state_dir: Path) -> None:
-    job_file = write_job(tmp_path, name="stream", steps=STEPS, spares=0,
-                         extra_tables="\n[trainer]\nstream = true\nstream_parts = 2\n")
+@pytest.mark.parametrize("gpus_per_node", [1, 2], ids=["one-rank", "two-fsdp-ranks"])
+def test_a_streamed_job_trains_groups_before_the_batch_forms(tmp_path: Path, state_dir: Path, gpus_per_node: int) -> None:
+    # Two ranks: each asks for its parts itself; the parts are the same without a collective. A
+    # verifier of 50 ms a sample spreads the groups' completion, so the first part is ready early.
+    job_file = write_job(tmp_path, name="stream", steps=STEPS, spares=0, gpus_per_node=gpus_per_node,
+                         extra_tables="\n[trainer]\nstream = true\nstream_parts = 2\n" + slow_reward_table(tmp_path))
     launched = rlctl_json(state_dir, "launch", str(job_file))
     job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
     snap = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["step"] >= 2 and s, 240, "two streamed steps")
