@@ -17,7 +17,8 @@ from rlctl.roles.common import RoleSettings, load_policy, model_path, sampling_c
 
 # Decode steps between a worker's polls: each poll is one request to the controller.
 CHUNK_TOKENS = 4
-FETCH_ATTEMPTS = 5
+# Give up on a version after this long (below the `weight-sync` phase bound's default of 120 s).
+SYNC_DEADLINE_S = 90.0
 # A holder may die mid-transfer without the transport noticing: bound each attempt by the bytes
 # it moves at a pessimistic rate, then ask the controller for another holder.
 FETCH_FLOOR_S = 15.0
@@ -67,7 +68,8 @@ class Rollout:
         started = time.monotonic()
         failed: dict[str, Any] | None = None
         error = ""
-        for _ in range(FETCH_ATTEMPTS):
+        attempts = 0
+        while True:
             while source is None:
                 reply = self.w.request("weights.source", version=version, failed_source=failed, error=error)
                 source = reply.get("weights_source") if reply else None
@@ -79,8 +81,13 @@ class Rollout:
                 break
             except WeightError as exc:
                 failed, error, source = source, str(exc), None
-        else:
-            raise RuntimeError(f"could not fetch weights v{version} after {FETCH_ATTEMPTS} attempts: {error}")
+                attempts += 1
+            # The only holder may be a trainer whose node just died, which the controller has not
+            # judged yet (seconds): back off and ask again rather than die beside it.
+            if time.monotonic() - started > SYNC_DEADLINE_S:
+                raise RuntimeError(f"could not fetch weights v{version} in {SYNC_DEADLINE_S:.0f} s "
+                                   f"({attempts} attempts): {error}")
+            time.sleep(min(2.0, 0.1 * 2 ** min(attempts, 5)))
         got = bundle.manifest.version
         if got != version:
             raise RuntimeError(f"asked for weights v{version}, holder sent v{got}")

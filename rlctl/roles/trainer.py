@@ -143,7 +143,7 @@ class TrainerRole:
         (``Trainer.begin_step``/``add_samples``/``finish_step``): the same step as ``train``."""
         from rlctl.workload.trainer import TrainSample
 
-        have, opened = 0, False
+        have, opened, early = 0, False, 0
         while True:
             self.w.phase("waiting-for-batch", step)
             reply = self.w.request("trainer.get_stream", step=step, have=have, parts=self.stream_parts)
@@ -162,11 +162,13 @@ class TrainerRole:
                 self.w.phase("training", step)
                 self.trainer.add_samples(samples)
                 have += groups
+                early += 0 if reply["closed"] else 1
             if reply["closed"] and have >= int(reply["groups"]):
                 break
         metrics = self.trainer.finish_step()
         self.w.progress(self.trainer.step)
-        return metrics
+        # How much streaming overlapped generation: parts trained before the batch was formed.
+        return {**metrics, "stream_parts_before_batch": float(early)}
 
     def train(self, samples: list[Any]) -> dict[str, float]:
         metrics = self.trainer.train_step(samples)
