@@ -35,12 +35,19 @@ FAULTS = [
 ]
 
 
-# 1: a worker per node; 2: two simulated GPUs per node, so a trainer node runs 2 ranks of one FSDP2
-# group and a rollout node 2 engines (a node-level fault moves both, a worker fault hits one).
-@pytest.fixture(params=[1, 2], ids=["one-worker-per-node", "two-gpus-per-node"])
+# A worker per node; two simulated GPUs per node, so a trainer node runs 2 ranks of one FSDP2 group
+# and a rollout node 2 engines (a node-level fault moves both, a worker fault hits one); and a
+# worker per node with stream-based training and idle rollouts helping the reward worker score.
+STREAM_AND_HELPERS = "\n[trainer]\nstream = true\n[reward]\nhelper_backlog = 2\n"
+
+
+@pytest.fixture(params=[(1, ""), (2, ""), (1, STREAM_AND_HELPERS)],
+                ids=["one-worker-per-node", "two-gpus-per-node", "stream-and-reward-helpers"])
 def job(tmp_path: Path, request: pytest.FixtureRequest):
     state_dir = tmp_path / "jobs"
-    job_file = write_job(tmp_path, name="chaos", spares=2, max_restarts=20, gpus_per_node=request.param)
+    gpus_per_node, extra = request.param
+    job_file = write_job(tmp_path, name="chaos", spares=2, max_restarts=20, gpus_per_node=gpus_per_node,
+                         extra_tables=extra)
     launched = rlctl_json(state_dir, "launch", str(job_file))
     yield state_dir, launched["job_id"], JobDir(Path(launched["job_dir"]))
     rlctl(state_dir, "stop", launched["job_id"], check=False)
