@@ -158,7 +158,7 @@ def _spawn_controller(jobdir: JobDir, resume: bool = False) -> subprocess.Popen[
 
 
 def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes], allocated: bool = False) -> None:
-    """Until the controller answers (with ``allocated``: and has its nodes, so a backend's refusal
+    """Until the controller answers (with ``allocated``: and every node has its agent, so a backend's refusal
     is reported here, as one message). A slow allocation (a queued Slurm job) is left to run after
     ``CONTROLLER_READY_TIMEOUT_S``: the job is launched, and ``rlctl status`` follows it."""
     deadline = time.monotonic() + CONTROLLER_READY_TIMEOUT_S
@@ -174,12 +174,20 @@ def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes], allocated: boo
                 snap = None
             if snap is not None:
                 answered = True
-                if not allocated or snap["nodes"] or snap["job"]["state"] not in ("pending", "starting"):
+                if not allocated or snap["job"]["state"] not in ("pending", "starting") or _agents_up(snap):
                     return
         time.sleep(0.1)
     if answered:
         return
     fail(f"the controller did not answer within {CONTROLLER_READY_TIMEOUT_S:.0f}s; see {jobdir.log_file}")
+
+
+def _agents_up(snap: dict[str, object]) -> bool:
+    """Every node has its agent (or has failed): a backend that hands out nodes at once (an SSH
+    inventory) refuses only when their agents start, which is what launch waits to report."""
+    nodes = snap["nodes"]
+    return isinstance(nodes, list) and bool(nodes) and all(
+        n["state"] not in ("allocating", "starting") for n in nodes)
 
 
 def _why_it_ended(jobdir: JobDir, code: int | None) -> str:
