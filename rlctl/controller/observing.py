@@ -11,13 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.core.events import Event, EventKind
 from rlctl.core.model import JobModel
 from rlctl.core.spec import JobSpec
 from rlctl.core.telemetry import ControllerHealth, curve_point, curve_points_after, families
+
+if TYPE_CHECKING:
+    from rlctl.observe.curves import CurveLog
+    from rlctl.observe.prometheus import MetricsEndpoint
 
 log = logging.getLogger("rlctl.controller.observing")
 
@@ -27,13 +31,15 @@ class ObservabilityError(RuntimeError):
 
 
 class Observing:
+    """The ``/metrics`` endpoint and the curve writer of one controller (either may be off)."""
+
     def __init__(self, spec: JobSpec, jobdir: JobDir, model: JobModel, stall_after_s: float) -> None:
         self.settings = spec.observability
         self.job_id = jobdir.job_id
         self.model = model
         self.health = ControllerHealth(stall_after_s)
-        self.endpoint: Any = None
-        self.curves: Any = None
+        self.endpoint: MetricsEndpoint | None = None
+        self.curves: CurveLog | None = None
         if self.settings.curves:
             from rlctl.observe.curves import CURSOR_FILE, CurveLog, sinks_for
 
