@@ -141,8 +141,7 @@ class DataOps:
         """Store scores. A score with ``error`` (the reward function raised, timed out or died) is
         journaled as ``RewardFunctionFailed`` naming the function, the sample and the error; the
         sample keeps its zero score, or with ``on_error = "fail"`` the job stops as failed."""
-        if slot.role not in ("reward", "rollout"):  # a rollout worker scores too when it helps (helper_backlog)
-            raise OpError(f"{slot.slot} is a {slot.role} worker, not a reward or rollout worker")
+        self._require(slot, "reward", "rollout")  # a rollout worker scores too when it helps (helper_backlog)
         scores = list(args.get("scores", []))
         scheduler = self.orc.scheduler
         failed = [s for s in scores if s.get("error")]
@@ -221,20 +220,20 @@ class DataOps:
         rnd = scheduler.round
         if batch is not None:
             kind, version, target, closed = batch.kind, batch.weights_version, len(batch.prompt_ids), True
-            ready, samples = batch.prompt_ids, batch.samples
+            ready, pool = batch.prompt_ids, list(batch.samples)
         elif rnd is not None and rnd.step == step and not rnd.closed:
             kind, version, target, closed = rnd.kind, rnd.weights_version, rnd.target_groups, False
-            ready = rnd.completed[:rnd.target_groups]
-            samples = [s for s in rnd.samples.values() if s.prompt_id in set(ready)]
+            ready, pool = rnd.completed[:rnd.target_groups], list(rnd.samples.values())
         else:
             return {"wait_s": WAIT_S}
         size = -(-max(target, 1) // parts)
         part = ready[have:have + size]
         if not closed and len(part) < size:
             return {"wait_s": WAIT_S}
+        wanted = set(part)
         return {"step": step, "round": kind, "weights_version": version, "closed": closed,
                 "groups": len(ready) if closed else target, "target_groups": target,
-                "samples": self._train_samples(ready, [s for s in samples if s.prompt_id in set(part)], order=part)}
+                "samples": self._train_samples(ready, [s for s in pool if s.prompt_id in wanted], order=part)}
 
     def _train_samples(self, prompt_ids: list[str], samples: list[Any], order: list[str] | None = None) -> list[dict[str, Any]]:
         """Samples as the trainer takes them (``TrainSample`` fields plus correctness), grouped in
@@ -314,6 +313,6 @@ class DataOps:
         return slot.life is None or slot.life.state not in (WorkerState.STOPPING, WorkerState.FAILED, WorkerState.EXITED)
 
     @staticmethod
-    def _require(slot: SlotRecord, role: str) -> None:
-        if slot.role != role:
-            raise OpError(f"{slot.slot} is a {slot.role} worker, not a {role} worker")
+    def _require(slot: SlotRecord, *roles: str) -> None:
+        if slot.role not in roles:
+            raise OpError(f"{slot.slot} is a {slot.role} worker, not a {' or '.join(roles)} worker")

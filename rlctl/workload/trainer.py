@@ -450,8 +450,7 @@ class Trainer:
         self.step += 1
         policy, kl, clipped, entropy = (float(totals[i]) / total_tokens for i in range(4))
         seconds = time.perf_counter() - step.started
-        rewards = torch.tensor(step.rewards)
-        return {"step": float(self.step), "reward_mean": float(rewards.mean()), "loss": policy + self.config.grpo.kl_coef * kl,
+        return {"step": float(self.step), "reward_mean": sum(step.rewards) / len(step.rewards), "loss": policy + self.config.grpo.kl_coef * kl,
                 "kl": kl, "clip_frac": clipped, "entropy": entropy, "grad_norm": grad_norm, "tokens": float(totals[4]),
                 "tokens_per_s": float(totals[4]) / seconds if seconds > 0 else 0.0,
                 "lr": float(lr), "seconds": seconds,

@@ -4,8 +4,17 @@ that dies gives its samples back, and the groups streamed to the trainer are the
 
 from __future__ import annotations
 
+from rlctl.core.round_state import Round
 from rlctl.core.rounds import HELPER_CHUNK, RoundScheduler
 from tests.core.test_rounds import make_scheduler
+
+
+def started(**shape: int) -> tuple[RoundScheduler, Round]:
+    """A scheduler of ``shape`` (make_scheduler's) with round 0 open."""
+    scheduler = make_scheduler(tail=False, **shape)
+    scheduler.start_round(0, 0.0)
+    assert scheduler.round is not None
+    return scheduler, scheduler.round
 
 
 def generate_all(scheduler: RoundScheduler, now: float) -> None:
@@ -26,10 +35,7 @@ def generate_all(scheduler: RoundScheduler, now: float) -> None:
 
 
 def test_a_verifier_that_never_answers_does_not_stop_generation() -> None:
-    scheduler = make_scheduler(tail=False, batch=4, group=2)
-    scheduler.start_round(0, 0.0)
-    rnd = scheduler.round
-    assert rnd is not None
+    scheduler, rnd = started(batch=4, group=2)
     scheduler.dispatch_scoring("w0", "w0.0", 1000, 0.0)  # the reward worker takes all there is, and hangs
     generate_all(scheduler, 1.0)
     assert all(s.status in ("done", "scoring") for s in rnd.samples.values()), "every sample was generated"
@@ -37,10 +43,7 @@ def test_a_verifier_that_never_answers_does_not_stop_generation() -> None:
 
 
 def test_idle_rollouts_take_small_chunks_of_a_long_backlog_only() -> None:
-    scheduler = make_scheduler(tail=False, batch=8, group=4, prompts=40)
-    scheduler.start_round(0, 0.0)
-    rnd = scheduler.round
-    assert rnd is not None
+    scheduler, _ = started(batch=8, group=4, prompts=40)
     generate_all(scheduler, 1.0)
     backlog = scheduler.scoring_backlog()
     assert backlog > HELPER_CHUNK
@@ -54,10 +57,7 @@ def test_idle_rollouts_take_small_chunks_of_a_long_backlog_only() -> None:
 
 
 def test_the_streamed_groups_are_the_prefix_of_the_batch() -> None:
-    scheduler = make_scheduler(tail=False, batch=4, group=2, prompts=20)
-    scheduler.start_round(0, 0.0)
-    rnd = scheduler.round
-    assert rnd is not None
+    scheduler, rnd = started(batch=4, group=2, prompts=20)
     generate_all(scheduler, 1.0)
     streamed: list[str] = []
     for _ in range(100):
