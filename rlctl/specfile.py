@@ -24,7 +24,7 @@ class LaunchedJob(Protocol):
 
 
 def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    """Relative file paths of ``[model]``, ``[data]``, ``[reward]`` and ``[observability]`` made absolute against
+    """Relative file paths of ``[model]``, ``[data]``, ``[reward]``, ``[env]`` and ``[observability]`` made absolute against
     ``base_dir`` (the job file's folder), ``~`` expanded. Values of the wrong type are left for
     the schema to report."""
 
@@ -46,11 +46,12 @@ def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
                 value = table[key]
                 table[key] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
         resolved[table_name] = table
-    reward = resolved.get("reward")
-    if isinstance(reward, dict) and isinstance(reward.get("function"), str):
-        location, sep, attr = reward["function"].rpartition(":")
-        if sep and (location.endswith(".py") or "/" in location):
-            resolved["reward"] = {**reward, "function": f"{absolute(location)}:{attr}"}
+    for table_name, key in (("reward", "function"), ("env", "class")):  # `path/to/file.py:name` references
+        table = resolved.get(table_name)
+        if isinstance(table, dict) and isinstance(table.get(key), str):
+            location, sep, attr = table[key].rpartition(":")
+            if sep and (location.endswith(".py") or "/" in location):
+                resolved[table_name] = {**table, key: f"{absolute(location)}:{attr}"}
     return resolved
 
 

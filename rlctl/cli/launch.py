@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from rlctl.cli.common import STATE_DIR_OPTION, console, err_console, fail, print_json, resolve_job
 from rlctl.controller.api import ApiClient, ApiError
@@ -33,7 +34,7 @@ def launch(
         spec = load_job_file(job_file)
     except SpecError as exc:
         for problem in exc.problems:
-            err_console.print(f"[bold red]error:[/] {problem.render(exc.source)}", highlight=False)
+            err_console.print(f"[bold red]error:[/] {escape(problem.render(exc.source))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     _check_observability(spec)
     checks = _preflight(spec)
@@ -93,24 +94,25 @@ def _check_observability(spec: JobSpec) -> None:
 
     problems = observability_problems(spec.observability)
     for problem in problems:
-        err_console.print(f"[bold red]error:[/] {problem.render(spec.source)}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(problem.render(spec.source))}", highlight=False, soft_wrap=True)
     if problems:
         raise typer.Exit(2)
 
 
 def _preflight(spec: JobSpec) -> dict[str, object]:
-    """The workload's checks (model folder, data rows, reward import) before anything starts; a
-    problem exits 2 with every message, nothing started."""
-    if not spec.hf_model:
+    """The workload's checks (model folder, data rows, reward import, environment class) before
+    anything starts; a problem exits 2 with every message, nothing started."""
+    if not spec.hf_model and not spec.multi_turn:
         return {}
     from rlctl.workload.prompts import PreflightError, preflight
 
-    with err_console.status("checking the model folder, the data and the reward function"):
+    with err_console.status("checking the model folder, the data, the reward function and the environment"):
         try:
             return preflight(spec)
         except PreflightError as exc:
             for problem in exc.problems:
-                err_console.print(f"[bold red]error:[/] {spec.source}: {problem}", highlight=False)
+                err_console.print(f"[bold red]error:[/] {escape(f'{spec.source}: {problem}')}", highlight=False,
+                                  soft_wrap=True)
             raise typer.Exit(2) from None
 
 
@@ -127,6 +129,8 @@ def _workload_lines(checks: dict[str, object]) -> list[str]:
                          "left out)")
     if "reward" in checks:
         lines.append(f"reward: {checks['reward']}")
+    if "env" in checks:
+        lines.append(f"env: {checks['env']}")
     sizing = checks.get("sizing")
     if isinstance(sizing, dict):
         lines.extend(str(line) for line in sizing["lines"])

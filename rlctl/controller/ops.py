@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rlctl.core.envcalls import EnvCalls, answer_deadline_s, lease_s
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import SlotRecord
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.states import WorkerState
 
 WAIT_S = 0.2
+ENV_WAIT_S = 0.02  # an env worker with nothing to do asks again soon: a rollout waits on its turns
 
 
 class OpError(ValueError):
@@ -28,6 +30,8 @@ class DataOps:
         self.on_weights_published = on_weights_published
         self._replies: dict[tuple[str, str], dict[str, Any]] = {}
         self.last_request_at: dict[str, float] = {}
+        env = orchestrator.spec.env
+        self.env_calls = EnvCalls(on_error=env.on_error, retries=env.retries, lease_s=lease_s(env))
 
     def handle(self, slot: SlotRecord, request_id: str, op: str, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Run ``op`` for the worker in ``slot``; a repeated request id gets the first answer again."""
@@ -81,9 +85,13 @@ class DataOps:
                     "sample_index": s.sample_index,
                     "seed": s.seed,
                     "prompt_tokens": list(scheduler.prompt(s.prompt_id).tokens),
+                    # a multi-turn episode's environment is reset with the prompt's data
+                    **({"sample": {**scheduler.prompt(s.prompt_id).meta, "prompt_id": s.prompt_id}}
+                       if self.orc.spec.multi_turn else {}),
                 }
                 for s in held
             ],
+            **({"env_wait_s": answer_deadline_s(self.orc.spec.env)} if self.orc.spec.multi_turn else {}),
         }
 
     def op_rollout_poll(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
@@ -135,7 +143,7 @@ class DataOps:
         scheduler = self.orc.scheduler
         return [{"item_id": s.item_id, "prompt_id": s.prompt_id, "prompt_tokens": list(scheduler.prompt(s.prompt_id).tokens),
                  "response_tokens": list(s.response_tokens or []), "truncated": s.truncated,
-                 "meta": scheduler.prompt(s.prompt_id).meta} for s in held]
+                 "meta": scheduler.prompt(s.prompt_id).meta, **({"env": s.env} if s.env else {})} for s in held]
 
     def op_reward_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Store scores. A score with ``error`` (the reward function raised, timed out or died) is
@@ -160,6 +168,48 @@ class DataOps:
         events = self.orc.scheduler.submit_scores(slot.wid or "", scores, now)
         self.orc.shell.commit_decided(events)
         return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == EventKind.REWARDS_STORED)}
+
+    # ---------------------------------------------------------------------------------- env
+
+    def op_env_call(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """A rollout's episode turns for the env workers (``calls``: episode, sample, actions)."""
+        self._require(slot, "rollout")
+        self.env_calls.submit(slot.wid or "", list(args.get("calls", [])))
+        return {}
+
+    def op_env_poll(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """The answers among ``item_ids`` that are ready, the episodes the queue lost (to send
+        again) and those cancelled meanwhile (a round that closed)."""
+        self._require(slot, "rollout")
+        item_ids = [str(i) for i in args.get("item_ids", [])]
+        cancel = self.orc.scheduler.cancelled_among(item_ids)
+        self.env_calls.drop(cancel)
+        self.env_calls.expire(now)
+        self._journal_env_failures(now)
+        answers, missing = self.env_calls.answers(slot.wid or "", [i for i in item_ids if i not in set(cancel)])
+        return {"answers": answers, "missing": missing, "cancel": cancel}
+
+    def op_env_get_work(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "env")
+        if self.orc.model.life.state.terminal or self.orc.stopping:
+            return {"stop": True}
+        if not self._takes_work(slot):
+            return {"wait_s": WAIT_S}
+        calls = self.env_calls.dispatch(slot.slot, slot.wid or "", int(args.get("capacity", 8)), now)
+        self._journal_env_failures(now)
+        return {"calls": calls} if calls else {"wait_s": ENV_WAIT_S}
+
+    def op_env_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        self._require(slot, "env")
+        taken = self.env_calls.complete(slot.wid or "", list(args.get("answers", [])), now)
+        self._journal_env_failures(now)
+        return {"accepted": taken}
+
+    def _journal_env_failures(self, now: float) -> None:
+        failures = self.env_calls.take_failures()
+        if failures:
+            self.orc.shell.commit([event(EventKind.ENV_FAILED, now, item_id=f.item_id, turn=f.turn, slot=f.slot,
+                                         error=f.error, action=f.action) for f in failures])
 
     # ------------------------------------------------------------------------------ trainer
 
@@ -244,7 +294,8 @@ class DataOps:
         ordered = sorted(samples, key=lambda s: (rank[s.prompt_id], s.sample_index))
         return [{"item_id": s.item_id, "prompt_id": s.prompt_id, "group_index": place[s.prompt_id],
                  "prompt_tokens": list(prompts[s.prompt_id].tokens), "response_tokens": list(s.response_tokens or []),
-                 "reward": s.reward, "correct": s.correct, "truncated": s.truncated}
+                 "reward": s.reward, "correct": s.correct, "truncated": s.truncated,
+                 **({"observation_spans": s.env["spans"]} if s.env else {})}
                 for s in ordered]
 
     def op_trainer_publish(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:

@@ -54,6 +54,8 @@ class WorkerLauncher:
             "dataset_size": spec.rollout.dataset_size,
             "model": {**spec.model, "path": self.workload.model_path()},
             "reward": spec.reward,
+            "env": spec.env.to_table(),
+            "multi_turn": spec.multi_turn,
             "tensor_parallel_size": role.tensor_parallel_size if slot.role == "rollout" else 1,
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}

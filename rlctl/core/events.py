@@ -42,6 +42,7 @@ class EventKind(StrEnum):
     PROMPT_DEFERRED = "PromptDeferred"
     REWARDS_STORED = "RewardsStored"
     REWARD_FUNCTION_FAILED = "RewardFunctionFailed"
+    ENV_FAILED = "EnvFailed"
     SCORING_DISPATCHED = "ScoringDispatched"
     BATCH_FORMED = "BatchFormed"
     EPOCH_STARTED = "EpochStarted"
@@ -86,6 +87,7 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.PROMPT_DEFERRED: ("prompt_id", "step"),
     EventKind.REWARDS_STORED: ("scores",),
     EventKind.REWARD_FUNCTION_FAILED: ("function", "item_id", "prompt_id", "error", "on_error"),
+    EventKind.ENV_FAILED: ("item_id", "turn", "slot", "error", "action"),
     EventKind.SCORING_DISPATCHED: ("slot", "wid", "item_ids"),
     EventKind.BATCH_FORMED: ("step", "kind", "prompt_ids", "returned_prompt_ids"),
     EventKind.EPOCH_STARTED: ("epoch", "order"),

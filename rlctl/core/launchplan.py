@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from rlctl.core.spec import JobSpec
 
-ROLE_ORDER = ("trainer", "rollout", "reward")
+ROLE_ORDER = ("trainer", "rollout", "reward", "env")
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,9 @@ class LaunchPlan:
                                  gpus_per_node={role.role: role.gpus_per_node for role in self.roles})
 
     def scaled(self, nodes_by_role: dict[str, int], spares: int) -> LaunchPlan:
-        """The same plan with other node counts, each node one worker: the simulator's ``--gpus``
-        (its cost model prices a node's work as a whole)."""
-        return replace(self, roles=tuple(replace(role, nodes=nodes_by_role[role.role], workers_per_node=1)
+        """The same plan with other node counts (a role not named keeps its own), each node one
+        worker: the simulator's ``--gpus`` (its cost model prices a node's work as a whole)."""
+        return replace(self, roles=tuple(replace(role, nodes=nodes_by_role.get(role.role, role.nodes), workers_per_node=1)
                                          for role in self.roles), spares=spares)
 
     def lines(self) -> list[str]:

@@ -303,7 +303,8 @@ class JobModel(FaultLedger, WeightsRegistry):
             return
         if slot.life is not None and slot.life.state == WorkerState.STARTING:
             slot.life.move(WorkerState.RUNNING, ev.at, "reported a phase")
-        if (slot.role == "reward" and phase in ("waiting-for-work", "scoring")) or (slot.standby and phase == "standby"):
+        if (slot.role in ("reward", "env") and phase in ("waiting-for-work", "scoring", "stepping")) \
+                or (slot.standby and phase == "standby"):
             self._recover_slot(slot, ev.at)
 
     def _on_WorkerExited(self, ev: Event) -> None:

@@ -26,7 +26,7 @@ from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
 from rlctl.core.states import JobState, NodeState, WorkerState
 
-ROLES = ("trainer", "rollout", "reward")
+ROLES = ("trainer", "rollout", "reward", "env")
 
 
 @dataclass

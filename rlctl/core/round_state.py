@@ -52,6 +52,7 @@ class Sample:
     weights_version: int = -1
     reward: float | None = None
     correct: bool | None = None
+    env: dict[str, Any] | None = None  # a multi-turn episode: observation spans, step rewards, turns, error
 
 
 @dataclass
@@ -190,6 +191,7 @@ class RoundState:
             sample.response_tokens = list(data["response_tokens"])
             sample.truncated = bool(data["truncated"])
             sample.weights_version = int(data["weights_version"])
+            sample.env = data.get("env")
             if self._held_out_sample(sample.item_id) is None:
                 self.trajectories_stored += 1
 

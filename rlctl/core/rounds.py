@@ -49,6 +49,18 @@ if TYPE_CHECKING:
 HELPER_CHUNK = 8  # samples an idle rollout worker scores at a time (small: it gives them back fast)
 
 
+def episode_facts(env: Any) -> dict[str, Any] | None:
+    """A multi-turn episode's facts as a rollout reported them, checked: observation ``spans``
+    (``[start, length]``), the environment's summed step ``reward``, ``turns`` and any ``error``."""
+    if not isinstance(env, dict):
+        return None
+    spans = [[int(start), int(length)] for start, length in env.get("spans", [])]
+    facts: dict[str, Any] = {"spans": spans, "reward": float(env.get("reward", 0.0)), "turns": int(env.get("turns", 0))}
+    if env.get("error"):
+        facts["error"] = str(env["error"])[:500]
+    return facts
+
+
 def config_from_spec(spec: JobSpec) -> SchedulerConfig:
     tail = spec.rollout.tail_batching
     return SchedulerConfig(
@@ -130,18 +142,11 @@ class RoundScheduler(RoundState):
             if isinstance(owner, Round) and truncated and owner.kind == "short" and sample.prompt_id not in owner.deferred:
                 self._emit(out, event(EventKind.PROMPT_DEFERRED, at, prompt_id=sample.prompt_id, step=owner.step))
                 continue
-            self._emit(
-                out,
-                event(
-                    EventKind.TRAJECTORY_STORED,
-                    at,
-                    item_id=sample.item_id,
-                    response_tokens=[int(t) for t in result.get("response_tokens", [])],
-                    truncated=truncated,
-                    weights_version=version,
-                    slot=slot,
-                ),
-            )
+            episode = episode_facts(result.get("env"))
+            self._emit(out, event(EventKind.TRAJECTORY_STORED, at, item_id=sample.item_id,
+                                  response_tokens=[int(t) for t in result.get("response_tokens", [])],
+                                  truncated=truncated, weights_version=version, slot=slot,
+                                  **({"env": episode} if episode is not None else {})))
         self._maybe_close(out, at)
         return out
 

@@ -61,8 +61,10 @@ def reward_trend(step_metrics: dict[int, dict[str, Any]], window: int = REWARD_W
 
 def _roles(model: JobModel) -> list[dict[str, Any]]:
     out = []
-    for role in ("trainer", "rollout", "reward"):
+    for role in ("trainer", "rollout", "reward", "env"):
         slots = model.slots_of(role)
+        if not slots and role == "env":
+            continue
         states: dict[str, int] = {}
         for slot in slots:
             state = slot.life.state.value if slot.life else "pending"

@@ -13,13 +13,14 @@ from typing import Any
 
 from rlctl.core.schema import Field, Problem, render_markdown, validate_table
 
-ROLE_NAMES = ("trainer", "rollout", "reward")
+ROLE_NAMES = ("trainer", "rollout", "reward", "env")
 PHASES_WITH_BOUNDS = (
     "starting",
     "compiling",
     "loading",
     "generating",
     "scoring",
+    "stepping",
     "training",
     "weight-sync",
     "checkpointing",
@@ -29,6 +30,9 @@ PHASES_WITH_BOUNDS = (
 # A reward call past its timeout is killed and its sandbox restarted before the next sample: the
 # scoring phase's progress bound must leave this much beyond the timeout.
 REWARD_RESTART_MARGIN_S = 2.0
+# The same for an environment call past its turn time limit (the env sandbox restarts and replays).
+ENV_RESTART_MARGIN_S = 5.0
+ENV_ON_ERROR = ("retry", "score")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -155,8 +159,8 @@ JOB_SCHEMA: dict[str, Field] = {
     ),
     "roles": Field(
         "table",
-        "The three RL roles. A trainer node runs one rank per GPU, a rollout node one engine per "
-        "`tensor_parallel_size` GPUs, a reward node one worker.",
+        "The RL roles. A trainer node runs one rank per GPU, a rollout node one engine per "
+        "`tensor_parallel_size` GPUs, a reward or env node one worker.",
         fields={
             "trainer": Field(
                 "table",
@@ -184,6 +188,13 @@ JOB_SCHEMA: dict[str, Field] = {
                 "Verifier workers that score completions.",
                 fields=_role_fields(1, ["python", "-m", "rlctl.roles.reward"], 0,
                                     "A node runs one verifier worker, with all the node's GPUs."),
+            ),
+            "env": Field(
+                "table",
+                "Environment workers for multi-turn agentic RL (`[env]`): rollouts play episodes against them. "
+                "0 nodes: single-turn generation.",
+                fields=_role_fields(0, ["python", "-m", "rlctl.roles.env"], 0,
+                                    "A node runs one environment worker, with all the node's GPUs."),
             ),
         },
     ),
@@ -258,6 +269,7 @@ JOB_SCHEMA: dict[str, Field] = {
                         "loading": 600.0,
                         "generating": 8.0,
                         "scoring": 8.0,
+                        "stepping": 30.0,
                         "training": 30.0,
                         "weight-sync": 120.0,
                         "checkpointing": 300.0,
@@ -358,6 +370,33 @@ JOB_SCHEMA: dict[str, Field] = {
                                     "(a slow verifier), rollout workers with nothing to generate score small "
                                     "chunks too, in their own sandbox, and go back to generating as soon as a "
                                     "round needs them (0: only the reward workers score).", 0, minimum=0),
+        },
+    ),
+    "env": Field(
+        "table",
+        "Multi-turn agentic RL (ROLL's environment workers), with `[roles.env] nodes` at least 1. The user's "
+        "environment is a class with `reset(sample) -> observation` and `step(action_text) -> (observation, "
+        "reward, done, info)`; a rollout plays each sample as an episode: it generates a turn, the environment "
+        "answers, the observation joins the context through the chat template, and so on. Only the model's own "
+        "tokens are trained.",
+        fields={
+            "class": Field("str", "`calculator` (a `<calc>` tool for GSM8K-layout math), `package.module:Class` or "
+                           "`path/to/file.py:Class` (relative to the job file).", "calculator"),
+            "max_turns": Field("int", "Model turns per episode at most.", 4, minimum=1, maximum=64),
+            "turn_timeout_s": Field("float", "Time limit of one environment call; a call past it is an error. Must "
+                                    "stay below the `stepping` phase bound by the sandbox's restart margin.", 10.0,
+                                    minimum=0.1),
+            "on_error": Field("choice", "An environment call that raises, times out or kills its process (always "
+                              "journaled as `EnvFailed`): `retry` runs it again on an env worker (the episode is "
+                              "rebuilt by replaying its actions) up to `retries` times, then ends the episode; "
+                              "`score` ends the episode at once. An ended episode is scored as it stands.",
+                              "retry", choices=ENV_ON_ERROR),
+            "retries": Field("int", "Retries of a failed call with `on_error = \"retry\"`.", 2, minimum=0),
+            "reward": Field("choice", "The sample's score: `sum` is the reward function's score plus the "
+                            "environment's step rewards; `env` is the step rewards alone.", "sum",
+                            choices=("sum", "env")),
+            "observation_role": Field("choice", "The chat role observations are shown as.", "user",
+                                      choices=("user", "tool")),
         },
     ),
     "workload": Field(
@@ -490,6 +529,27 @@ class FaultToleranceSpec:
 
 
 @dataclass(frozen=True)
+class EnvSpec:
+    """``[env]``: the environment class, how episodes run and what a failed call costs."""
+
+    class_ref: str = "calculator"
+    max_turns: int = 4
+    turn_timeout_s: float = 10.0
+    on_error: str = "retry"
+    retries: int = 2
+    reward: str = "sum"
+    observation_role: str = "user"
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any]) -> EnvSpec:
+        """From a validated ``[env]`` table (``class`` is a Python keyword, hence ``class_ref``)."""
+        return cls(**{("class_ref" if key == "class" else key): value for key, value in table.items()})
+
+    def to_table(self) -> dict[str, Any]:
+        return {("class" if key == "class_ref" else key): value for key, value in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
 class ObservabilitySpec:
     prometheus_port: int
     prometheus_address: str
@@ -526,6 +586,7 @@ class JobSpec:
     weights_host: str
     agent_tls: str
     observability: ObservabilitySpec
+    env: EnvSpec
     raw: dict[str, Any] = field(repr=False)
 
     @property
@@ -551,6 +612,11 @@ class JobSpec:
         return dict(self.raw["reward"])
 
     @property
+    def multi_turn(self) -> bool:
+        """Rollouts play episodes against env workers."""
+        return self.roles["env"].nodes > 0
+
+    @property
     def hf_model(self) -> bool:
         """The policy is a Hugging Face model folder (`[model] path`)."""
         return bool(self.raw["model"]["path"])
@@ -569,6 +635,8 @@ def parse_spec(data: dict[str, Any], source: str) -> JobSpec:
     values, problems = validate_table(JOB_SCHEMA, data, "")
     if not problems:
         problems = _cross_checks(values)
+        if "env" in data and values["roles"]["env"]["nodes"] < 1:
+            problems.append(Problem("roles.env.nodes", "expected at least 1 env node for the [env] table, got 0"))
     if problems:
         raise SpecError(source, problems)
     return _build(values, source)
@@ -637,6 +705,12 @@ def _cross_checks(values: dict[str, Any]) -> list[Problem]:
         problems.append(Problem("reward.timeout_s", f"expected at most {scoring_bound - REWARD_RESTART_MARGIN_S:g} "
                                 f"(fault_tolerance.phase_timeout_s.scoring = {scoring_bound:g} minus "
                                 f"{REWARD_RESTART_MARGIN_S:g} s to restart the sandbox), got {reward_timeout:g}"))
+    env_bound = values["fault_tolerance"]["phase_timeout_s"]["stepping"]
+    env_timeout = values["env"]["turn_timeout_s"]
+    if roles["env"]["nodes"] and env_timeout + ENV_RESTART_MARGIN_S > env_bound:
+        problems.append(Problem("env.turn_timeout_s", f"expected at most {env_bound - ENV_RESTART_MARGIN_S:g} "
+                                f"(fault_tolerance.phase_timeout_s.stepping = {env_bound:g} minus "
+                                f"{ENV_RESTART_MARGIN_S:g} s to restart the sandbox), got {env_timeout:g}"))
     workload = values["workload"]
     if workload["model_dim"] % workload["heads"]:
         problems.append(Problem("workload.heads", f"expected a divisor of workload.model_dim ({workload['model_dim']})"))
@@ -699,6 +773,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         weights_host=values["weights"]["host"],
         agent_tls=values["cluster"]["agent_tls"],
         observability=ObservabilitySpec(**values["observability"]),
+        env=EnvSpec.from_table(values["env"]),
         raw=values,
     )
 

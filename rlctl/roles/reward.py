@@ -6,7 +6,8 @@ It decodes each response with the job's model folder's tokenizer and scores it w
 reward function (``[reward]``; verl's signature; ``auto`` picks the scorer by each sample's data
 source, the reference task's included) in a sandbox process with a per-sample time limit: a
 function that raises, hangs or kills its process gives the sample a score per ``on_error`` and an
-``error`` the controller journals, never a hung or dead worker.
+``error`` the controller journals, never a hung or dead worker. A multi-turn episode's score adds
+its environment's step rewards (``[env] reward = "sum"``) or is those alone (``"env"``).
 """
 
 from __future__ import annotations
@@ -34,13 +35,20 @@ def function_scorer(settings: RoleSettings, folder: Path) -> tuple[ScoreItem, Ca
     tokenizer = ChatTokenizer(folder)
     spec = RewardSpec.from_table(settings.get("reward", {}))
     sandbox = SandboxedScorer(spec)
+    env_only = settings.get("env", {}).get("reward") == "env"
 
     def score_item(item: dict[str, Any]) -> dict[str, Any]:
+        episode = item.get("env")
+        if episode is not None and env_only:  # a multi-turn episode scored by its environment's step rewards alone
+            reward = float(episode["reward"])
+            return {"item_id": item["item_id"], "reward": reward, "correct": reward >= 1.0}
         meta = item["meta"]
         text = tokenizer.decode(item["response_tokens"], skip_special_tokens=True)
         outcome = sandbox.score(ScoreRequest(str(meta.get("data_source", "")), text, meta.get("ground_truth"),
                                              dict(meta.get("extra_info") or {}), bool(item.get("truncated"))))
-        result: dict[str, Any] = {"item_id": item["item_id"], "reward": outcome.score, "correct": outcome.correct}
+        env_reward = float(episode["reward"]) if episode is not None else 0.0
+        result: dict[str, Any] = {"item_id": item["item_id"], "reward": outcome.score + env_reward,
+                                  "correct": outcome.correct}
         if outcome.extras:
             result["metrics"] = outcome.extras
         if outcome.error is not None:

@@ -23,10 +23,52 @@ SYNC_DEADLINE_S = 90.0
 # it moves at a pessimistic rate, then ask the controller for another holder.
 FETCH_FLOOR_S = 15.0
 FETCH_WORST_BYTES_PER_S = 50e6
+# Multi-turn episodes: polls for the environment's answers start fast and back off to this.
+ENV_POLL_MIN_S = 0.005
+ENV_POLL_MAX_S = 0.05
+ENV_WAIT_DEFAULT_S = 300.0  # until the controller says (``env_wait_s`` with the work)
 
 
 def fetch_timeout(source: dict[str, Any]) -> float:
     return FETCH_FLOOR_S + float(source.get("nbytes") or 0) / FETCH_WORST_BYTES_PER_S
+
+
+class ControllerEnvClient:
+    """The rollout's link to the env workers: turns go to the controller's queue (``env.call``) and
+    the answers come back by polling (``env.poll``), in the ``waiting-for-env`` phase."""
+
+    def __init__(self, w: worker.Worker, deadline_s: float) -> None:
+        self.w = w
+        self.deadline_s = deadline_s
+        self.step = 0
+
+    def call(self, calls: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], set[str]]:
+        self.w.phase("waiting-for-env", self.step)
+        self.w.request("env.call", calls=calls)
+        waiting = {str(c["episode"]): c for c in calls}
+        answers: dict[str, dict[str, Any]] = {}
+        cancelled: set[str] = set()
+        deadline = time.monotonic() + self.deadline_s
+        pause = ENV_POLL_MIN_S
+        while waiting:
+            time.sleep(pause)
+            pause = min(ENV_POLL_MAX_S, pause * 1.5)
+            reply = self.w.request("env.poll", item_ids=list(waiting)) or {}
+            for item_id, answer in reply.get("answers", {}).items():
+                if waiting.pop(item_id, None) is not None:
+                    answers[item_id] = answer
+            for item_id in reply.get("cancel", []):
+                if waiting.pop(item_id, None) is not None:
+                    cancelled.add(item_id)
+            lost = [waiting[i] for i in reply.get("missing", []) if i in waiting]
+            if lost:  # the controller restarted since: send them again
+                self.w.request("env.call", calls=lost)
+            if time.monotonic() > deadline:
+                for item_id in waiting:
+                    answers[item_id] = {"error": f"no environment answered in {self.deadline_s:.0f} s"}
+                break
+        self.w.phase("generating", self.step)
+        return answers, cancelled
 
 
 class Rollout:
@@ -44,6 +86,8 @@ class Rollout:
         self.held_version = -1
         self.tokens_generated = 0
         self.scorer: tuple[Any, Any] | None = None  # the reward function's sandbox, made when first asked to help
+        self.episodes: Any = None  # the multi-turn episode runner, made for the first episodes
+        self.env_client: ControllerEnvClient
 
     def _make_engine(self, sampling: Any, device: str) -> Any:
         """The torch engine, or vLLM when the job says ``engine = "vllm"`` (imported only then;
@@ -138,6 +182,50 @@ class Rollout:
         self.w.progress(self.tokens_generated)
         return list(unsent)
 
+    def play(self, work: dict[str, Any]) -> list[dict[str, Any]]:
+        """Play ``work``'s items as multi-turn episodes against the env workers (the job has an env
+        role); finished episodes go to the controller with each poll, as in ``generate``."""
+        from rlctl.workload.multiturn import Episode
+
+        if self.episodes is None:
+            self.episodes = self._episode_runner()
+        runner = self.episodes
+        self.w.phase("generating", self.step)
+        version = int(work["weights_version"])
+        base = self.tokens_generated
+        unsent: list[dict[str, Any]] = []
+
+        def on_finished(results: list[dict[str, Any]]) -> None:
+            unsent.extend({**r, "weights_version": version} for r in results)
+
+        def should_cancel(active: list[str]) -> set[str]:
+            self.w.progress(base + runner.generated_tokens + self.engine.last_stats.generated_tokens)
+            reply = self.w.request("rollout.poll", item_ids=active, results=list(unsent))
+            unsent.clear()
+            return set(reply.get("cancel", [])) if reply else set()
+
+        self.env_client.step = self.step
+        self.env_client.deadline_s = float(work.get("env_wait_s", self.env_client.deadline_s))
+        runner.generated_tokens = 0
+        episodes = [Episode(str(i["item_id"]), list(i["prompt_tokens"]), int(i["seed"]), dict(i.get("sample") or {}))
+                    for i in work["items"]]
+        runner.run(episodes, int(work["max_new_tokens"]), should_cancel=should_cancel, on_finished=on_finished)
+        self.tokens_generated = base + runner.generated_tokens
+        self.w.progress(self.tokens_generated)
+        return list(unsent)
+
+    def _episode_runner(self) -> Any:
+        from rlctl.workload.hf_tokenizer import ChatTokenizer, stop_token_ids
+        from rlctl.workload.multiturn import EpisodeRunner, ObservationFormat
+
+        env = self.settings.get("env", {})
+        folder = model_path(self.settings)
+        tokenizer = ChatTokenizer(folder)
+        observations = ObservationFormat(tokenizer, stop_token_ids(folder)[0], str(env.get("observation_role", "user")))
+        self.env_client = ControllerEnvClient(self.w, ENV_WAIT_DEFAULT_S)
+        return EpisodeRunner(self.engine, self.env_client, tokenizer, observations, int(env.get("max_turns", 4)),
+                             chunk_tokens=CHUNK_TOKENS)
+
     def run(self) -> int:
         capacity = int(self.settings.get("worker_batch", 16))
         while True:
@@ -154,7 +242,7 @@ class Rollout:
             version = int(work["weights_version"])
             if version != self.held_version:
                 self.sync_weights(version, work.get("weights_source"))
-            results = self.generate(work)
+            results = self.play(work) if self.settings.get("multi_turn", False) else self.generate(work)
             if results:
                 self.w.request("rollout.submit", results=results)
 

@@ -53,6 +53,7 @@ class TrainerStateReplica:
 
 
 def main() -> int:
+    from rlctl.roles.env import main as env_main
     from rlctl.roles.reward import main as reward_main
     from rlctl.roles.rollout import Rollout
     from rlctl.roles.trainer import TrainerRole
@@ -87,6 +88,8 @@ def main() -> int:
     if role == "rollout":
         return rollout.run()
     rollout.server.close()
+    if role == "env":
+        return env_main(w)
     return reward_main(w)
 
 

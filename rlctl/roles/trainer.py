@@ -155,7 +155,7 @@ class TrainerRole:
             groups = len({s.prompt_id for s in samples})
             if samples:
                 if not opened:
-                    tokens = sum(len(s.response_tokens) for s in samples)
+                    tokens = sum(s.trained_tokens for s in samples)
                     self.trainer.begin_step(tokens / groups * int(reply["target_groups"]))
                     opened = True
                 self.round_kind = str(reply.get("round", ""))

@@ -237,7 +237,7 @@ class Simulation:
             self.update_capacity()
         elif slot.role == "rollout":
             self.pipeline.rollout_sync(wid)
-        elif slot.role == "reward":
+        elif slot.role in ("reward", "env"):
             self._reward_ready(worker, slot)
         else:
             self.pipeline.trainer_restore(wid)

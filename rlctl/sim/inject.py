@@ -207,6 +207,8 @@ def reported_phase(sim: SimSite, worker: WorkerTruth) -> str:
         return "generating" if stage == "gen" else "waiting-for-work"
     if worker.role == "reward":
         return "scoring" if stage == "score" else "waiting-for-work"
+    if worker.role == "env":
+        return "waiting-for-work"  # the cost model does not price environment calls
     slot = sim.model.slots.get(worker.slot)
     if slot is not None and slot.standby:
         return "standby"

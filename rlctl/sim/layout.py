@@ -43,8 +43,8 @@ def layout_for(spec: JobSpec, cluster: ClusterCost, gpus: int | None) -> Layout:
     reward = max(1, round(cluster.reward_nodes_per_256_gpus * gpus / 256))
     rollout = max(1, total - trainer - reward)
     spares = max(1, math.ceil(total * cluster.spare_fraction)) if spec.spare_nodes else 0
-    return Layout(cluster.gpus_per_node, {"trainer": trainer, "rollout": rollout, "reward": reward}, spares,
-                  spec.warm_spares)
+    nodes = {"trainer": trainer, "rollout": rollout, "reward": reward, "env": spec.roles["env"].nodes}
+    return Layout(cluster.gpus_per_node, nodes, spares, spec.warm_spares)
 
 
 def node_name(index: int) -> str:

@@ -126,7 +126,8 @@ def load_held_out_prompts(spec: JobSpec) -> list[PromptRef]:
 
 
 def preflight(spec: JobSpec) -> dict[str, Any]:
-    """Check the model folder, the data and the reward function; returns facts for the plan.
+    """Check the model folder, the data, the reward function and the environment class; returns
+    facts for the plan.
 
     Raises ``PreflightError`` listing every problem (each names the file, key or column).
     Blocking: reads every data row and imports the reward function.
@@ -161,6 +162,14 @@ def preflight(spec: JobSpec) -> dict[str, Any]:
             load_function(reward)
             facts["reward"] = reward.label
         except RewardFunctionError as exc:
+            problems.append(str(exc))
+    if spec.multi_turn:
+        from rlctl.workload.envs import EnvError, load_env_class
+
+        try:
+            load_env_class(spec.env)
+            facts["env"] = f"{spec.env.class_ref}, {spec.env.max_turns} turns at most, {spec.roles['env'].nodes} env node(s)"
+        except EnvError as exc:
             problems.append(str(exc))
     if problems:
         raise PreflightError(problems)

@@ -88,11 +88,19 @@ class TrainSample:
     prompt_tokens: list[int]
     response_tokens: list[int]
     reward: float
+    # A multi-turn episode's observations: (start, length) in the response, not the model's tokens.
+    observation_spans: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainSample:
         return cls(str(data["item_id"]), str(data["prompt_id"]), int(data["group_index"]),
-                   list(data["prompt_tokens"]), list(data["response_tokens"]), float(data["reward"]))
+                   list(data["prompt_tokens"]), list(data["response_tokens"]), float(data["reward"]),
+                   tuple((int(start), int(length)) for start, length in data.get("observation_spans", ())))
+
+    @property
+    def trained_tokens(self) -> int:
+        """The model's own response tokens (what the loss counts)."""
+        return len(self.response_tokens) - sum(length for _, length in self.observation_spans)
 
 
 @dataclass(frozen=True)
@@ -193,7 +201,8 @@ def rank_device(device: torch.device) -> torch.device:
 
 def collate(samples: Sequence[TrainSample], pad_id: int = PAD_ID) -> tuple[Tensor, Tensor]:
     """Right-padded ``prompt + response`` ids ``[B, T]`` and the response mask ``[B, T-1]``
-    aligned with next-token log-probs (mask[b, t] = 1 when token t+1 is a response token)."""
+    aligned with next-token log-probs (mask[b, t] = 1 when token t+1 is a response token the model
+    wrote: a multi-turn episode's observations are 0)."""
     width = max(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(samples), width - 1), dtype=torch.float32)
@@ -202,6 +211,8 @@ def collate(samples: Sequence[TrainSample], pad_id: int = PAD_ID) -> tuple[Tenso
         ids[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
         start = len(sample.prompt_tokens) - 1
         mask[row, start:start + len(sample.response_tokens)] = 1.0
+        for span_start, length in sample.observation_spans:
+            mask[row, start + span_start:start + span_start + length] = 0.0
     return ids, mask
 
 
@@ -380,7 +391,7 @@ class Trainer:
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
-        self.begin_step(float(sum(len(s.response_tokens) for s in samples)))
+        self.begin_step(float(sum(s.trained_tokens for s in samples)))
         self.add_samples(samples)
         return self.finish_step()
 
@@ -427,7 +438,7 @@ class Trainer:
                 parts = self._local_parts(samples[:1], advantages[:1])
                 (0.0 * (parts.policy_sum + parts.kl_sum)).backward()
         step.rewards.extend(float(r) for r in rewards)
-        step.response_tokens += float(sum(len(s.response_tokens) for s in samples))  # every rank has them all
+        step.response_tokens += float(sum(s.trained_tokens for s in samples))  # every rank has them all
         step.micro_batches += len(plan)
 
     def finish_step(self) -> dict[str, float]:

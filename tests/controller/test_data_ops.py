@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from rlctl.controller.ops import DataOps
 from rlctl.core.events import Event
 from rlctl.core.orchestrate import Orchestrator
+from rlctl.core.spec import EnvSpec
 from rlctl.core.states import WorkerState
 from tests.core.shells import RecordingShell
 from tests.core.test_policy import running_job
@@ -18,7 +19,8 @@ def _ops(tail: bool = False) -> tuple[DataOps, Orchestrator]:
     model = running_job()
     scheduler = make_scheduler(tail=tail)
     shell = RecordingShell(model)
-    orchestrator = Orchestrator(SimpleNamespace(), model, scheduler, None, shell)  # type: ignore[arg-type]
+    spec = SimpleNamespace(env=EnvSpec(), multi_turn=False)
+    orchestrator = Orchestrator(spec, model, scheduler, None, shell)  # type: ignore[arg-type]
     scheduler.start_round(0, 1.0)
     return DataOps(orchestrator, lambda now: None), orchestrator
 
@@ -64,7 +66,7 @@ def _scored_items(ops: DataOps, c: Orchestrator) -> list[dict]:
 
 def _with_reward_policy(ops: DataOps, c: Orchestrator, on_error: str) -> list[str]:
     stops: list[str] = []
-    ops.orc.spec = SimpleNamespace(reward={"on_error": on_error})  # type: ignore[assignment]
+    ops.orc.spec = SimpleNamespace(reward={"on_error": on_error}, env=EnvSpec(), multi_turn=False)  # type: ignore[assignment]
     c.shell.commit = c.shell.commit_decided  # type: ignore[method-assign]
     ops.orc.request_stop = stops.append  # type: ignore[method-assign,assignment]
     return stops

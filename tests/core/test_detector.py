@@ -7,6 +7,7 @@ import pytest
 
 from rlctl.core.detector import (
     IDLE_PHASES,
+    POLLING_PHASES,
     XID_CLASSES,
     Detector,
     DetectorConfig,
@@ -80,7 +81,7 @@ def test_gpu_lost_is_immediate() -> None:
     assert verdict and verdict.action == "replace-node"
 
 
-@pytest.mark.parametrize("phase", sorted(IDLE_PHASES - {"waiting-for-work", "waiting-for-batch", "standby"}))
+@pytest.mark.parametrize("phase", sorted(IDLE_PHASES - POLLING_PHASES))
 def test_idle_phases_are_judged_only_by_their_own_generous_bound(phase: str) -> None:
     d = detector()
     bound = d.hang_bound(phase)
@@ -95,11 +96,12 @@ def test_idle_phases_are_judged_only_by_their_own_generous_bound(phase: str) -> 
     assert verdict and verdict.fault == "worker-hang" and phase in verdict.reason
 
 
-def test_waiting_workers_are_judged_by_their_polls() -> None:
+@pytest.mark.parametrize("phase", sorted(POLLING_PHASES))
+def test_waiting_workers_are_judged_by_their_polls(phase: str) -> None:
     d = detector()
-    polling = WorkerObs("trainer-0", "t.1", "trainer", "n1", "waiting-for-batch", 3, progress_age_s=500.0, request_age_s=0.3)
+    polling = WorkerObs("trainer-0", "t.1", "trainer", "n1", phase, 3, progress_age_s=500.0, request_age_s=0.3)
     assert d.worker_verdict(polling, 500.0) is None
-    stopped = WorkerObs("trainer-0", "t.1", "trainer", "n1", "waiting-for-batch", 3, progress_age_s=500.0, request_age_s=9.0)
+    stopped = WorkerObs("trainer-0", "t.1", "trainer", "n1", phase, 3, progress_age_s=500.0, request_age_s=9.0)
     verdict = d.worker_verdict(stopped, 500.0)
     assert verdict and verdict.fault == "worker-hang" and "stopped polling" in verdict.reason
 

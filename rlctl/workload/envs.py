@@ -1,0 +1,273 @@
+"""Environments for multi-turn agentic RL (ROLL's environment workers): the user's class, and a sandbox that contains it.
+
+Role: the ``[env]`` table of job.toml. An environment is a class with a gym-like interface:
+
+- ``reset(sample) -> observation``: a new episode for one prompt (``sample`` holds ``prompt``,
+  ``data_source``, ``ground_truth`` and ``extra_info``); the observation (text, may be empty) is
+  shown to the model before its first turn;
+- ``step(action_text) -> (observation, reward, done, info)``: the model's turn as text; the
+  observation is shown before its next turn unless ``done``.
+
+It is named ``class = "package.module:Class"``, ``"path/to/file.py:Class"`` or a built-in
+(``calculator``). ``load_env_class`` imports and checks it (``EnvError`` names the class and what
+is wrong: the launch checks this before any node starts).
+
+``EnvHost`` runs environments in a child process, one instance per episode, with a per-call time
+limit. A call carries the episode's whole action history, so the host is stateless from the
+outside: an instance it does not hold (another env worker started the episode, or the child was
+killed by a timeout or died) is rebuilt by ``reset`` plus a replay of the earlier actions. That
+is what lets a crashed or hung environment be restarted alone while its episodes go on elsewhere;
+it assumes that an environment replays the same way (the built-ins do).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import multiprocessing
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlctl.core.spec import EnvSpec
+
+BUILTIN_ENVS = {"calculator": "rlctl.workload.calculator_env:CalculatorEnv"}
+
+
+class EnvError(ValueError):
+    """The environment class cannot be found, imported or used; the message names it."""
+
+
+def env_target(spec: EnvSpec) -> str:
+    """``location:Class`` of the environment (a built-in's module)."""
+    return BUILTIN_ENVS.get(spec.class_ref, spec.class_ref)
+
+
+def _import_file(path: Path) -> Any:
+    module_name = f"rlctl_user_env_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, str(path))
+    if spec is None or spec.loader is None:
+        raise EnvError(f"[env] class {path}: cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_env_class(spec: EnvSpec) -> type:
+    """The class ``spec`` names, checked to have callable ``reset`` and ``step``."""
+    location, sep, attr = env_target(spec).rpartition(":")
+    if not sep or not location or not attr:
+        raise EnvError(f"[env] class {spec.class_ref!r}: expected one of {', '.join(BUILTIN_ENVS)}, "
+                       "'package.module:Class' or 'path/to/file.py:Class'")
+    try:
+        if location.endswith(".py") or "/" in location:
+            file = Path(location).expanduser()
+            if not file.is_file():
+                raise EnvError(f"[env] class {spec.class_ref}: {file}: no such file")
+            module = _import_file(file)
+        else:
+            module = importlib.import_module(location)
+    except EnvError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - user code may raise anything at import, SystemExit included
+        raise EnvError(f"[env] class {spec.class_ref}: importing {location} failed: {type(exc).__name__}: {exc}") from None
+    found = getattr(module, attr, None)
+    if not isinstance(found, type):
+        raise EnvError(f"[env] class {spec.class_ref}: {location} has no class {attr!r}")
+    missing = [name for name in ("reset", "step") if not callable(getattr(found, name, None))]
+    if missing:
+        raise EnvError(f"[env] class {spec.class_ref}: {attr} has no {' or '.join(missing)} method "
+                       "(expected reset(sample) -> observation and step(action) -> (observation, reward, done, info))")
+    return found
+
+
+# ----------------------------------------------------------------------------------- calls
+
+@dataclass(frozen=True)
+class EnvCall:
+    """One turn of one episode: ``actions`` is the whole history, its last entry the new action
+    (empty: a reset)."""
+
+    episode: str
+    sample: dict[str, Any]
+    actions: list[str]
+
+
+@dataclass(frozen=True)
+class EnvOutcome:
+    """What the environment answered; ``error`` set means the call failed (nothing else counts)."""
+
+    observation: str = ""
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    replayed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _normalize_step(result: Any) -> tuple[str, float, bool, dict[str, Any]]:
+    if not isinstance(result, tuple) or len(result) not in (4, 5):
+        raise TypeError(f"step must return (observation, reward, done, info), got {type(result).__name__}")
+    if len(result) == 5:  # gymnasium's (obs, reward, terminated, truncated, info)
+        observation, reward, terminated, truncated, info = result
+        done = bool(terminated) or bool(truncated)
+    else:
+        observation, reward, done, info = result
+    value = float(reward)
+    if not math.isfinite(value):
+        raise ValueError(f"step returned a reward that is not a finite number ({value})")
+    return _text(observation), value, bool(done), _plain_info(info)
+
+
+def _text(observation: Any) -> str:
+    return "" if observation is None else str(observation)
+
+
+def _plain_info(info: Any) -> dict[str, Any]:
+    """Numbers, strings and booleans of ``info`` (what goes into the journal and the metrics)."""
+    if not isinstance(info, Mapping):
+        return {}
+    return {str(k): v for k, v in info.items() if isinstance(v, (int, float, str, bool))}
+
+
+class _Episodes:
+    """The child's instances: one per episode, with the actions it has taken."""
+
+    LIMIT = 4096
+
+    def __init__(self, env_class: type) -> None:
+        self.env_class = env_class
+        self.live: dict[str, tuple[Any, list[str]]] = {}
+
+    def call(self, request: EnvCall) -> EnvOutcome:
+        if not request.actions:
+            env = self.env_class()
+            observation = env.reset(dict(request.sample))
+            self._keep(request.episode, env, [])
+            return EnvOutcome(observation=_text(observation))
+        history, action = request.actions[:-1], request.actions[-1]
+        held = self.live.get(request.episode)
+        replayed = 0
+        if held is None or held[1] != history:
+            env = self.env_class()
+            env.reset(dict(request.sample))
+            for earlier in history:
+                env.step(earlier)
+            held, replayed = (env, list(history)), len(history)
+        env, _ = held
+        observation, reward, done, info = _normalize_step(env.step(action))
+        if done:
+            self.live.pop(request.episode, None)
+        else:
+            self._keep(request.episode, env, list(request.actions))
+        return EnvOutcome(observation, reward, done, info, replayed=replayed)
+
+    def _keep(self, episode: str, env: Any, actions: list[str]) -> None:
+        self.live.pop(episode, None)
+        if len(self.live) >= self.LIMIT:
+            self.live.pop(next(iter(self.live)))
+        self.live[episode] = (env, actions)
+
+
+def _child_main(conn: Any, spec_data: dict[str, Any]) -> None:
+    try:
+        env_class = load_env_class(EnvSpec(**spec_data))
+    except EnvError as exc:
+        conn.send(("load-error", str(exc)))
+        return
+    episodes = _Episodes(env_class)
+    conn.send(("ready", None))
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", episodes.call(request)))
+        except BaseException as exc:  # noqa: BLE001 - contain whatever the environment raises
+            episodes.live.pop(request.episode, None)
+            conn.send(("error", f"{type(exc).__name__}: {exc}"[:500]))
+
+
+class EnvHost:
+    """Runs ``spec``'s environments in a child process, one call at a time.
+
+    Blocking. ``call`` always returns: an exception in the environment, a call past
+    ``turn_timeout_s`` (the child is killed; a fresh one rebuilds episodes by replay) or a dead
+    child each give an ``EnvOutcome`` with ``error`` set. ``EnvError`` is raised only when the
+    class cannot be loaded at all.
+    """
+
+    START_TIMEOUT_S = 60.0
+
+    def __init__(self, spec: EnvSpec) -> None:
+        self.spec = spec
+        self._context = multiprocessing.get_context("spawn")
+        self._process: Any = None
+        self._conn: Any = None
+        self._started = False
+        self.restarts = 0  # children started after the first (a timeout or a death killed the last)
+
+    def _start(self) -> None:
+        parent, child = self._context.Pipe()
+        process = self._context.Process(target=_child_main, args=(child, asdict(self.spec)), daemon=True,
+                                        name="rlctl-env")
+        process.start()
+        child.close()
+        if not parent.poll(self.START_TIMEOUT_S):
+            process.kill()
+            raise EnvError(f"[env] class {self.spec.class_ref}: loading took more than {self.START_TIMEOUT_S:.0f} s")
+        try:
+            kind, detail = parent.recv()
+        except EOFError:
+            raise EnvError(f"[env] class {self.spec.class_ref}: its process died while loading "
+                           f"(exit code {process.exitcode})") from None
+        if kind != "ready":
+            process.join(5)
+            raise EnvError(str(detail))
+        self._process, self._conn = process, parent
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        self._process = self._conn = None
+
+    def call(self, request: EnvCall) -> EnvOutcome:
+        if self._process is None or not self._process.is_alive():
+            if self._started:
+                self.restarts += 1
+            self._stop()
+            self._start()
+            self._started = True
+        started = time.monotonic()
+        try:
+            self._conn.send(request)
+            if not self._conn.poll(self.spec.turn_timeout_s):
+                self._stop()
+                return EnvOutcome(error=f"timed out after {self.spec.turn_timeout_s:g} s")
+            kind, detail = self._conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            exit_code = None
+            if self._process is not None:
+                self._process.join(1.0)
+                exit_code = self._process.exitcode
+            self._stop()
+            return EnvOutcome(error=f"the environment's process died (exit code {exit_code}) "
+                                    f"after {time.monotonic() - started:.1f} s")
+        if kind == "ok":
+            return detail  # type: ignore[no-any-return]
+        return EnvOutcome(error=str(detail))
+
+    def close(self) -> None:
+        self._stop()
