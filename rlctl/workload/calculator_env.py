@@ -20,6 +20,7 @@ import ast
 import operator
 import random
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,9 @@ def evaluate(expression: str) -> int | float:
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"longer than {MAX_EXPRESSION_CHARS} characters")
     try:
-        tree = ast.parse(expression.strip().replace("×", "*").replace("÷", "/"), mode="eval")
+        with warnings.catch_warnings():  # a model's text can look like a bad literal ("3x"): a refusal, not a warning
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression.strip().replace("×", "*").replace("÷", "/"), mode="eval")
     except SyntaxError:
         raise CalculatorError("not an arithmetic expression") from None
     return _value(tree.body)

@@ -1,7 +1,8 @@
 """Every fault kind injected into a running reference job on the local backend: detected with the
 right verdict, recovered by the right action, the job keeps training, nothing is lost or trained
-twice; with one worker per node and with two simulated GPUs per node (2 FSDP trainer ranks, 2
-rollout engines a node). The truth is read from the journal."""
+twice; with one worker per node, with two simulated GPUs per node (2 FSDP trainer ranks, 2
+rollout engines a node), and with stream training, reward helpers and an env role (whose own faults
+are injected too). The truth is read from the journal."""
 
 from __future__ import annotations
 
@@ -35,21 +36,49 @@ FAULTS = [
 ]
 
 
+# The env role's own faults, in a job that has one.
+ENV_FAULTS = [
+    ("env", ["--kind", "crash"], "worker-crash", WORKER_LEVEL, 1.0),
+    ("env", ["--kind", "hang"], "worker-hang", WORKER_LEVEL, 10.0),
+]
+
 # A worker per node; two simulated GPUs per node, so a trainer node runs 2 ranks of one FSDP2 group
 # and a rollout node 2 engines (a node-level fault moves both, a worker fault hits one); and a
-# worker per node with stream-based training and idle rollouts helping the reward worker score.
-STREAM_AND_HELPERS = "\n[trainer]\nstream = true\n[reward]\nhelper_backlog = 2\n"
+# worker per node with stream-based training, idle rollouts helping the reward worker score, and
+# multi-turn episodes against an env worker.
+STREAM_HELPERS_AND_ENV = """
+[trainer]
+stream = true
+[reward]
+helper_backlog = 2
+[roles.env]
+nodes = 1
+[env]
+class = "turns_env.py:Turns"
+max_turns = 2
+"""
+TURNS_ENV = """
+class Turns:
+    def reset(self, sample):
+        self.turns = 0
+        return ""
+
+    def step(self, action):
+        self.turns += 1
+        return "go on", 0.0, self.turns >= 2, {}
+"""
 
 
-@pytest.fixture(params=[(1, ""), (2, ""), (1, STREAM_AND_HELPERS)],
-                ids=["one-worker-per-node", "two-gpus-per-node", "stream-and-reward-helpers"])
+@pytest.fixture(params=[(1, ""), (2, ""), (1, STREAM_HELPERS_AND_ENV)],
+                ids=["one-worker-per-node", "two-gpus-per-node", "stream-reward-helpers-and-env"])
 def job(tmp_path: Path, request: pytest.FixtureRequest):
     state_dir = tmp_path / "jobs"
     gpus_per_node, extra = request.param
+    (tmp_path / "turns_env.py").write_text(TURNS_ENV)
     job_file = write_job(tmp_path, name="chaos", spares=2, max_restarts=20, gpus_per_node=gpus_per_node,
                          extra_tables=extra)
     launched = rlctl_json(state_dir, "launch", str(job_file))
-    yield state_dir, launched["job_id"], JobDir(Path(launched["job_dir"]))
+    yield state_dir, launched["job_id"], JobDir(Path(launched["job_dir"])), "[roles.env]" in extra
     rlctl(state_dir, "stop", launched["job_id"], check=False)
     kill_everything_under(tmp_path)
 
@@ -77,9 +106,9 @@ def recovered(state_dir: Path, job: str, fault_id: str) -> dict | None:
 
 @pytest.mark.slow
 def test_every_fault_kind_is_detected_and_recovered(job) -> None:
-    state_dir, job_id, jobdir = job
+    state_dir, job_id, jobdir, has_env = job
     wait_for(lambda: status(state_dir, job_id)["job"]["step"] >= 2, 180, "the job to train")
-    for role, args, verdict, action, detection_bound in FAULTS:
+    for role, args, verdict, action, detection_bound in FAULTS + (ENV_FAULTS if has_env else []):
         node, snap = node_with_role(state_dir, job_id, role)
         step_before = snap["job"]["step"]
         injected = rlctl_json(state_dir, "inject-fault", node, "--job", job_id, *args)
@@ -98,6 +127,8 @@ def test_every_fault_kind_is_detected_and_recovered(job) -> None:
                  f"training to continue after {args}")
     events = list(Journal(jobdir.journal, readonly=True).read())
     _check_no_loss_no_duplicates(events)
+    if has_env:
+        assert any(e.data.get("env", {}).get("turns", 0) > 1 for e in events if e.type == "TrajectoryStored")
     assert not [e for e in events if e.type == "SchedulerRolledBack"], "role policy must never roll back"
 
 
