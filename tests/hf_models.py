@@ -55,24 +55,9 @@ def gsm8k_data(train_rows: int = 400, test_rows: int = 64) -> Path:
 
 
 def calculator_warm_model(warmstart_steps: int = 500) -> Path:
-    """A folder holding ``calc.jsonl`` (GSM8K-layout products of two-digit numbers whose reference
-    answers demonstrate the calculator tool through the chat template) and ``model/``, the tiny
-    Llama warm-started on those demonstrations."""
+    """``calc.jsonl`` (calculator demonstrations) and ``model/`` (the tiny Llama warm-started on
+    them): ``calculator_env.warm_started_calculator_model``."""
+    from rlctl.workload.calculator_env import warm_started_calculator_model
 
-    def build(path: Path) -> None:
-        from rlctl.workload.calculator_env import calculator_rows
-        from rlctl.workload.gsm8k_layout import write_rows
-        from rlctl.workload.hf_tokenizer import ChatTokenizer, stop_token_ids
-        from rlctl.workload.hf_warmstart import HFWarmStartConfig, prepare_warmstart
-        from rlctl.workload.multiturn import ObservationFormat
-
-        source = tiny_model("llama")
-        observations = ObservationFormat(ChatTokenizer(source), stop_token_ids(source)[0])
-        rows = calculator_rows(512, seed=0)
-        for row in rows:
-            row["extra_info"]["answer"] = observations.conversation(row["extra_info"]["turns"])
-        data = write_rows(rows, path / "calc.jsonl")
-        prepare_warmstart(source, path / "model", data, 0,
-                          HFWarmStartConfig(steps=warmstart_steps, batch_size=32, lr=2e-3, warmup_steps=20))
-
-    return _cached(f"calculator-warm-{warmstart_steps}", build)
+    return _cached(f"calculator-warm-{warmstart_steps}",
+                   lambda path: warm_started_calculator_model(tiny_model("llama"), path, steps=warmstart_steps))

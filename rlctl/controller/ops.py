@@ -130,8 +130,8 @@ class DataOps:
         return {"items": self._scoring_items(held)}
 
     def _helper_scoring(self, slot: SlotRecord, now: float) -> dict[str, Any]:
-        """A rollout worker with nothing to generate: score a chunk when the reward queue is long
-        (``[reward] helper_backlog``), else wait."""
+        """A rollout worker with nothing to generate, or a warm standby: score a chunk when the
+        reward queue is long (``[reward] helper_backlog``), else wait."""
         scheduler = self.orc.scheduler
         wid = slot.wid or ""
         backlog = int(self.orc.spec.reward.get("helper_backlog", 0))
@@ -149,7 +149,8 @@ class DataOps:
         """Store scores. A score with ``error`` (the reward function raised, timed out or died) is
         journaled as ``RewardFunctionFailed`` naming the function, the sample and the error; the
         sample keeps its zero score, or with ``on_error = "fail"`` the job stops as failed."""
-        self._require(slot, "reward", "rollout")  # a rollout worker scores too when it helps (helper_backlog)
+        if not slot.standby:  # a warm standby or a rollout worker scores too when it helps (helper_backlog)
+            self._require(slot, "reward", "rollout")
         scores = list(args.get("scores", []))
         scheduler = self.orc.scheduler
         failed = [s for s in scores if s.get("error")]
@@ -222,6 +223,8 @@ class DataOps:
             offer = self.orc.model.live_trainer_state()
             if offer is not None and offer.version > int(args.get("trainer_state_step", -1)):
                 reply["trainer_state"] = {"step": offer.version, "source": offer.source}
+            if self._takes_work(slot):
+                reply.update({k: v for k, v in self._helper_scoring(slot, now).items() if k == "score"})
             return reply
         return {"role": slot.role, "slot": slot.slot}
 

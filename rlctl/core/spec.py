@@ -367,9 +367,11 @@ JOB_SCHEMA: dict[str, Field] = {
                               "on; `fail` stops the job as failed. Either way an event names the function, the "
                               "sample and the error.", "zero", choices=("zero", "fail")),
             "helper_backlog": Field("int", "Reward scheduling: when this many generated samples wait for a score "
-                                    "(a slow verifier), rollout workers with nothing to generate score small "
-                                    "chunks too, in their own sandbox, and go back to generating as soon as a "
-                                    "round needs them (0: only the reward workers score).", 0, minimum=0),
+                                    "(a slow verifier), idle capacity scores small chunks too, each worker in "
+                                    "its own sandbox: rollout workers with nothing to generate (back to "
+                                    "generating as soon as a round needs them) and warm standbys on spares "
+                                    "(ready to take over a role after the chunk). 0: only the reward workers "
+                                    "score.", 0, minimum=0),
         },
     ),
     "env": Field(

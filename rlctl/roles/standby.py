@@ -4,8 +4,10 @@ It loads everything a role needs before it is needed (torch, the model, the trai
 and warm-start weights, a generation engine, a weight server), then waits. When the controller
 hands it a failed worker's slot, it runs that role: a trainer restores from the checkpoint plus
 the retained batches (or, newer, from the copy of the trainer's full state it keeps in memory,
-refreshed after every step), a rollout pulls the current weights from any holder, a reward worker
-starts scoring. Taking over costs a control message, not a cold start.
+refreshed after every step), a rollout pulls the current weights from any holder, a reward or env
+worker starts serving. Taking over costs a control message, not a cold start. While it waits, it
+scores small chunks of a long reward queue when asked (``[reward] helper_backlog``): reward
+capacity from a spare.
 """
 
 from __future__ import annotations
@@ -74,9 +76,14 @@ def main() -> int:
             offer = reply.get("trainer_state")
             if isinstance(offer, dict):
                 replica.copy(offer)
+            if reply.get("score"):  # reward capacity from a spare: a small chunk, then ready again
+                rollout.help_score(reply["score"])
+                continue
             time.sleep(float(reply.get("wait_s", 0.3)))
             continue
         break
+    if rollout.scorer is not None and role != "rollout":
+        rollout.scorer[1]()
     if role == "trainer":
         rollout.server.close()
         trainer.held_state = replica.held()

@@ -44,7 +44,9 @@ class AgenticStep:
     reward_mean: float
     accuracy: float
     turns_mean: float
+    turns: int
     env_errors: int
+    play_seconds: float  # episodes: generation and environment calls
     seconds: float
 
 
@@ -97,15 +99,16 @@ def run_step(agent: AgenticPolicy, step: int, prompts: Sequence[PromptRef], conf
     """One on-policy GRPO step over multi-turn episodes; the engine then holds the new weights."""
     started = time.perf_counter()
     scored = agent.play(prompts, config.group_size, config.seed, step, config.max_new_tokens)
+    played = time.perf_counter() - started
     groups = {p.prompt_id: i for i, p in enumerate(prompts)}
     samples = [TrainSample(e.item_id, p.prompt_id, groups[p.prompt_id], list(p.tokens), e.response, reward,
                            tuple((s, n) for s, n in e.spans)) for p, e, reward, _ in scored]
     trainer, engine = agent.policy.trainer, agent.policy.engine
     metrics = trainer.train_step(samples)
     engine.load_state_dict(trainer.state_dict_for_publish(), trainer.step)
-    return AgenticStep(step, metrics["reward_mean"], sum(c for *_, c in scored) / len(scored),
-                       sum(e.turns for _, e, _, _ in scored) / len(scored),
-                       sum(1 for _, e, _, _ in scored if e.error), time.perf_counter() - started)
+    turns = sum(e.turns for _, e, _, _ in scored)
+    return AgenticStep(step, metrics["reward_mean"], sum(c for *_, c in scored) / len(scored), turns / len(scored),
+                       turns, sum(1 for _, e, _, _ in scored if e.error), played, time.perf_counter() - started)
 
 
 def run_agentic_grpo(agent: AgenticPolicy, prompts: Sequence[PromptRef], config: LoopConfig) -> list[AgenticStep]:

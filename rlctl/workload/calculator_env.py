@@ -22,6 +22,7 @@ import random
 import re
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rlctl.workload.gsm8k_layout import DATA_SOURCE, FINAL_ANSWER_MARK, instruction_for
@@ -115,3 +116,22 @@ def calculator_rows(count: int, seed: int, split: str = "train") -> list[dict[st
                                      f"{FINAL_ANSWER_MARK} {a * b}"]},
         })
     return rows
+
+
+def warm_started_calculator_model(source: Path, target: Path, rows: int = 512, steps: int = 500, seed: int = 0) -> Path:
+    """``target`` holding ``calc.jsonl`` (``calculator_rows`` whose ``extra_info.answer`` is the
+    tool's demonstration rendered through ``source``'s chat template, as episodes show it) and
+    ``model/``: ``source`` warm-started on those demonstrations (cached by recipe). Blocking."""
+    from rlctl.workload.gsm8k_layout import write_rows
+    from rlctl.workload.hf_tokenizer import ChatTokenizer, stop_token_ids
+    from rlctl.workload.hf_warmstart import HFWarmStartConfig, prepare_warmstart
+    from rlctl.workload.multiturn import ObservationFormat
+
+    observations = ObservationFormat(ChatTokenizer(source), stop_token_ids(source)[0])
+    demonstrations = calculator_rows(rows, seed)
+    for row in demonstrations:
+        row["extra_info"]["answer"] = observations.conversation(row["extra_info"]["turns"])
+    data = write_rows(demonstrations, target / "calc.jsonl")
+    prepare_warmstart(source, target / "model", data, seed,
+                      HFWarmStartConfig(steps=steps, batch_size=32, lr=2e-3, warmup_steps=20))
+    return target

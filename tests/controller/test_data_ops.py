@@ -99,3 +99,19 @@ def test_a_reward_function_error_fails_the_job_when_asked() -> None:
     assert ops.op_reward_submit(c.model.slots["reward-0"], {"scores": scores}, 2.3) == {"accepted": 0}
     assert len(stops) == 1 and stops[0].startswith("failed: reward function rewards.py:compute_score on ")
     assert "timed out after 5 s" in stops[0]
+
+
+def test_a_warm_standby_scores_a_chunk_of_a_long_reward_queue_and_is_still_a_standby() -> None:
+    ops, c = _ops()
+    ops.orc.spec = SimpleNamespace(reward={"on_error": "zero", "helper_backlog": 2}, env=EnvSpec(),  # type: ignore[assignment]
+                                   multi_turn=False)
+    c.shell.commit = c.shell.commit_decided  # type: ignore[method-assign]
+    rollout, standby = c.model.slots["rollout-0"], c.model.slots["standby-0"]
+    items = ops.op_rollout_get_work(rollout, {"capacity": 4}, 2.0)["items"]
+    ops.op_rollout_submit(rollout, {"results": [{"item_id": i["item_id"], "response_tokens": [5, 2], "truncated": False,
+                                                 "weights_version": 0} for i in items]}, 2.1)
+    reply = ops.op_standby_wait(standby, {"trainer_state_step": -1}, 2.2)
+    assert reply["standby"] and [s["item_id"] for s in reply["score"]] == [i["item_id"] for i in items]
+    scores = [{"item_id": s["item_id"], "reward": 1.0, "correct": True} for s in reply["score"]]
+    assert ops.op_reward_submit(standby, {"scores": scores}, 2.3) == {"accepted": len(items)}
+    assert "score" not in ops.op_standby_wait(standby, {"trainer_state_step": -1}, 2.4)  # nothing left to score

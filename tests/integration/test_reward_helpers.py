@@ -1,6 +1,7 @@
 """Reward scheduling on a real local job: with a slow verifier (50 ms a sample) and
-`[reward] helper_backlog` set, idle rollout workers score chunks of the backlog in their own
-sandbox, and the job trains every step; without it only the reward worker scores."""
+`[reward] helper_backlog` set, idle rollout workers and the spare's warm standby score chunks of
+the backlog in their own sandbox, and the job trains every step; without it only the reward worker
+scores."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def state_dir(tmp_path: Path):
     kill_everything_under(tmp_path)
 
 
-def run_job(tmp_path: Path, state_dir: Path, name: str, backlog: int) -> list:
-    job_file = write_job(tmp_path, name=name, steps=STEPS, spares=0, extra_tables=slow_reward_table(tmp_path, backlog))
+def run_job(tmp_path: Path, state_dir: Path, name: str, backlog: int, spares: int = 0) -> list:
+    job_file = write_job(tmp_path, name=name, steps=STEPS, spares=spares, extra_tables=slow_reward_table(tmp_path, backlog))
     launched = rlctl_json(state_dir, "launch", str(job_file))
     job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
     done = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["state"] in ("succeeded", "failed") and s,
@@ -33,9 +34,9 @@ def run_job(tmp_path: Path, state_dir: Path, name: str, backlog: int) -> list:
 
 
 def test_idle_rollout_workers_help_a_slow_verifier(tmp_path: Path, state_dir: Path) -> None:
-    events = run_job(tmp_path, state_dir, "helped", backlog=4)
+    events = run_job(tmp_path, state_dir, "helped", backlog=4, spares=1)
     scorers = {e.data["slot"].split("-")[0] for e in events if e.type == "ScoringDispatched"}
-    assert scorers == {"reward", "rollout"}, scorers
+    assert scorers == {"reward", "rollout", "standby"}, scorers
     assert [e.data["step"] for e in events if e.type == "StepTrained"] == list(range(STEPS))
     failures = [e for e in events if e.type == "RewardFunctionFailed"]
     assert not failures, failures[0].data
