@@ -92,6 +92,20 @@ class Bundle:
 # checksums
 
 
+def byte_range(requested: Any, nbytes: int) -> tuple[int, int]:
+    """``(offset, length)`` of the part ``requested`` (``[offset, length]``, or None for all) of a
+    flat buffer of ``nbytes``; ``ValueError`` when it is malformed or out of bounds."""
+    if requested is None:
+        return 0, nbytes
+    if (not isinstance(requested, (list, tuple)) or len(requested) != 2
+            or not all(_is_nonneg_int(v) for v in requested)):
+        raise ValueError(f"a byte range is [offset, length] of non-negative integers, got {requested!r}")
+    offset, length = int(requested[0]), int(requested[1])
+    if offset + length > nbytes:
+        raise ValueError(f"byte range [{offset}, {length}] passes the end of a {nbytes}-byte buffer")
+    return offset, length
+
+
 def default_checksum_algorithm() -> str:
     """`xxh3_128` when xxhash is importable, else `sha256`."""
     try:

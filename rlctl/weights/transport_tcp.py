@@ -29,7 +29,7 @@ import numpy as np
 
 from rlctl.weights import framing
 from rlctl.weights.auth import REFUSED, authorized, job_token
-from rlctl.weights.bundle import Buffer, Bundle, Manifest
+from rlctl.weights.bundle import Buffer, Bundle, Manifest, byte_range
 from rlctl.weights.errors import WeightTransferError
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,14 @@ class TcpHolder:
         if bundle is None:
             await framing.send_frame(conn, {"ok": False, "error": NOTHING_PUBLISHED}, deadline)
             return
-        await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json()}, deadline)
-        await framing.send_all(conn, bundle.buffer.data, deadline)
+        try:
+            offset, length = byte_range(request.get("range"), bundle.manifest.nbytes)
+        except ValueError as exc:
+            await framing.send_frame(conn, {"ok": False, "error": str(exc)}, deadline)
+            return
+        await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json(), "range": [offset, length]},
+                                 deadline)
+        await framing.send_all(conn, bundle.buffer.data[offset:offset + length], deadline)
 
 
 def token_field() -> dict[str, str]:
@@ -159,6 +165,19 @@ def manifest_from_reply(reply: dict[str, Any], max_nbytes: int) -> Manifest:
     return manifest
 
 
+def part_of(source: dict[str, Any], reply: dict[str, Any], manifest: Manifest) -> tuple[int, int]:
+    """The byte range asked for in ``source`` (all of it by default), checked against what the
+    holder says it sends."""
+    try:
+        offset, length = byte_range(source.get("range"), manifest.nbytes)
+    except ValueError as exc:
+        raise WeightTransferError(str(exc)) from None
+    sent = reply.get("range", [0, manifest.nbytes])
+    if list(sent) != [offset, length]:
+        raise WeightTransferError(f"asked for bytes [{offset}, {length}], the holder sends {sent}")
+    return offset, length
+
+
 def receive_buffer(nbytes: int, out: Buffer | None) -> Buffer:
     """`out` when it is a uint8 buffer of exactly `nbytes`, else a fresh one."""
     if out is not None and out.dtype == np.uint8 and out.ndim == 1 and out.nbytes == nbytes and out.flags.writeable:
@@ -168,13 +187,18 @@ def receive_buffer(nbytes: int, out: Buffer | None) -> Buffer:
 
 async def tcp_receive(source: dict[str, Any], deadline: float, max_nbytes: int = DEFAULT_MAX_NBYTES,
                       out: Buffer | None = None) -> tuple[Manifest, Buffer]:
-    """Fetch the holder's manifest and flat buffer over TCP (no verification here)."""
+    """Fetch the holder's manifest and flat buffer over TCP (no verification here); with
+    ``source["range"]`` only that part, into its place in ``out`` (``rlctl.weights.striping``)."""
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
     try:
-        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version"), **token_field()}, deadline)
-        manifest = manifest_from_reply(await framing.recv_frame(sock, deadline), max_nbytes)
+        part = {"range": list(source["range"])} if source.get("range") is not None else {}
+        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version"), **part, **token_field()},
+                                 deadline)
+        reply = await framing.recv_frame(sock, deadline)
+        manifest = manifest_from_reply(reply, max_nbytes)
+        offset, length = part_of(source, reply, manifest)
         buffer = receive_buffer(manifest.nbytes, out)
-        await framing.recv_exactly_into(sock, buffer.data, deadline)
+        await framing.recv_exactly_into(sock, buffer.data[offset:offset + length], deadline)
         return manifest, buffer
     finally:
         sock.close()

@@ -43,7 +43,7 @@ import numpy as np
 
 from rlctl.weights import framing
 from rlctl.weights.auth import REFUSED, TOKEN_BYTES, authorized, job_token
-from rlctl.weights.bundle import Buffer, Bundle, Manifest
+from rlctl.weights.bundle import Buffer, Bundle, Manifest, byte_range
 from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, WeightTransferError
 from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
@@ -52,6 +52,7 @@ from rlctl.weights.transport_tcp import (
     BundleGetter,
     SocketServer,
     manifest_from_reply,
+    part_of,
     receive_buffer,
     token_field,
 )
@@ -264,16 +265,24 @@ async def _close_endpoint(endpoint: Any) -> None:
 # ucx: listener + create_endpoint, endpoints kept open and reused across fetches
 
 REQUEST = 0x5EED
-REQUEST_WORDS = 1 + TOKEN_BYTES // 8  # the request word, then the job's token (zeros without one)
+# The request word, the byte range (offset, then length + 1; 0: the whole buffer), then the job's
+# token (zeros without one).
+REQUEST_WORDS = 3 + TOKEN_BYTES // 8
 
 
-def _request_words() -> np.ndarray:
+def _request_words(part: Any = None) -> np.ndarray:
     words = np.zeros(REQUEST_WORDS, dtype=np.uint64)
     words[0] = REQUEST
+    if part is not None:
+        words[1], words[2] = int(part[0]), int(part[1]) + 1
     token = job_token()
     if token is not None:
-        words[1:] = np.frombuffer(token, dtype=np.uint64)
+        words[3:] = np.frombuffer(token, dtype=np.uint64)
     return words
+
+
+def _requested_range(words: np.ndarray) -> list[int] | None:
+    return None if int(words[2]) == 0 else [int(words[1]), int(words[2]) - 1]
 
 
 class UcxHolder:
@@ -321,9 +330,10 @@ class UcxHolder:
         assert task is not None
         self._handlers.add(task)
         try:
-            while await self._next_request(endpoint):
+            while (request := await self._next_request(endpoint)) is not None:
                 deadline = asyncio.get_running_loop().time() + self._io_timeout
-                await self._runtime.hot(self._send_bundle(endpoint, self._current(), deadline))
+                await self._runtime.hot(self._send_bundle(endpoint, self._current(), deadline,
+                                                          _requested_range(request)))
         except WeightTransferError as exc:
             log.info("UCX weight transfer to a joiner ended: %s", exc)
         except Exception:
@@ -332,35 +342,39 @@ class UcxHolder:
             self._handlers.discard(task)
             await _close_endpoint(endpoint)
 
-    async def _next_request(self, endpoint: Any) -> bool:
-        """Wait for the joiner's next request (the request word and the job's token); False when it
-        closed the endpoint or stayed idle. A request without the token is refused: nothing is sent
-        and the endpoint is closed."""
+    async def _next_request(self, endpoint: Any) -> np.ndarray | None:
+        """Wait for the joiner's next request (the request word, a byte range and the job's token);
+        None when it closed the endpoint or stayed idle. A request without the token is refused:
+        nothing is sent and the endpoint is closed."""
         request = np.zeros(REQUEST_WORDS, dtype=np.uint64)
         deadline = asyncio.get_running_loop().time() + self._idle_timeout
         try:
             await _bounded(endpoint.recv(request), deadline, "waiting for a request")
         except WeightTransferError:
-            return False
+            return None
         if int(request[0]) != REQUEST:
             raise WeightTransferError(f"unexpected request word {int(request[0]):#x}")
-        if not authorized(self._token, request[1:].tobytes()):
+        if not authorized(self._token, request[3:].tobytes()):
             log.warning("refused a UCX weights pull without this job's token")
             raise WeightTransferError(REFUSED)
-        return True
+        return request
 
-    async def _send_bundle(self, endpoint: Any, bundle: Bundle | None, deadline: float) -> None:
+    async def _send_bundle(self, endpoint: Any, bundle: Bundle | None, deadline: float,
+                           requested: list[int] | None = None) -> None:
+        offset = nbytes = 0
         if bundle is None:
             reply: dict[str, Any] = {"ok": False, "error": NOTHING_PUBLISHED}
-            nbytes = 0
         else:
-            reply = {"ok": True, "manifest": bundle.manifest.to_json()}
-            nbytes = bundle.manifest.nbytes
+            try:
+                offset, nbytes = byte_range(requested, bundle.manifest.nbytes)
+                reply = {"ok": True, "manifest": bundle.manifest.to_json(), "range": [offset, nbytes]}
+            except ValueError as exc:
+                reply = {"ok": False, "error": str(exc)}
         header = np.frombuffer(framing.json_bytes(reply), dtype=np.uint8)
         await _bounded(endpoint.send(np.array([header.nbytes, nbytes], dtype=np.uint64)), deadline, "sending sizes")
         await _bounded(endpoint.send(header), deadline, "sending the header")
         if bundle is not None and nbytes:
-            await _bounded(endpoint.send(bundle.buffer), deadline, "sending the weights")
+            await _bounded(endpoint.send(bundle.buffer[offset:offset + nbytes]), deadline, "sending the weights")
         ack = np.zeros(1, dtype=np.uint64)
         await _bounded(endpoint.recv(ack), deadline, "waiting for the joiner's ack")
 
@@ -427,12 +441,12 @@ async def _ucx_receive_on_loop(runtime: UcxRuntime, source: dict[str, Any], dead
     endpoint = pool.take_idle(peer)
     if endpoint is not None:
         try:
-            return await _exchange_and_return(pool, peer, endpoint, deadline, max_nbytes, out)
+            return await _exchange_and_return(pool, peer, endpoint, deadline, max_nbytes, out, source)
         except _StaleEndpoint:
             log.debug("pooled UCX endpoint to %s:%d was stale; reconnecting", *peer)
     endpoint = await pool.connect(peer, deadline)
     try:
-        return await _exchange_and_return(pool, peer, endpoint, deadline, max_nbytes, out)
+        return await _exchange_and_return(pool, peer, endpoint, deadline, max_nbytes, out, source)
     except _StaleEndpoint as exc:
         raise WeightTransferError(f"holder {peer[0]}:{peer[1]} closed the connection: {exc}") from exc
 
@@ -442,9 +456,9 @@ class _StaleEndpoint(WeightTransferError):
 
 
 async def _exchange_and_return(pool: EndpointPool, peer: tuple[str, int], endpoint: Any, deadline: float,
-                               max_nbytes: int, out: Buffer | None) -> tuple[Manifest, Buffer]:
+                               max_nbytes: int, out: Buffer | None, source: dict[str, Any]) -> tuple[Manifest, Buffer]:
     try:
-        result = await _exchange(endpoint, deadline, max_nbytes, out)
+        result = await _exchange(endpoint, deadline, max_nbytes, out, source)
     except BaseException:
         await _close_endpoint(endpoint)
         raise
@@ -452,10 +466,11 @@ async def _exchange_and_return(pool: EndpointPool, peer: tuple[str, int], endpoi
     return result
 
 
-async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer | None) -> tuple[Manifest, Buffer]:
+async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer | None,
+                    source: dict[str, Any]) -> tuple[Manifest, Buffer]:
     sizes = np.zeros(2, dtype=np.uint64)
     try:
-        await _bounded(endpoint.send(_request_words()), deadline, "sending the request")
+        await _bounded(endpoint.send(_request_words(source.get("range"))), deadline, "sending the request")
         await _bounded(endpoint.recv(sizes), deadline, "receiving sizes")
     except WeightTimeoutError:
         raise
@@ -466,12 +481,14 @@ async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer
         raise WeightTransferError(f"holder announced a {header_len} B header / {nbytes} B body, above bounds")
     header = np.empty(header_len, dtype=np.uint8)
     await _bounded(endpoint.recv(header), deadline, "receiving the header")
-    manifest = manifest_from_reply(framing.decode_frame(header.tobytes()), max_nbytes)
-    if manifest.nbytes != nbytes:
-        raise WeightTransferError(f"holder announced {nbytes} B but its manifest says {manifest.nbytes} B")
-    buffer = receive_buffer(nbytes, out)
+    reply = framing.decode_frame(header.tobytes())
+    manifest = manifest_from_reply(reply, max_nbytes)
+    offset, length = part_of(source, reply, manifest)
+    if length != nbytes:
+        raise WeightTransferError(f"holder announced {nbytes} B but its reply covers {length} B")
+    buffer = receive_buffer(manifest.nbytes, out)
     if nbytes:
-        await _bounded(endpoint.recv(buffer), deadline, "receiving the weights")
+        await _bounded(endpoint.recv(buffer[offset:offset + length]), deadline, "receiving the weights")
     await _bounded(endpoint.send(np.array([ACK], dtype=np.uint64)), deadline, "sending the ack")
     return manifest, buffer
 
@@ -518,15 +535,21 @@ class UcxSmHolder:
         if bundle is None:
             await framing.send_frame(conn, {"ok": False, "error": NOTHING_PUBLISHED}, deadline)
             return
-        await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json(),
+        try:
+            offset, length = byte_range(request.get("range"), bundle.manifest.nbytes)
+        except ValueError as exc:
+            await framing.send_frame(conn, {"ok": False, "error": str(exc)}, deadline)
+            return
+        await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json(), "range": [offset, length],
                                         "worker_address_hex": self.worker_address_hex}, deadline)
-        if bundle.manifest.nbytes == 0:
+        if length == 0:
             await framing.recv_frame(conn, deadline)
             return
         endpoint = await self._runtime.run(self._endpoint_to(peer_address))
+        part = bundle.buffer[offset:offset + length]
         try:
             await _first_failure_or_all(
-                self._runtime.run(_bounded(endpoint.send(bundle.buffer, tag=tag, force_tag=True), deadline,
+                self._runtime.run(_bounded(endpoint.send(part, tag=tag, force_tag=True), deadline,
                                            "tag-sending the weights")),
                 _expect_ack(conn, deadline))
         except BaseException:
@@ -597,14 +620,16 @@ async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = 
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
     try:
         tag = secrets.randbits(64)
-        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version"), "tag": tag,
+        part = {"range": list(source["range"])} if source.get("range") is not None else {}
+        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version"), "tag": tag, **part,
                                         "worker_address_hex": runtime.worker_address.hex(), **token_field()}, deadline)
         reply = await framing.recv_frame(sock, deadline)
         manifest = manifest_from_reply(reply, max_nbytes)
         _check_holder_address(source, reply)
+        offset, length = part_of(source, reply, manifest)
         buffer = receive_buffer(manifest.nbytes, out)
-        if manifest.nbytes:
-            await _receive_tagged(runtime, sock, buffer, tag, deadline)
+        if length:
+            await _receive_tagged(runtime, sock, buffer[offset:offset + length], tag, deadline)
         await framing.send_frame(sock, {"ok": True}, deadline)
         return manifest, buffer
     finally:
