@@ -77,7 +77,7 @@ class DataOps:
             "round": round_kind,
             "weights_version": version,
             "max_new_tokens": max_new_tokens,
-            "weights_source": self.orc.model.weights_source(version, exclude_slot=slot.slot),
+            "weights_sources": self.orc.model.weights_sources(version, exclude_slot=slot.slot),
             "items": [
                 {
                     "item_id": s.item_id,
@@ -336,19 +336,21 @@ class DataOps:
     # ------------------------------------------------------------------------------ weights
 
     def op_weights_held(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        pulled = {"bytes": int(args["bytes"]), "seconds": float(args.get("seconds", 0.0))} if "bytes" in args else {}
+        pulled = ({"bytes": int(args["bytes"]), "seconds": float(args.get("seconds", 0.0)),
+                   "holders": int(args.get("holders", 1))} if "bytes" in args else {})
         self.orc.shell.commit([event(EventKind.WEIGHTS_HELD, now, version=int(args["version"]), slot=slot.slot,
                                      source=dict(args["source"]), **pulled)])
         return {}
 
     def op_weights_source(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        """A holder of ``version``; a holder the caller could not fetch from is struck off first."""
+        """Holders of ``version`` (up to ``STRIPED_HOLDERS``, best first, for a striped pull); a
+        holder the caller could not fetch from is struck off first."""
         version = int(args.get("version", self.orc.model.published_version))
         failed = args.get("failed_source")
         if isinstance(failed, dict):
             self.orc.shell.commit([event(EventKind.WEIGHTS_SOURCE_FAILED, now, version=version, source=failed, reporter=slot.slot,
                                  error=str(args.get("error", ""))[:200])])
-        return {"weights_source": self.orc.model.weights_source(version, exclude_slot=slot.slot)}
+        return {"weights_sources": self.orc.model.weights_sources(version, exclude_slot=slot.slot)}
 
     def op_job_wait(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """A worker with nothing left to do waits here until the job ends."""

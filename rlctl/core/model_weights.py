@@ -15,6 +15,9 @@ from rlctl.core.events import Event
 from rlctl.core.records import SlotRecord, TrainerStateOffer
 from rlctl.core.states import WorkerState
 
+# A joiner pulls one version from up to this many full holders at once, a stripe from each.
+STRIPED_HOLDERS = 4
+
 
 class WeightsRegistry:
     weights_holders: dict[int, dict[str, dict[str, Any]]]
@@ -99,6 +102,12 @@ class WeightsRegistry:
 
     def weights_source(self, version: int, exclude_slot: str = "") -> dict[str, Any] | None:
         """A live holder of ``version``, preferring rollouts over the trainer to spread the load."""
+        sources = self.weights_sources(version, exclude_slot, limit=1)
+        return sources[0] if sources else None
+
+    def weights_sources(self, version: int, exclude_slot: str = "", limit: int = STRIPED_HOLDERS) -> list[dict[str, Any]]:
+        """Up to ``limit`` live holders of ``version`` for a striped pull, best first: rollouts (in an
+        order that differs per asker, to spread the load) before the trainer."""
         live = []
         for slot_name, source in self.weights_holders.get(version, {}).items():
             slot = self.slots.get(slot_name)
@@ -107,10 +116,8 @@ class WeightsRegistry:
             if slot.life.state not in (WorkerState.RUNNING, WorkerState.STARTING):
                 continue
             live.append((0 if slot.role == "rollout" else 1, slot_name, source))
-        if not live:
-            return None
         live.sort(key=lambda item: (item[0], hash((item[1], exclude_slot)) % 97))
-        return live[0][2]
+        return [source for _, _, source in live[:limit]]
 
     def live_trainer_state(self) -> TrainerStateOffer | None:
         """The newest trainer-state offer while the worker that made it still runs (else None)."""

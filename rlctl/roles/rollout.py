@@ -33,6 +33,20 @@ def fetch_timeout(source: dict[str, Any]) -> float:
     return FETCH_FLOOR_S + float(source.get("nbytes") or 0) / FETCH_WORST_BYTES_PER_S
 
 
+def fetch_holders(sources: list[dict[str, Any]]) -> Any:
+    """One version from ``sources``: striped across the full holders when there are two or more
+    (a rejoining node's pull is not bound by one holder's link), else from the first (a sharded
+    trainer group's source pulls every rank's shard at once). A failed holder is the error's
+    ``failed``."""
+    from rlctl.weights.shards import fetch_source_sync, is_sharded
+    from rlctl.weights.striping import fetch_striped_sync
+
+    full = [s for s in sources if not is_sharded(s)]
+    if len(full) >= 2:
+        return fetch_striped_sync(full, timeout=fetch_timeout(full[0]))
+    return fetch_source_sync(sources[0], timeout=fetch_timeout(sources[0]))
+
+
 class ControllerEnvClient:
     """The rollout's link to the env workers: turns go to the controller's queue (``env.call``) and
     the answers come back by polling (``env.poll``), in the ``waiting-for-env`` phase."""
@@ -103,10 +117,10 @@ class Rollout:
         return VllmEngine(model_path(self.settings), sampling, on_phase=lambda phase: self.w.phase(phase, self.step),
                           options=options)
 
-    def sync_weights(self, version: int, source: dict[str, Any] | None) -> None:
-        """Pull ``version`` from any live holder; a holder that fails is reported and another tried."""
+    def sync_weights(self, version: int, sources: list[dict[str, Any]]) -> None:
+        """Pull ``version`` from live holders (striped across several full holders when there are,
+        ``fetch_holders``); a holder that fails is reported and the controller asked again."""
         from rlctl.weights import WeightError, unflatten
-        from rlctl.weights.shards import fetch_source_sync
 
         self.w.phase("weight-sync", self.step)
         started = time.monotonic()
@@ -114,17 +128,17 @@ class Rollout:
         error = ""
         attempts = 0
         while True:
-            while source is None:
+            while not sources:
                 reply = self.w.request("weights.source", version=version, failed_source=failed, error=error)
-                source = reply.get("weights_source") if reply else None
+                sources = list(reply.get("weights_sources") or []) if reply else []
                 failed = None
-                if source is None:
+                if not sources:
                     time.sleep(0.2)
             try:
-                bundle = fetch_source_sync(source, timeout=fetch_timeout(source))  # sharded: all ranks at once
+                bundle = fetch_holders(sources)
                 break
             except WeightError as exc:
-                failed, error, source = source, str(exc), None
+                failed, error, sources = getattr(exc, "failed", sources[0]), str(exc), []
                 attempts += 1
             # The only holder may be a trainer whose node just died, which the controller has not
             # judged yet (seconds): back off and ask again rather than die beside it.
@@ -139,7 +153,7 @@ class Rollout:
         self.held_version = got
         descriptor = self.server.publish_bundle(bundle)  # serve on exactly the bytes received, no copy
         self.w.notify("weights.held", version=got, source=descriptor, bytes=int(bundle.manifest.nbytes),
-                      seconds=round(time.monotonic() - started, 6))
+                      seconds=round(time.monotonic() - started, 6), holders=len(sources))
 
     def help_score(self, items: list[dict[str, Any]]) -> None:
         """Score samples for the reward role while there is nothing to generate (the controller
@@ -241,7 +255,7 @@ class Rollout:
             self.step = int(work["step"])
             version = int(work["weights_version"])
             if version != self.held_version:
-                self.sync_weights(version, work.get("weights_source"))
+                self.sync_weights(version, list(work.get("weights_sources") or []))
             results = self.play(work) if self.settings.get("multi_turn", False) else self.generate(work)
             if results:
                 self.w.request("rollout.submit", results=results)

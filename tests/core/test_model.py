@@ -98,3 +98,18 @@ def test_a_fault_free_run_through_every_idle_phase_raises_no_verdict() -> None:
             if verdict is not None:
                 verdicts.append(verdict)
     assert verdicts == []
+
+
+def test_a_joiner_is_offered_every_live_holder_rollouts_first_for_a_striped_pull() -> None:
+    model = running_job()
+    model.apply(event("WeightsPublished", 10.0, version=0, slot="trainer-0", source={"port": 1}))
+    model.apply(event("WeightsHeld", 11.0, version=0, slot="rollout-0", source={"port": 2}))
+    model.apply(event("WeightsHeld", 11.0, version=0, slot="rollout-1", source={"port": 3}))
+    ports = [s["port"] for s in model.weights_sources(0)]
+    assert sorted(ports[:2]) == [2, 3] and ports[2] == 1
+    assert [s["port"] for s in model.weights_sources(0, exclude_slot="rollout-0")][-1] == 1
+    assert 2 not in [s["port"] for s in model.weights_sources(0, exclude_slot="rollout-0")]
+    assert len(model.weights_sources(0, limit=2)) == 2 and model.weights_source(0) == model.weights_sources(0)[0]
+    rollout = model.slots["rollout-1"]
+    model.apply(event("WorkerExited", 12.0, slot="rollout-1", wid=rollout.wid, exit_code=1, signal=None))
+    assert 3 not in [s["port"] for s in model.weights_sources(0)]
