@@ -14,7 +14,7 @@ The policy is a tiny Llama (made here) warm-started on demonstrations of the cal
   env-call queue and the env worker between a turn and its answer; and the job's own held-out
   evaluations (`[data] eval_files`).
 
-    python bench/agentic.py [--steps 30] [--held-out 64] [--job-steps 6]
+    python bench/agentic.py [--steps 30] [--held-out 64] [--job-steps 12]
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -103,6 +103,7 @@ eval_max_prompts = {held_out}
 
 [reward]
 function = "gsm8k"
+timeout_s = 2.0
 
 [roles.env]
 nodes = 1
@@ -113,9 +114,17 @@ max_turns = {ENV.max_turns}
 turn_timeout_s = {ENV.turn_timeout_s}
 """
     job_file = write_job(workdir, name="agentic", steps=steps, spares=0, extra_tables=tables)
-    # Episodes of a few turns do not fit short rounds: plain synchronous batching.
-    job_file.write_text(job_file.read_text().replace("[rollout.tail_batching]\nenabled = true",
-                                                     "[rollout.tail_batching]\nenabled = false"))
+    # The in-process run's batch (16 prompts x 8 samples: a tiny model collapses on the template's
+    # 4 x 4 at this learning rate, in process as well); episodes of a few turns do not fit short
+    # rounds: plain synchronous batching.
+    text = job_file.read_text()
+    for old, new in (("batch_prompts = 4\n", "batch_prompts = 16\n"), ("group_size = 4\n", "group_size = 8\n"),
+                     ("worker_batch = 16\n", "worker_batch = 64\n"), ("long_batch = 4\n", "long_batch = 16\n"),
+                     ("[rollout.tail_batching]\nenabled = true", "[rollout.tail_batching]\nenabled = false")):
+        if old not in text:
+            raise RuntimeError(f"the job template changed: {old!r} is gone")
+        text = text.replace(old, new)
+    job_file.write_text(text)
     env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"))
     env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
 
@@ -150,7 +159,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--held-out", type=int, default=64)
     parser.add_argument("--warmstart-steps", type=int, default=500)
-    parser.add_argument("--job-steps", type=int, default=6)
+    parser.add_argument("--job-steps", type=int, default=12)
     args = parser.parse_args()
     root = cache_dir() / "bench-agentic"
     root.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ Same job, same seed, same fault draws for both policies, in one run. Also a faul
 must raise zero verdicts. "10% failure injection" = at each RL step, probability 0.1 that a
 fault of a random kind hits one random node of the job (DESIGN.md).
 
-    python bench/chaos_ettr.py [--steps 120] [--rate 0.1] [--seed 0] [--sweep 0.05,0.1,0.2] [--step-scale 1]
+    python bench/chaos_ettr.py [--steps 120] [--rate 0.1] [--seed 0] [--sweep 0.05,0.1,0.2] [--step-scale 1] [--rl-stages]
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -32,6 +32,29 @@ from rlctl.controller.store import Journal
 from rlctl.jobtemplates import write_job
 
 KINDS = "crash,hang,node-down,agent-kill,xid,nccl-timeout"
+# --rl-stages: stream training, reward helpers (idle rollouts and the spare score a long queue) and
+# multi-turn episodes against an env worker (issue 19's pieces switched on together).
+RL_STAGES_TABLES = """
+[trainer]
+stream = true
+[reward]
+helper_backlog = 2
+[roles.env]
+nodes = 1
+[env]
+class = "turns_env.py:Turns"
+max_turns = 2
+"""
+TURNS_ENV = """
+class Turns:
+    def reset(self, sample):
+        self.turns = 0
+        return ""
+
+    def step(self, action):
+        self.turns += 1
+        return "go on", 0.0, self.turns >= 2, {}
+"""
 
 
 def log(message: str) -> None:
@@ -46,13 +69,17 @@ def rlctl(env: dict[str, str], *args: str) -> str:
     return result.stdout
 
 
-def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int, step_scale: int = 1) -> dict[str, Any]:
+def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int, step_scale: int = 1,
+            rl_stages: bool = False) -> dict[str, Any]:
     """Launch the job, soak it with `rlctl chaos` until it finishes, return its report."""
     env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"), UCX_NET_DEVICES="lo", UCXPY_PROGRESS_MODE="blocking",
                UCX_WARN_UNUSED_ENV_VARS="n")
     env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
+    if rl_stages:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "turns_env.py").write_text(TURNS_ENV)
     spec = write_job(workdir, name=f"bench-{policy}", steps=steps, spares=1, policy=policy, checkpoint_every=5,
-                     max_restarts=2, step_scale=step_scale)
+                     max_restarts=2, step_scale=step_scale, extra_tables=RL_STAGES_TABLES if rl_stages else "")
     launched = json.loads(rlctl(env, "launch", str(spec), "--json").strip().splitlines()[-1])
     job = launched["job_id"]
     log(f"{policy}: launched {job} ({steps} steps, rate {rate})")
@@ -125,20 +152,23 @@ def main() -> None:
     parser.add_argument("--clean-steps", type=int, default=40, help="steps of the fault-free run")
     parser.add_argument("--step-scale", type=int, default=1,
                         help="prompts per step times this (a step does that much more work; default 1: ~1 s steps)")
+    parser.add_argument("--rl-stages", action="store_true",
+                        help="stream training, reward helpers and an env worker with multi-turn episodes switched on")
     args = parser.parse_args()
-    results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed, "step_scale": args.step_scale,
+    results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed, "step_scale": args.step_scale, "rl_stages": args.rl_stages,
                                "definition": "per RL step, probability `rate` that one random node gets a random fault",
                                "kinds": KINDS.split(",")}
     with tempfile.TemporaryDirectory(prefix="rlctl-chaos-") as tmp:
         base = Path(tmp)
-        clean = run_job(base / "clean", "role", args.clean_steps, 0.0, args.seed, args.step_scale)
+        clean = run_job(base / "clean", "role", args.clean_steps, 0.0, args.seed, args.step_scale, args.rl_stages)
         results["fault_free"] = {"verdicts": clean["verdicts"], "ettr": clean["ettr"], "steps": clean["steps"],
                                  "time_per_step_s": round(clean["wall_s"] / max(clean["steps"], 1), 3)}
         rates = [args.rate] + [float(r) for r in args.sweep.split(",") if r.strip()]
         runs: dict[str, Any] = {}
         for rate in rates:
             for policy in ("role", "full-restart"):
-                report = run_job(base / f"{policy}-{rate}", policy, args.steps, rate, args.seed, args.step_scale)
+                report = run_job(base / f"{policy}-{rate}", policy, args.steps, rate, args.seed, args.step_scale,
+                                 args.rl_stages)
                 runs[f"{policy}@{rate}"] = summarize(report)
         results["runs"] = runs
     main_role, main_full = runs[f"role@{args.rate}"], runs[f"full-restart@{args.rate}"]
