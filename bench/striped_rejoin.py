@@ -11,6 +11,14 @@ After one untimed pull from every holder (first connections, first touch of memo
 runs ``--repeats`` times in alternation; the median is reported.
 
     python bench/striped_rejoin.py [--holders 4] [--gb 1.0] [--transport tcp] [--repeats 3]
+    python bench/striped_rejoin.py --link-mbit 2000   # as root: each holder behind its own link
+
+On one machine every holder shares the joiner's loopback and its cores, which is not what striping
+is for (several hosts, each with its own link). ``--link-mbit`` puts each holder on a lab node
+(``rlctl.lab.network``: its own network namespace on the lab bridge, 10.213.0.0/24) whose link
+sends at most that rate (a ``tbf`` qdisc on the node's eth0), and the joiner on the bridge: a
+pull from one holder is bound by one link, a striped pull by N. TCP only; the lab network must
+not be up already (it is deleted afterwards).
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -22,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,6 +68,51 @@ def holder_main(gb: float, transport: str, out: Any, stop: Any) -> None:
     server.close()
 
 
+def serve_main(host: str, gb: float) -> None:
+    """A holder inside a lab node (``ip netns exec``): its descriptor on stdout, then serve until stdin closes."""
+    set_env()
+    from rlctl.weights import WeightServerThread
+
+    server = WeightServerThread("tcp", host=host)
+    server.start()
+    print(json.dumps(server.publish(VERSION, weights(gb))), flush=True)
+    sys.stdin.read()
+    server.close()
+
+
+class LabLinks:
+    """Holders on lab nodes behind rate-limited links (see the module docstring)."""
+
+    def __init__(self, holders: int, link_mbit: int, gb: float) -> None:
+        from rlctl.lab import config, network
+        from rlctl.lab.shell import run
+
+        if network.link_exists(config.BRIDGE):
+            raise SystemExit("the lab network is up (rlctl lab down first): this bench makes and deletes its own")
+        self.network, self.processes = network, []
+        network.ensure_bridge()
+        self.sources = []
+        for index in range(holders):
+            node = f"node{index + 1:02d}"
+            network.ensure_node_netns(node)
+            run(["ip", "netns", "exec", config.netns(node), "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                 "rate", f"{link_mbit}mbit", "burst", "1mb", "latency", "100ms"])
+            process = subprocess.Popen(["ip", "netns", "exec", config.netns(node), sys.executable, __file__, "--serve",
+                                        config.node_ip(node), "--gb", str(gb)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
+            self.processes.append(process)
+        for process in self.processes:
+            assert process.stdout is not None
+            self.sources.append(json.loads(process.stdout.readline()))
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.stdin is not None:
+                process.stdin.close()
+            process.wait(30)
+        self.network.delete_network()
+
+
 def joiner_main(sources: list[dict[str, Any]], counts: list[int], repeats: int, out: Any) -> None:
     set_env()
     from rlctl.weights.client import fetch_bundle_sync
@@ -86,7 +140,19 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0)
     parser.add_argument("--transport", default="tcp", choices=("tcp", "ucx", "ucx-sm"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--link-mbit", type=int, default=0, help="each holder behind its own link of this rate (root)")
+    parser.add_argument("--serve", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve:
+        serve_main(args.serve, args.gb)
+        return
+    if args.link_mbit:
+        links = LabLinks(args.holders, args.link_mbit, args.gb)
+        try:
+            report(args, links.sources)
+        finally:
+            links.close()
+        return
     queue, stops, processes = CTX.Queue(), [], []
     for _ in range(args.holders):
         reader, writer = CTX.Pipe(duplex=False)
@@ -95,20 +161,23 @@ def main() -> None:
         processes.append(process)
         stops.append(writer)
     try:
-        sources = [queue.get(timeout=600) for _ in range(args.holders)]
-        nbytes = int(sources[0]["nbytes"])
-        print(f"[striped_rejoin] {args.holders} holders of {nbytes / 1e9:.2f} GB ready", file=sys.stderr, flush=True)
-        counts = [n for n in (2, 4, 8) if n <= args.holders]
-        results = CTX.Queue()
-        joiner = CTX.Process(target=joiner_main, args=(sources, counts, args.repeats, results))
-        joiner.start()
-        timings = results.get(timeout=3600)
-        joiner.join(30)
+        report(args, [queue.get(timeout=600) for _ in range(args.holders)])
     finally:
         for stop in stops:
             stop.send(True)
         for process in processes:
             process.join(30)
+
+
+def report(args: argparse.Namespace, sources: list[dict[str, Any]]) -> None:
+    nbytes = int(sources[0]["nbytes"])
+    print(f"[striped_rejoin] {args.holders} holders of {nbytes / 1e9:.2f} GB ready", file=sys.stderr, flush=True)
+    counts = [n for n in (2, 4, 8) if n <= args.holders]
+    results = CTX.Queue()
+    joiner = CTX.Process(target=joiner_main, args=(sources, counts, args.repeats, results))
+    joiner.start()
+    timings = results.get(timeout=3600)
+    joiner.join(30)
     medians = {k: statistics.median(v) for k, v in timings.items()}
     print(json.dumps({"config": vars(args), "nbytes": nbytes, "cores": os.cpu_count(),
                       "seconds_median": {k: round(v, 3) for k, v in medians.items()},
