@@ -14,7 +14,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rlctl.controller.ops import DataOps, OpError
+from rlctl.controller.op_rules import OpError
+from rlctl.controller.ops import DataOps
 from rlctl.core import detector as det
 from rlctl.core.events import EventKind, event
 from rlctl.core.orchestrate import Orchestrator, restored_state

@@ -9,18 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlctl.core.envcalls import EnvCalls, answer_deadline_s, lease_s
+from rlctl.controller.env_ops import EnvOps
+from rlctl.controller.op_rules import WAIT_S, OpError, require_role, takes_work
+from rlctl.core.envcalls import answer_deadline_s
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import SlotRecord
 from rlctl.core.orchestrate import Orchestrator
-from rlctl.core.states import WorkerState
-
-WAIT_S = 0.2
-ENV_WAIT_S = 0.02  # an env worker with nothing to do asks again soon: a rollout waits on its turns
-
-
-class OpError(ValueError):
-    """A request the controller refuses (unknown op, wrong role, bad arguments)."""
 
 
 class DataOps:
@@ -30,8 +24,7 @@ class DataOps:
         self.on_weights_published = on_weights_published
         self._replies: dict[tuple[str, str], dict[str, Any]] = {}
         self.last_request_at: dict[str, float] = {}
-        env = orchestrator.spec.env
-        self.env_calls = EnvCalls(on_error=env.on_error, retries=env.retries, lease_s=lease_s(env))
+        self.env = EnvOps(orchestrator)  # env.call, env.poll, env.get_work, env.submit
 
     def handle(self, slot: SlotRecord, request_id: str, op: str, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Run ``op`` for the worker in ``slot``; a repeated request id gets the first answer again."""
@@ -39,7 +32,8 @@ class DataOps:
         self.last_request_at[slot.wid or ""] = now
         if key in self._replies:
             return self._replies[key]
-        handler = getattr(self, "op_" + op.replace(".", "_").replace("-", "_"), None)
+        name = "op_" + op.replace(".", "_").replace("-", "_")
+        handler = getattr(self, name, None) or getattr(self.env, name, None)
         if handler is None:
             raise OpError(f"unknown op {op!r}")
         result = handler(slot, args, now)
@@ -51,12 +45,12 @@ class DataOps:
     # ------------------------------------------------------------------------------ rollout
 
     def op_rollout_get_work(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self._require(slot, "rollout")
+        require_role(slot, "rollout")
         scheduler = self.orc.scheduler
         rnd = scheduler.round
         if self.orc.model.life.state.terminal or self.orc.stopping:
             return {"stop": True}
-        if not self._takes_work(slot):
+        if not takes_work(slot):
             return {"wait_s": WAIT_S}
         wid = slot.wid or ""
         kind, held = scheduler.work_held_by(wid, "inflight")
@@ -97,14 +91,14 @@ class DataOps:
     def op_rollout_poll(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Between decode chunks: store the samples that finished (``results``, optional), then
         say which of the still-running ``item_ids`` to cancel."""
-        self._require(slot, "rollout")
+        require_role(slot, "rollout")
         results = list(args.get("results", []))
         if results:
             self.orc.shell.commit_decided(self.orc.scheduler.submit(slot.slot, slot.wid or "", results, now))
         return {"cancel": self.orc.scheduler.cancelled_among([str(i) for i in args.get("item_ids", [])])}
 
     def op_rollout_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self._require(slot, "rollout")
+        require_role(slot, "rollout")
         results = list(args.get("results", []))
         events = self.orc.scheduler.submit(slot.slot, slot.wid or "", results, now)
         self.orc.shell.commit_decided(events)
@@ -114,11 +108,11 @@ class DataOps:
     # ------------------------------------------------------------------------------- reward
 
     def op_reward_get_work(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self._require(slot, "reward")
+        require_role(slot, "reward")
         scheduler = self.orc.scheduler
         if self.orc.model.life.state.terminal or self.orc.stopping:
             return {"stop": True}
-        if not self._takes_work(slot):
+        if not takes_work(slot):
             return {"wait_s": WAIT_S}
         wid = slot.wid or ""
         _, held = scheduler.work_held_by(wid, "scoring")
@@ -150,7 +144,7 @@ class DataOps:
         journaled as ``RewardFunctionFailed`` naming the function, the sample and the error; the
         sample keeps its zero score, or with ``on_error = "fail"`` the job stops as failed."""
         if not slot.standby:  # a warm standby or a rollout worker scores too when it helps (helper_backlog)
-            self._require(slot, "reward", "rollout")
+            require_role(slot, "reward", "rollout")
         scores = list(args.get("scores", []))
         scheduler = self.orc.scheduler
         failed = [s for s in scores if s.get("error")]
@@ -170,48 +164,6 @@ class DataOps:
         self.orc.shell.commit_decided(events)
         return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == EventKind.REWARDS_STORED)}
 
-    # ---------------------------------------------------------------------------------- env
-
-    def op_env_call(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        """A rollout's episode turns for the env workers (``calls``: episode, sample, actions)."""
-        self._require(slot, "rollout")
-        self.env_calls.submit(slot.wid or "", list(args.get("calls", [])))
-        return {}
-
-    def op_env_poll(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        """The answers among ``item_ids`` that are ready, the episodes the queue lost (to send
-        again) and those cancelled meanwhile (a round that closed)."""
-        self._require(slot, "rollout")
-        item_ids = [str(i) for i in args.get("item_ids", [])]
-        cancel = self.orc.scheduler.cancelled_among(item_ids)
-        self.env_calls.drop(cancel)
-        self.env_calls.expire(now)
-        self._journal_env_failures(now)
-        answers, missing = self.env_calls.answers(slot.wid or "", [i for i in item_ids if i not in set(cancel)])
-        return {"answers": answers, "missing": missing, "cancel": cancel}
-
-    def op_env_get_work(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self._require(slot, "env")
-        if self.orc.model.life.state.terminal or self.orc.stopping:
-            return {"stop": True}
-        if not self._takes_work(slot):
-            return {"wait_s": WAIT_S}
-        calls = self.env_calls.dispatch(slot.slot, slot.wid or "", int(args.get("capacity", 8)), now)
-        self._journal_env_failures(now)
-        return {"calls": calls} if calls else {"wait_s": ENV_WAIT_S}
-
-    def op_env_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self._require(slot, "env")
-        taken = self.env_calls.complete(slot.wid or "", list(args.get("answers", [])), now)
-        self._journal_env_failures(now)
-        return {"accepted": taken}
-
-    def _journal_env_failures(self, now: float) -> None:
-        failures = self.env_calls.take_failures()
-        if failures:
-            self.orc.shell.commit([event(EventKind.ENV_FAILED, now, item_id=f.item_id, turn=f.turn, slot=f.slot,
-                                         error=f.error, action=f.action) for f in failures])
-
     # ------------------------------------------------------------------------------ trainer
 
     def op_standby_wait(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
@@ -223,7 +175,7 @@ class DataOps:
             offer = self.orc.model.live_trainer_state()
             if offer is not None and offer.version > int(args.get("trainer_state_step", -1)):
                 reply["trainer_state"] = {"step": offer.version, "source": offer.source}
-            if self._takes_work(slot):
+            if takes_work(slot):
                 reply.update({k: v for k, v in self._helper_scoring(slot, now).items() if k == "score"})
             return reply
         return {"role": slot.role, "slot": slot.slot}
@@ -232,7 +184,7 @@ class DataOps:
         model = self.orc.model
         if slot.standby:
             return {"standby": True, "wait_s": 0.5}
-        self._require(slot, "trainer")
+        require_role(slot, "trainer")
         checkpoint_step = model.checkpoint_step if model.checkpoint_step >= 0 else None
         start = checkpoint_step or 0
         target = model.published_version
@@ -248,7 +200,7 @@ class DataOps:
         }
 
     def op_trainer_get_batch(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self._require(slot, "trainer")
+        require_role(slot, "trainer")
         step = int(args["step"])
         if step >= self.orc.model.total_steps:
             return {"stop": True}
@@ -264,7 +216,7 @@ class DataOps:
         batch whatever finishes later, so it can be trained before the batch forms. Parts are cut at
         fixed group counts (``ceil(target / parts)``), so every rank of a group gets the same parts
         without a collective."""
-        self._require(slot, "trainer")
+        require_role(slot, "trainer")
         step, have, parts = int(args["step"]), int(args.get("have", 0)), max(1, int(args.get("parts", 1)))
         if step >= self.orc.model.total_steps:
             return {"stop": True}
@@ -302,7 +254,7 @@ class DataOps:
                 for s in ordered]
 
     def op_trainer_publish(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self._require(slot, "trainer")
+        require_role(slot, "trainer")
         version = int(args["version"])
         events: list[Event] = []
         if "metrics" in args and version - 1 not in self.orc.model.step_metrics:
@@ -316,16 +268,16 @@ class DataOps:
 
     def op_trainer_cursor(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Where the data stands at the checkpoint of ``step`` (written beside it)."""
-        self._require(slot, "trainer")
+        require_role(slot, "trainer")
         return self.orc.scheduler.cursor_at(int(args["step"]))
 
     def op_trainer_checkpointed(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self._require(slot, "trainer")
+        require_role(slot, "trainer")
         self.orc.shell.commit([event(EventKind.CHECKPOINTED, now, step=int(args["step"]), path=str(args["path"]))])
         return {}
 
     def op_trainer_restored(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
-        self._require(slot, "trainer")
+        require_role(slot, "trainer")
         replayed = [int(s) for s in args.get("replayed_steps", [])]
         self.orc.shell.commit(
             [event(EventKind.TRAINER_RESTORED, now, slot=slot.slot, checkpoint_step=args.get("checkpoint_step"), replayed_steps=replayed,
@@ -361,14 +313,3 @@ class DataOps:
     def op_job_info(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         model = self.orc.model
         return {"step": model.step, "total_steps": model.total_steps, "state": model.life.state.value}
-
-    @staticmethod
-    def _takes_work(slot: SlotRecord) -> bool:
-        """A worker being stopped, failed or gone gets no new items: its items were released when
-        the recovery stopped it, and any given now would stay in flight with a wid nobody holds."""
-        return slot.life is None or slot.life.state not in (WorkerState.STOPPING, WorkerState.FAILED, WorkerState.EXITED)
-
-    @staticmethod
-    def _require(slot: SlotRecord, *roles: str) -> None:
-        if slot.role not in roles:
-            raise OpError(f"{slot.slot} is a {slot.role} worker, not a {' or '.join(roles)} worker")
