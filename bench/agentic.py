@@ -49,7 +49,7 @@ from rlctl.workload.prompts import tokenize_records
 from rlctl.workload.reference import cache_dir
 from rlctl.workload.trainer import TrainerConfig
 
-ENV = EnvSpec(class_ref="calculator", max_turns=3, turn_timeout_s=5.0)
+ENV = EnvSpec(class_ref="calculator", max_turns=3, turn_timeout_s=3.0)  # within the job template's stepping bound
 MAX_NEW_TOKENS = 64
 
 

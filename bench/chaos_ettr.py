@@ -44,6 +44,7 @@ nodes = 1
 [env]
 class = "turns_env.py:Turns"
 max_turns = 2
+turn_timeout_s = 2.0
 """
 TURNS_ENV = """
 class Turns:

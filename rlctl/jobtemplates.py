@@ -74,6 +74,7 @@ generating = 6.0
 training = 8.0
 weight-sync = 8.0
 scoring = 6.0
+stepping = 8.0
 loading = 60.0
 checkpointing = 8.0
 
