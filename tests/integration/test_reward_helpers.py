@@ -36,7 +36,9 @@ def run_job(tmp_path: Path, state_dir: Path, name: str, backlog: int, spares: in
 def test_idle_rollout_workers_help_a_slow_verifier(tmp_path: Path, state_dir: Path) -> None:
     events = run_job(tmp_path, state_dir, "helped", backlog=4, spares=1)
     scorers = {e.data["slot"].split("-")[0] for e in events if e.type == "ScoringDispatched"}
-    assert scorers == {"reward", "rollout", "standby"}, scorers
+    # Idle rollouts and the standby both help; whether the reward worker itself wins a chunk is a
+    # race with them (it polls every 0.2 s, a rollout asks the moment its batch is done).
+    assert {"rollout", "standby"} <= scorers <= {"reward", "rollout", "standby"}, scorers
     assert [e.data["step"] for e in events if e.type == "StepTrained"] == list(range(STEPS))
     failures = [e for e in events if e.type == "RewardFunctionFailed"]
     assert not failures, failures[0].data
