@@ -22,18 +22,13 @@ it assumes that an environment replays the same way (the built-ins do).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import multiprocessing
-import sys
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rlctl.core.spec import EnvSpec
+from rlctl.workload.sandbox import ChildSandbox, child_loop, import_location
 
 BUILTIN_ENVS = {"calculator": "rlctl.workload.calculator_env:CalculatorEnv"}
 
@@ -47,17 +42,6 @@ def env_target(spec: EnvSpec) -> str:
     return BUILTIN_ENVS.get(spec.class_ref, spec.class_ref)
 
 
-def _import_file(path: Path) -> Any:
-    module_name = f"rlctl_user_env_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, str(path))
-    if spec is None or spec.loader is None:
-        raise EnvError(f"[env] class {path}: cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_env_class(spec: EnvSpec) -> type:
     """The class ``spec`` names, checked to have callable ``reset`` and ``step``."""
     location, sep, attr = env_target(spec).rpartition(":")
@@ -65,15 +49,9 @@ def load_env_class(spec: EnvSpec) -> type:
         raise EnvError(f"[env] class {spec.class_ref!r}: expected one of {', '.join(BUILTIN_ENVS)}, "
                        "'package.module:Class' or 'path/to/file.py:Class'")
     try:
-        if location.endswith(".py") or "/" in location:
-            file = Path(location).expanduser()
-            if not file.is_file():
-                raise EnvError(f"[env] class {spec.class_ref}: {file}: no such file")
-            module = _import_file(file)
-        else:
-            module = importlib.import_module(location)
-    except EnvError:
-        raise
+        module = import_location(location)
+    except FileNotFoundError as exc:
+        raise EnvError(f"[env] class {spec.class_ref}: {exc}") from None
     except BaseException as exc:  # noqa: BLE001 - user code may raise anything at import, SystemExit included
         raise EnvError(f"[env] class {spec.class_ref}: importing {location} failed: {type(exc).__name__}: {exc}") from None
     found = getattr(module, attr, None)
@@ -148,6 +126,14 @@ class _Episodes:
         self.live: dict[str, tuple[Any, list[str]]] = {}
 
     def call(self, request: EnvCall) -> EnvOutcome:
+        """The call's answer; an episode whose call raised is dropped (rebuilt by replay if asked again)."""
+        try:
+            return self._call(request)
+        except BaseException:
+            self.live.pop(request.episode, None)
+            raise
+
+    def _call(self, request: EnvCall) -> EnvOutcome:
         if not request.actions:
             env = self.env_class()
             observation = env.reset(dict(request.sample))
@@ -178,27 +164,13 @@ class _Episodes:
 
 
 def _child_main(conn: Any, spec_data: dict[str, Any]) -> None:
-    try:
-        env_class = load_env_class(EnvSpec(**spec_data))
-    except EnvError as exc:
-        conn.send(("load-error", str(exc)))
-        return
-    episodes = _Episodes(env_class)
-    conn.send(("ready", None))
-    while True:
-        try:
-            request = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send(("ok", episodes.call(request)))
-        except BaseException as exc:  # noqa: BLE001 - contain whatever the environment raises
-            episodes.live.pop(request.episode, None)
-            conn.send(("error", f"{type(exc).__name__}: {exc}"[:500]))
+    """The sandbox process: load the class once, then answer one call per message."""
+    spec = EnvSpec(**spec_data)
+    child_loop(conn, lambda: _Episodes(load_env_class(spec)).call, EnvError)
 
 
 class EnvHost:
-    """Runs ``spec``'s environments in a child process, one call at a time.
+    """Runs ``spec``'s environments in a child process (``ChildSandbox``), one call at a time.
 
     Blocking. ``call`` always returns: an exception in the environment, a call past
     ``turn_timeout_s`` (the child is killed; a fresh one rebuilds episodes by replay) or a dead
@@ -206,68 +178,18 @@ class EnvHost:
     class cannot be loaded at all.
     """
 
-    START_TIMEOUT_S = 60.0
-
     def __init__(self, spec: EnvSpec) -> None:
         self.spec = spec
-        self._context = multiprocessing.get_context("spawn")
-        self._process: Any = None
-        self._conn: Any = None
-        self._started = False
-        self.restarts = 0  # children started after the first (a timeout or a death killed the last)
+        self.sandbox = ChildSandbox(_child_main, (asdict(spec),), "the environment", f"[env] class {spec.class_ref}",
+                                    EnvError)
 
-    def _start(self) -> None:
-        parent, child = self._context.Pipe()
-        process = self._context.Process(target=_child_main, args=(child, asdict(self.spec)), daemon=True,
-                                        name="rlctl-env")
-        process.start()
-        child.close()
-        if not parent.poll(self.START_TIMEOUT_S):
-            process.kill()
-            raise EnvError(f"[env] class {self.spec.class_ref}: loading took more than {self.START_TIMEOUT_S:.0f} s")
-        try:
-            kind, detail = parent.recv()
-        except EOFError:
-            raise EnvError(f"[env] class {self.spec.class_ref}: its process died while loading "
-                           f"(exit code {process.exitcode})") from None
-        if kind != "ready":
-            process.join(5)
-            raise EnvError(str(detail))
-        self._process, self._conn = process, parent
-
-    def _stop(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        self._process = self._conn = None
+    @property
+    def restarts(self) -> int:
+        return self.sandbox.restarts
 
     def call(self, request: EnvCall) -> EnvOutcome:
-        if self._process is None or not self._process.is_alive():
-            if self._started:
-                self.restarts += 1
-            self._stop()
-            self._start()
-            self._started = True
-        started = time.monotonic()
-        try:
-            self._conn.send(request)
-            if not self._conn.poll(self.spec.turn_timeout_s):
-                self._stop()
-                return EnvOutcome(error=f"timed out after {self.spec.turn_timeout_s:g} s")
-            kind, detail = self._conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
-            exit_code = None
-            if self._process is not None:
-                self._process.join(1.0)
-                exit_code = self._process.exitcode
-            self._stop()
-            return EnvOutcome(error=f"the environment's process died (exit code {exit_code}) "
-                                    f"after {time.monotonic() - started:.1f} s")
-        if kind == "ok":
-            return detail  # type: ignore[no-any-return]
-        return EnvOutcome(error=str(detail))
+        kind, detail = self.sandbox.call(request, self.spec.turn_timeout_s)
+        return detail if kind == "ok" else EnvOutcome(error=str(detail))  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        self._stop()
+        self.sandbox.close()

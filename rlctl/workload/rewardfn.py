@@ -20,18 +20,15 @@ per-sample time limit: a function that raises, hangs or kills its process gives 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
-import multiprocessing
 import re
-import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rlctl.workload.sandbox import ChildSandbox, child_loop, import_location
 
 BUILTINS = ("auto", "gsm8k", "gsm8k-flexible", "math", "task", "code")
 ON_ERROR = ("zero", "fail")
@@ -160,17 +157,6 @@ _WANTS_TRUNCATED = {"auto", "task"}
 
 # ------------------------------------------------------------------------------------- loading
 
-def _import_file(path: Path) -> Any:
-    module_name = f"rlctl_user_reward_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, str(path))
-    if spec is None or spec.loader is None:
-        raise RewardFunctionError(f"{path}: cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_function(spec: RewardSpec, base_dir: Path | None = None) -> Callable[..., Any]:
     """The callable ``spec`` names; relative file paths are read from ``base_dir`` (the job file's folder)."""
     if not spec.path and spec.function in _BUILTIN_FUNCTIONS:
@@ -184,17 +170,9 @@ def load_function(spec: RewardSpec, base_dir: Path | None = None) -> Callable[..
                 f"[reward] function {spec.function!r}: expected one of {', '.join(BUILTINS)}, "
                 "'package.module:function' or 'path/to/file.py:function'")
     try:
-        if location.endswith(".py") or "/" in location:
-            file = Path(location).expanduser()
-            if not file.is_absolute() and base_dir is not None:
-                file = base_dir / file
-            if not file.is_file():
-                raise RewardFunctionError(f"[reward] {spec.label}: {file}: no such file")
-            module = _import_file(file)
-        else:
-            module = importlib.import_module(location)
-    except RewardFunctionError:
-        raise
+        module = import_location(location, base_dir)
+    except FileNotFoundError as exc:
+        raise RewardFunctionError(f"[reward] {spec.label}: {exc}") from None
     except BaseException as exc:  # noqa: BLE001 - user code may raise anything, SystemExit included, at import
         raise RewardFunctionError(f"[reward] {spec.label}: importing {location} failed: "
                                   f"{type(exc).__name__}: {exc}") from None
@@ -264,28 +242,18 @@ async def _await(awaitable: Any) -> Any:
 
 
 def _child_main(conn: Any, spec_data: dict[str, Any], base_dir: str | None) -> None:
-    """The sandbox process: load the function once, then answer one request per message."""
+    """The sandbox process: load the function once, then score one request per message."""
     spec = RewardSpec(**spec_data)
-    builtin = spec.builtin
-    try:
+
+    def load() -> Callable[[ScoreRequest], ScoreOutcome]:
         function = load_function(spec, Path(base_dir) if base_dir else None)
-    except RewardFunctionError as exc:
-        conn.send(("load-error", str(exc)))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            request = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send(("ok", call_function(function, request, builtin)))
-        except BaseException as exc:  # noqa: BLE001 - contain whatever the user's function raises
-            conn.send(("error", f"{type(exc).__name__}: {exc}"[:500]))
+        return lambda request: call_function(function, request, spec.builtin)
+
+    child_loop(conn, load, RewardFunctionError)
 
 
 class SandboxedScorer:
-    """Scores samples with ``spec``'s function in a child process, one sample at a time.
+    """Scores samples with ``spec``'s function in a child process (``ChildSandbox``), one at a time.
 
     Blocking. ``score`` always returns: an exception in the function, a call past ``timeout_s``
     (the child is killed and a fresh one started for the next sample) or a dead child each give
@@ -293,67 +261,14 @@ class SandboxedScorer:
     cannot be loaded at all.
     """
 
-    START_TIMEOUT_S = 120.0
-
     def __init__(self, spec: RewardSpec, base_dir: Path | None = None) -> None:
         self.spec = spec
-        self.base_dir = base_dir
-        self._context = multiprocessing.get_context("spawn")
-        self._process: Any = None
-        self._conn: Any = None
-        self.restarts = 0
-
-    def _start(self) -> None:
-        parent, child = self._context.Pipe()
-        process = self._context.Process(target=_child_main, daemon=True, name="rlctl-reward-fn",
-                                        args=(child, self.spec.to_dict(), str(self.base_dir) if self.base_dir else None))
-        process.start()
-        child.close()
-        if not parent.poll(self.START_TIMEOUT_S):
-            process.kill()
-            raise RewardFunctionError(f"[reward] {self.spec.label}: loading took more than {self.START_TIMEOUT_S:.0f} s")
-        try:
-            kind, detail = parent.recv()
-        except EOFError:
-            raise RewardFunctionError(f"[reward] {self.spec.label}: its process died while loading "
-                                      f"(exit code {process.exitcode})") from None
-        if kind != "ready":
-            process.join(5)
-            raise RewardFunctionError(str(detail))
-        self._process, self._conn = process, parent
-
-    def _stop(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        self._process = self._conn = None
+        self.sandbox = ChildSandbox(_child_main, (spec.to_dict(), str(base_dir) if base_dir else None),
+                                    "the reward function", f"[reward] {spec.label}", RewardFunctionError)
 
     def score(self, request: ScoreRequest) -> ScoreOutcome:
-        if self._process is None or not self._process.is_alive():
-            if self._process is not None:
-                self.restarts += 1
-                self._stop()
-            self._start()
-        started = time.monotonic()
-        try:
-            self._conn.send(request)
-            if not self._conn.poll(self.spec.timeout_s):
-                self._stop()
-                return ScoreOutcome(0.0, False, error=f"timed out after {self.spec.timeout_s:g} s")
-            kind, detail = self._conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
-            exit_code = None
-            if self._process is not None:
-                self._process.join(1.0)  # the pipe closes a moment before the exit status can be read
-                exit_code = self._process.exitcode
-            self._stop()
-            return ScoreOutcome(0.0, False, error=f"the reward function's process died (exit code {exit_code}) "
-                                                  f"after {time.monotonic() - started:.1f} s")
-        if kind == "ok":
-            return detail  # type: ignore[no-any-return]
-        return ScoreOutcome(0.0, False, error=str(detail))
+        kind, detail = self.sandbox.call(request, self.spec.timeout_s)
+        return detail if kind == "ok" else ScoreOutcome(0.0, False, error=str(detail))  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        self._stop()
+        self.sandbox.close()
