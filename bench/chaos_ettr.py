@@ -29,33 +29,9 @@ sys.path.insert(0, str(ROOT))
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.reporting import build_report
 from rlctl.controller.store import Journal
-from rlctl.jobtemplates import write_job
+from rlctl.jobtemplates import write_job, write_rl_stages_env
 
 KINDS = "crash,hang,node-down,agent-kill,xid,nccl-timeout"
-# --rl-stages: stream training, reward helpers (idle rollouts and the spare score a long queue) and
-# multi-turn episodes against an env worker (issue 19's pieces switched on together).
-RL_STAGES_TABLES = """
-[trainer]
-stream = true
-[reward]
-helper_backlog = 2
-[roles.env]
-nodes = 1
-[env]
-class = "turns_env.py:Turns"
-max_turns = 2
-turn_timeout_s = 2.0
-"""
-TURNS_ENV = """
-class Turns:
-    def reset(self, sample):
-        self.turns = 0
-        return ""
-
-    def step(self, action):
-        self.turns += 1
-        return "go on", 0.0, self.turns >= 2, {}
-"""
 
 
 def log(message: str) -> None:
@@ -76,11 +52,8 @@ def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int, step
     env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"), UCX_NET_DEVICES="lo", UCXPY_PROGRESS_MODE="blocking",
                UCX_WARN_UNUSED_ENV_VARS="n")
     env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
-    if rl_stages:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "turns_env.py").write_text(TURNS_ENV)
     spec = write_job(workdir, name=f"bench-{policy}", steps=steps, spares=1, policy=policy, checkpoint_every=5,
-                     max_restarts=2, step_scale=step_scale, extra_tables=RL_STAGES_TABLES if rl_stages else "")
+                     max_restarts=2, step_scale=step_scale, extra_tables=write_rl_stages_env(workdir) if rl_stages else "")
     launched = json.loads(rlctl(env, "launch", str(spec), "--json").strip().splitlines()[-1])
     job = launched["job_id"]
     log(f"{policy}: launched {job} ({steps} steps, rate {rate})")

@@ -102,3 +102,36 @@ def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: i
                                      gpus_line=gpu_line(gpus_per_node)) + workload_tables(step_scale)
                     + extra_tables)
     return path
+
+
+# Issue 19's pieces switched on together: stream training, reward helpers (idle rollouts and the
+# spare score a long queue) and 2-turn episodes against an env worker running ``TURNS_ENV``.
+RL_STAGES_TABLES = """
+[trainer]
+stream = true
+[reward]
+helper_backlog = 2
+[roles.env]
+nodes = 1
+[env]
+class = "turns_env.py:Turns"
+max_turns = 2
+turn_timeout_s = 2.0
+"""
+TURNS_ENV = """
+class Turns:
+    def reset(self, sample):
+        self.turns = 0
+        return ""
+
+    def step(self, action):
+        self.turns += 1
+        return "go on", 0.0, self.turns >= 2, {}
+"""
+
+
+def write_rl_stages_env(folder: Path) -> str:
+    """``TURNS_ENV`` as ``turns_env.py`` in ``folder`` (beside the job file); returns the job's tables."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "turns_env.py").write_text(TURNS_ENV)
+    return RL_STAGES_TABLES

@@ -14,6 +14,7 @@ import pytest
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.events import Event
+from rlctl.jobtemplates import RL_STAGES_TABLES, write_rl_stages_env
 from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, status, wait_for, write_job
 
 # A worker-level fault is handed to a ready warm standby (stop-worker, activate-standby) or, when
@@ -45,37 +46,16 @@ ENV_FAULTS = [
 # A worker per node; two simulated GPUs per node, so a trainer node runs 2 ranks of one FSDP2 group
 # and a rollout node 2 engines (a node-level fault moves both, a worker fault hits one); and a
 # worker per node with stream-based training, idle rollouts helping the reward worker score, and
-# multi-turn episodes against an env worker.
-STREAM_HELPERS_AND_ENV = """
-[trainer]
-stream = true
-[reward]
-helper_backlog = 2
-[roles.env]
-nodes = 1
-[env]
-class = "turns_env.py:Turns"
-max_turns = 2
-turn_timeout_s = 2.0
-"""
-TURNS_ENV = """
-class Turns:
-    def reset(self, sample):
-        self.turns = 0
-        return ""
-
-    def step(self, action):
-        self.turns += 1
-        return "go on", 0.0, self.turns >= 2, {}
-"""
+# multi-turn episodes against an env worker (rlctl.jobtemplates.RL_STAGES_TABLES).
 
 
-@pytest.fixture(params=[(1, ""), (2, ""), (1, STREAM_HELPERS_AND_ENV)],
+@pytest.fixture(params=[(1, ""), (2, ""), (1, RL_STAGES_TABLES)],
                 ids=["one-worker-per-node", "two-gpus-per-node", "stream-reward-helpers-and-env"])
 def job(tmp_path: Path, request: pytest.FixtureRequest):
     state_dir = tmp_path / "jobs"
     gpus_per_node, extra = request.param
-    (tmp_path / "turns_env.py").write_text(TURNS_ENV)
+    if extra:
+        write_rl_stages_env(tmp_path)
     job_file = write_job(tmp_path, name="chaos", spares=2, max_restarts=20, gpus_per_node=gpus_per_node,
                          extra_tables=extra)
     launched = rlctl_json(state_dir, "launch", str(job_file))
