@@ -1,8 +1,9 @@
 """Reward scheduling with a slow verifier: idle rollout workers that help score (``[reward]
-helper_backlog``) against the one reward worker alone (the baseline), in the same run.
+helper_backlog``), then those and a spare's warm standby, against the one reward worker alone (the
+baseline), in the same run.
 
-Both arms are real local jobs (controller, agents, a trainer, two rollout workers, one reward
-worker) on the reference task, same seed and prompts, with a reward function that sleeps
+Every arm is a real local job (controller, agents, a trainer, two rollout workers, one reward
+worker; the third arm adds one spare) on the reference task, same seed and prompts, with a reward function that sleeps
 ``--verifier-ms`` per sample before scoring (a sandboxed code run, a remote judge). Step time is
 the mean gap between consecutive ``StepTrained`` events of the journal (the first step, which
 includes start-up, is left out).
@@ -31,17 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from rlctl.jobtemplates import write_job
-
-SLOW_REWARD = """import time
-
-from rlctl.workload.rewardfn import task_score
-
-
-def slow_score(data_source, solution_str, ground_truth, extra_info=None):
-    time.sleep({seconds})
-    return task_score(data_source, solution_str, ground_truth, extra_info)
-"""
+from rlctl.jobtemplates import slow_reward_table, write_job
 
 
 def rlctl(env: dict[str, str], *args: str) -> dict[str, Any]:
@@ -50,11 +41,10 @@ def rlctl(env: dict[str, str], *args: str) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_arm(workdir: Path, steps: int, verifier_s: float, backlog: int) -> dict[str, Any]:
+def run_arm(workdir: Path, steps: int, verifier_s: float, backlog: int, spares: int) -> dict[str, Any]:
     workdir.mkdir(parents=True)
-    (workdir / "slow_reward.py").write_text(SLOW_REWARD.format(seconds=verifier_s))
-    job_file = write_job(workdir, name="reward", steps=steps, spares=0, extra_tables=(
-        f'\n[reward]\nfunction = "slow_reward.py:slow_score"\nhelper_backlog = {backlog}\n'))
+    job_file = write_job(workdir, name="reward", steps=steps, spares=spares,
+                         extra_tables=slow_reward_table(workdir, backlog, seconds=verifier_s))
     env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"))
     env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
     launched = rlctl(env, "launch", str(job_file))
@@ -69,12 +59,14 @@ def run_arm(workdir: Path, steps: int, verifier_s: float, backlog: int) -> dict[
     events = list(Journal(JobDir(Path(launched["job_dir"])).journal, readonly=True).read())
     trained = [e.at for e in events if e.type == "StepTrained"]
     gaps = [b - a for a, b in itertools.pairwise(trained)]
-    helpers = sum(len(e.data["item_ids"]) for e in events
-                  if e.type == "ScoringDispatched" and str(e.data["slot"]).startswith("rollout"))
-    scored = sum(len(e.data["item_ids"]) for e in events if e.type == "ScoringDispatched")
+    scored_by: dict[str, int] = {}
+    for e in events:
+        if e.type == "ScoringDispatched":
+            role = str(e.data["slot"]).split("-")[0]
+            scored_by[role] = scored_by.get(role, 0) + len(e.data["item_ids"])
     return {"state": state, "steps": len(trained), "step_s_mean": round(statistics.mean(gaps), 3),
-            "step_s": [round(g, 3) for g in gaps], "samples_scored_by_rollout_workers": helpers,
-            "samples_scored": scored}
+            "step_s": [round(g, 3) for g in gaps], "samples_scored_by": scored_by,
+            "samples_scored": sum(scored_by.values())}
 
 
 def main() -> None:
@@ -85,12 +77,14 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="rlctl-reward-bench-") as tmp:
-        for arm, backlog in (("one_reward_worker", 0), ("with_rollout_helpers", args.backlog)):
+        for arm, backlog, spares in (("one_reward_worker", 0, 0), ("with_rollout_helpers", args.backlog, 0),
+                                     ("with_rollout_and_spare_helpers", args.backlog, 1)):
             print(f"[reward_scheduling] {arm} ...", file=sys.stderr, flush=True)
-            results[arm] = run_arm(Path(tmp) / arm, args.steps, args.verifier_ms / 1000.0, backlog)
+            results[arm] = run_arm(Path(tmp) / arm, args.steps, args.verifier_ms / 1000.0, backlog, spares)
             print(f"[reward_scheduling] {arm}: {results[arm]}", file=sys.stderr, flush=True)
-    baseline, helped = results["one_reward_worker"]["step_s_mean"], results["with_rollout_helpers"]["step_s_mean"]
-    print(json.dumps({"config": vars(args), "results": results, "speedup": round(baseline / helped, 3)}))
+    baseline = results["one_reward_worker"]["step_s_mean"]
+    speedups = {arm: round(baseline / r["step_s_mean"], 3) for arm, r in results.items() if arm != "one_reward_worker"}
+    print(json.dumps({"config": vars(args), "results": results, "speedup": speedups}))
 
 
 if __name__ == "__main__":

@@ -135,3 +135,21 @@ def write_rl_stages_env(folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "turns_env.py").write_text(TURNS_ENV)
     return RL_STAGES_TABLES
+
+
+SLOW_REWARD = """import time
+
+from rlctl.workload.rewardfn import task_score
+
+
+def slow_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep({seconds})
+    return task_score(data_source, solution_str, ground_truth, extra_info)
+"""
+
+
+def slow_reward_table(folder: Path, helper_backlog: int = 0, seconds: float = 0.05) -> str:
+    """A ``[reward]`` table whose function sleeps ``seconds`` a sample before the reference task's
+    scoring (a sandboxed code run, a remote judge); its file is written into ``folder``."""
+    (folder / "slow_reward.py").write_text(SLOW_REWARD.format(seconds=seconds))
+    return f'\n[reward]\nfunction = "slow_reward.py:slow_score"\nhelper_backlog = {helper_backlog}\n'

@@ -117,7 +117,8 @@ class DataOps:
         wid = slot.wid or ""
         _, held = scheduler.work_held_by(wid, "scoring")
         if not held:
-            self.orc.shell.commit_decided(scheduler.dispatch_scoring(slot.slot, wid, int(args.get("capacity", 32)), now))
+            capacity = int(args.get("capacity", 32))
+            self.orc.shell.commit_decided(scheduler.dispatch_scoring(slot.slot, wid, capacity, now, self._scorers()))
             _, held = scheduler.work_held_by(wid, "scoring")
         if not held:
             return {"wait_s": WAIT_S}
@@ -129,9 +130,20 @@ class DataOps:
         scheduler = self.orc.scheduler
         wid = slot.wid or ""
         backlog = int(self.orc.spec.reward.get("helper_backlog", 0))
-        self.orc.shell.commit_decided(scheduler.dispatch_helper_scoring(slot.slot, wid, backlog, now))
+        self.orc.shell.commit_decided(scheduler.dispatch_helper_scoring(slot.slot, wid, backlog, now, self._scorers()))
         _, held = scheduler.work_held_by(wid, "scoring")
         return {"score": self._scoring_items(held)} if held else {"wait_s": WAIT_S}
+
+    def _scorers(self) -> int:
+        """How many workers share the reward queue: the reward worker alone, or while helpers help
+        (at least ``[reward] helper_backlog`` samples wait) every live reward and rollout worker
+        and warm standby."""
+        slots = self.orc.model.slots.values()
+        helper_backlog = int(self.orc.spec.reward.get("helper_backlog", 0))
+        if helper_backlog <= 0 or self.orc.scheduler.scoring_backlog() < helper_backlog:
+            return 1
+        return max(1, sum(1 for s in slots if s.wid and takes_work(s)
+                          and (s.phase == "standby" if s.standby else s.role in ("reward", "rollout"))))
 
     def _scoring_items(self, held: list[Any]) -> list[dict[str, Any]]:
         scheduler = self.orc.scheduler

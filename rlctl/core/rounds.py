@@ -46,7 +46,7 @@ from rlctl.core.round_state import (
 if TYPE_CHECKING:
     from rlctl.core.spec import JobSpec
 
-HELPER_CHUNK = 8  # samples an idle rollout worker scores at a time (small: it gives them back fast)
+HELPER_CHUNK = 8  # at most this many samples a helper scores at a time (small: it gives them back fast)
 
 
 def episode_facts(env: Any) -> dict[str, Any] | None:
@@ -150,17 +150,20 @@ class RoundScheduler(RoundState):
         self._maybe_close(out, at)
         return out
 
-    def dispatch_scoring(self, slot: str, wid: str, capacity: int, at: float) -> list[Event]:
-        """Hand up to ``capacity`` generated, unscored samples to reward worker ``wid`` (the
-        round's first, then the held-out evaluation's)."""
-        if capacity <= 0:
+    def dispatch_scoring(self, slot: str, wid: str, capacity: int, at: float, scorers: int = 1) -> list[Event]:
+        """Hand generated, unscored samples to scorer ``wid`` (the round's first, then the held-out
+        evaluation's): an even share of them when ``scorers`` workers may score (reward capacity
+        from helpers: one that asks first must not take a batch the others could score beside
+        it), and never more than ``capacity``."""
+        take = min(capacity, -(-self.scoring_backlog() // max(1, scorers)))
+        if take <= 0:
             return []
         rnd = self.round
         chosen: list[str] = []
         if rnd is not None and not rnd.closed:
-            chosen = [s.item_id for s in self._ordered_samples(rnd) if s.status == DONE][:capacity]
-        if self.held_out is not None and len(chosen) < capacity:
-            chosen += [s.item_id for s in self.held_out.samples.values() if s.status == DONE][:capacity - len(chosen)]
+            chosen = [s.item_id for s in self._ordered_samples(rnd) if s.status == DONE][:take]
+        if self.held_out is not None and len(chosen) < take:
+            chosen += [s.item_id for s in self.held_out.samples.values() if s.status == DONE][:take - len(chosen)]
         if not chosen:
             return []
         return self._emit([], event(EventKind.SCORING_DISPATCHED, at, slot=slot, wid=wid, item_ids=chosen))
@@ -173,13 +176,14 @@ class RoundScheduler(RoundState):
             waiting += sum(1 for s in self.held_out.samples.values() if s.status == DONE)
         return waiting
 
-    def dispatch_helper_scoring(self, slot: str, wid: str, min_backlog: int, at: float) -> list[Event]:
-        """Reward capacity from idle capacity: an idle rollout worker takes a small chunk of the
-        unscored samples while at least ``min_backlog`` wait (0: never). Chunks stay small, so the
-        worker is back to generating as soon as a round has work for it."""
+    def dispatch_helper_scoring(self, slot: str, wid: str, min_backlog: int, at: float, scorers: int = 1) -> list[Event]:
+        """Reward capacity from idle capacity: an idle rollout worker or a warm standby takes its
+        share of the unscored samples (at most ``HELPER_CHUNK``) while at least ``min_backlog``
+        wait (0: never). Chunks stay small, so the worker is back to generating as soon as a round
+        has work for it."""
         if min_backlog <= 0 or self.scoring_backlog() < min_backlog:
             return []
-        return self.dispatch_scoring(slot, wid, HELPER_CHUNK, at)
+        return self.dispatch_scoring(slot, wid, HELPER_CHUNK, at, scorers)
 
     def submit_scores(self, wid: str, scores: list[dict[str, Any]], at: float) -> list[Event]:
         """Store rewards from reward worker ``wid``; close the round when the batch is full."""

@@ -1,5 +1,6 @@
 """Reward scheduling in the round scheduler: generation never waits for a verifier, idle rollout
-workers take small chunks of a long scoring backlog (and never below the threshold), a helper
+workers take small chunks of a long scoring backlog (and never below the threshold), every scorer
+takes an even share, a helper
 that dies gives its samples back, and the groups streamed to the trainer are the batch's prefix."""
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ def test_idle_rollouts_take_small_chunks_of_a_long_backlog_only() -> None:
     assert scheduler.scoring_backlog() == backlog - HELPER_CHUNK
     scheduler.release_worker("r0.0", "the helper died", 3.0)
     assert scheduler.scoring_backlog() == backlog, "its samples wait for a score again"
+
+
+def test_scorers_take_even_shares_so_the_first_to_ask_does_not_take_the_batch() -> None:
+    scheduler, _ = started(batch=4, group=4, prompts=40)
+    generate_all(scheduler, 1.0)
+    backlog = scheduler.scoring_backlog()
+    assert backlog == 16
+    taken = scheduler.dispatch_scoring("w0", "w0.0", 32, 2.0, scorers=4)  # the reward worker, 3 helpers beside it
+    assert len(taken[0].data["item_ids"]) == 4
+    helper = scheduler.dispatch_helper_scoring("r0", "r0.0", 2, 2.0, scorers=4)
+    assert len(helper[0].data["item_ids"]) == 3, "an even share of the 12 left"
+    assert len(scheduler.dispatch_scoring("w1", "w1.0", 32, 2.0)[0].data["item_ids"]) == 9, "alone, all there is"
+    assert scheduler.dispatch_scoring("w2", "w2.0", 32, 2.0, scorers=4) == [], "nothing left"
 
 
 def test_the_streamed_groups_are_the_prefix_of_the_batch() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlctl.jobtemplates import write_job  # noqa: F401  (re-exported for the tests)
+from rlctl.jobtemplates import slow_reward_table, write_job  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,21 +113,3 @@ def run_to_end(state_dir: Path, job_file: Path, timeout: float) -> tuple[dict[st
     finally:
         rlctl(state_dir, "stop", job_id, check=False)
         kill_everything_under(job_file.parent)
-
-
-SLOW_REWARD = """import time
-
-from rlctl.workload.rewardfn import task_score
-
-
-def slow_score(data_source, solution_str, ground_truth, extra_info=None):
-    time.sleep(0.05)
-    return task_score(data_source, solution_str, ground_truth, extra_info)
-"""
-
-
-def slow_reward_table(tmp_path: Path, helper_backlog: int = 0) -> str:
-    """A ``[reward]`` table whose function sleeps 50 ms a sample before the reference task's scoring
-    (a sandboxed code run, a remote judge); its file is written into ``tmp_path``."""
-    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
-    return f'\n[reward]\nfunction = "slow_reward.py:slow_score"\nhelper_backlog = {helper_backlog}\n'
