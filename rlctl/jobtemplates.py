@@ -55,7 +55,7 @@ nodes = 0
 nodes = {trainers}
 {gpus_line}[roles.rollout]
 nodes = {rollouts}
-{gpus_line}[roles.reward]
+{gpus_line}{rollout_placement}[roles.reward]
 nodes = 1
 
 [spares]
@@ -89,17 +89,21 @@ def gpu_line(gpus_per_node: int) -> str:
 
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
               policy: str = "role", checkpoint_every: int = 3, max_restarts: int = 2, step_scale: int = 1,
-              trainers: int = 1, agent_tls: str = "auto", extra_tables: str = "", gpus_per_node: int = 1) -> Path:
+              trainers: int = 1, agent_tls: str = "auto", extra_tables: str = "", gpus_per_node: int = 1,
+              colocated: bool = False) -> Path:
     """The small reference job as a file; ``extra_tables`` (TOML) is appended, e.g. ``[model]``,
     ``[data]`` and ``[reward]`` for a job on a Hugging Face model. ``gpus_per_node`` (simulated):
-    a trainer node runs that many ranks, a rollout node that many engines."""
-    nodes = trainers + rollouts + 1 + spares
+    a trainer node runs that many ranks, a rollout node that many engines. ``colocated``: the
+    engines run on the trainer nodes (``rollouts`` must then equal ``trainers``)."""
+    nodes = trainers + (0 if colocated else rollouts) + 1 + spares
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{name}.toml"
     path.write_text(SMALL_JOB.format(name=name, steps=steps, trainers=trainers, rollouts=rollouts, spares=spares, nodes=nodes,
                                      policy=policy, checkpoint_every=checkpoint_every,
                                      max_restarts=max_restarts, agent_tls=agent_tls,
-                                     gpus_line=gpu_line(gpus_per_node)) + workload_tables(step_scale)
+                                     gpus_line=gpu_line(gpus_per_node),
+                                     rollout_placement='placement = "colocated"\n' if colocated else "")
+                    + workload_tables(step_scale)
                     + extra_tables)
     return path
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from rlctl.controller.env_ops import EnvOps
 from rlctl.controller.op_rules import WAIT_S, OpError, require_role, takes_work
+from rlctl.core.colocation import engine_may_generate, trainer_may_step
 from rlctl.core.envcalls import answer_deadline_s
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import SlotRecord
@@ -54,6 +55,8 @@ class DataOps:
             return {"wait_s": WAIT_S}
         wid = slot.wid or ""
         kind, held = scheduler.work_held_by(wid, "inflight")
+        if not held and self.orc.spec.colocated and not engine_may_generate(self.orc.model, scheduler, slot):
+            return self._helper_scoring(slot, now)  # the trainer beside it steps: score (CPU) or wait, never generate
         if not held:
             self.orc.shell.commit_decided(scheduler.dispatch(slot.slot, wid, int(args.get("capacity", 8)), now))
             kind, held = scheduler.work_held_by(wid, "inflight")
@@ -217,7 +220,7 @@ class DataOps:
         if step >= self.orc.model.total_steps:
             return {"stop": True}
         batch = self.orc.scheduler.batch_for(step)
-        if batch is None:
+        if batch is None or (self.orc.spec.colocated and not trainer_may_step(self.orc.model, self.orc.scheduler, slot)):
             return {"wait_s": WAIT_S}
         return {"step": step, "round": batch.kind, "weights_version": batch.weights_version,
                 "samples": self._train_samples(batch.prompt_ids, batch.samples)}

@@ -57,6 +57,7 @@ class WorkerLauncher:
             "env": spec.env.to_table(),
             "multi_turn": spec.multi_turn,
             "tensor_parallel_size": role.tensor_parallel_size if slot.role == "rollout" else 1,
+            "colocated": spec.colocated and slot.role in ("trainer", "rollout"),
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
         if self.on_this_machine:

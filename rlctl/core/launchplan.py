@@ -38,6 +38,7 @@ class RolePlan:
     command: tuple[str, ...]
     workers_per_node: int = 1
     gpus_per_worker: int = 0
+    colocated: bool = False  # its workers share the trainer's nodes (and their GPUs): it allocates no nodes
 
     @property
     def slots(self) -> tuple[str, ...]:
@@ -64,15 +65,16 @@ class LaunchPlan:
 
     @property
     def nodes_by_role(self) -> dict[str, int]:
-        return {role.role: role.nodes for role in self.roles}
+        """The nodes each role allocates (a colocated role none: it runs on the trainer's)."""
+        return {role.role: role.nodes for role in self.roles if not role.colocated}
 
     @property
     def nodes(self) -> int:
-        return sum(role.nodes for role in self.roles) + self.spares
+        return sum(self.nodes_by_role.values()) + self.spares
 
     def allocation(self, job_id: str) -> AllocationRequest:
         return AllocationRequest(job_id=job_id, nodes_by_role=self.nodes_by_role, spares=self.spares,
-                                 gpus_per_node={role.role: role.gpus_per_node for role in self.roles})
+                                 gpus_per_node={role.role: role.gpus_per_node for role in self.roles if not role.colocated})
 
     def scaled(self, nodes_by_role: dict[str, int], spares: int) -> LaunchPlan:
         """The same plan with other node counts (a role not named keeps its own), each node one
@@ -83,7 +85,8 @@ class LaunchPlan:
     def lines(self) -> list[str]:
         return [
             f"job {self.job}: {self.steps} steps, policy {self.policy}, backend {self.backend}",
-            "roles: " + ", ".join(f"{r.role} x{r.nodes} ({r.gpus_per_node} GPU/node, {r.workers_per_node} "
+            "roles: " + ", ".join(f"{r.role} x{r.nodes}{' colocated on the trainer nodes' if r.colocated else ''} "
+                                  f"({r.gpus_per_node} GPU/node, {r.workers_per_node} "
                                   f"worker(s)/node): {' '.join(r.command)}" for r in self.roles),
             f"spares: {self.spares} ({'warm trainer standby' if self.warm_spares else 'cold'})",
         ]
@@ -96,7 +99,7 @@ def plan(spec: JobSpec) -> LaunchPlan:
         steps=spec.steps,
         policy=spec.fault_tolerance.policy,
         roles=tuple(RolePlan(name, role.nodes, role.gpus_per_node, role.command, role.workers_per_node,
-                             role.gpus_per_worker)
+                             role.gpus_per_worker, role.colocated)
                     for name in ROLE_ORDER for role in (spec.roles[name],)),
         spares=spec.spare_nodes,
         warm_spares=spec.warm_spares,

@@ -168,14 +168,15 @@ class JobModel(FaultLedger, WeightsRegistry):
             life=Lifecycle.begin(NodeState.STARTING, ev.at, "allocated"),
             backend_ref=d.get("backend_ref", ""),
         )
-        # ``slots`` (slot -> GPUs) names every worker of the node; ``slot`` alone is a one-worker node.
+        # ``slots`` (slot -> GPUs) names every worker of the node; ``slot`` alone is a one-worker node;
+        # ``slot_roles`` gives each slot's role where they differ (colocated engines on a trainer node).
         placed: dict[str, list[int]] = d.get("slots") or ({d["slot"]: []} if d["slot"] else {})
         standby = bool(d.get("standby", False))
         for slot_name, gpus in placed.items():
             slot = self.slots.get(slot_name)
             if slot is None:
-                slot = self.slots[slot_name] = SlotRecord(slot=slot_name, role=d.get("role_of_slot", d["role"]),
-                                                          node=d["node"], standby=standby)
+                role = (d.get("slot_roles") or {}).get(slot_name) or d.get("role_of_slot", d["role"])
+                slot = self.slots[slot_name] = SlotRecord(slot=slot_name, role=role, node=d["node"], standby=standby)
             else:
                 slot.node = d["node"]
             if gpus:

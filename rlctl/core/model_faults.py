@@ -31,6 +31,7 @@ class FaultLedger:
         def slots_of(self, role: str) -> list[SlotRecord]: ...
         def slot_on_node(self, node: str) -> SlotRecord | None: ...
         def slots_on_node(self, node: str) -> list[SlotRecord]: ...
+        def slot_of_wid(self, wid: str) -> SlotRecord | None: ...
 
     def open_faults(self) -> list[FaultRecord]:
         return [f for f in self.faults.values() if f.open]
@@ -65,7 +66,9 @@ class FaultLedger:
 
     def _on_FaultInjected(self, ev: Event) -> None:
         d = ev.data
-        slot = self.slot_on_node(d["node"]) or next(iter(self.slots_on_node(d["node"])), None)
+        aimed = str(d["params"].get("worker") or "")  # a slot of the node or a worker id (``--worker``)
+        slot = (self.slots.get(aimed) or self.slot_of_wid(aimed) or self.slot_on_node(d["node"])
+                or next(iter(self.slots_on_node(d["node"])), None))
         self.faults[d["fault_id"]] = FaultRecord(
             fault_id=d["fault_id"],
             kind=d["kind"],
@@ -111,6 +114,10 @@ class FaultLedger:
             fault.verdict = d.get("fault_kind", d["fault"])
             fault.reason = d["reason"]
             fault.action = d.get("action", "")
+            failed = self.slots.get(d.get("slot") or "")
+            if failed is not None and failed.slot != fault.slot:
+                # The worker that failed: an injection's guess may have named its neighbour.
+                fault.slot, fault.impact = failed.slot, self.fault_impact(failed)
         slot = self.slots.get(d["slot"]) if d.get("slot") else None
         if slot is not None and slot.life is not None and slot.life.can_move(WorkerState.FAILED):
             slot.life.move(WorkerState.FAILED, ev.at, d["reason"][:80])

@@ -107,7 +107,10 @@ class WeightsRegistry:
 
     def weights_sources(self, version: int, exclude_slot: str = "", limit: int = STRIPED_HOLDERS) -> list[dict[str, Any]]:
         """Up to ``limit`` live holders of ``version`` for a striped pull, best first: rollouts (in an
-        order that differs per asker, to spread the load) before the trainer."""
+        order that differs per asker, to spread the load) before the trainer. A holder on the
+        asker's own node (a colocated trainer) is the only source when there is one: the weights
+        then never leave the node."""
+        asker = self.slots.get(exclude_slot)
         live = []
         for slot_name, source in self.weights_holders.get(version, {}).items():
             slot = self.slots.get(slot_name)
@@ -115,9 +118,12 @@ class WeightsRegistry:
                 continue
             if slot.life.state not in (WorkerState.RUNNING, WorkerState.STARTING):
                 continue
-            live.append((0 if slot.role == "rollout" else 1, slot_name, source))
-        live.sort(key=lambda item: (item[0], hash((item[1], exclude_slot)) % 97))
-        return [source for _, _, source in live[:limit]]
+            same_node = asker is not None and asker.node is not None and slot.node == asker.node
+            live.append((0 if same_node else 1, 0 if slot.role == "rollout" else 1, slot_name, source))
+        live.sort(key=lambda item: (item[0], item[1], hash((item[2], exclude_slot)) % 97))
+        if live and live[0][0] == 0:
+            live = [item for item in live if item[0] == 0]
+        return [source for *_, source in live[:limit]]
 
     def live_trainer_state(self) -> TrainerStateOffer | None:
         """The newest trainer-state offer while the worker that made it still runs (else None)."""

@@ -76,19 +76,27 @@ class Orchestrator:
 
     def place(self, grants: list[NodeGrant], roles: tuple[RolePlan, ...], warm_spares: bool) -> None:
         """Roles onto the granted nodes in order: trainers, rollouts, rewards, then spares (warm
-        standbys when ``warm_spares``). Each role node gets its plan's worker slots with their GPUs."""
+        standbys when ``warm_spares``). Each role node gets its plan's worker slots with their GPUs;
+        a colocated role's slots go onto the trainer's nodes, beside the ranks on the same GPUs."""
         now = self.shell.clock()
         events: list[Event] = []
         queue = list(grants)
         by_name = {role.role: role for role in roles}
+        guests = [plan for plan in roles if plan.colocated]
         for role in ROLES:
-            if role not in by_name:
+            if role not in by_name or by_name[role].colocated:
                 continue
             for index in range(by_name[role].nodes):
                 node = queue.pop(0)
                 slots = by_name[role].node_slots(index)
+                slot_roles = {name: role for name in slots}
+                if role == "trainer":
+                    for guest in guests:
+                        slots.update(guest.node_slots(index))
+                        slot_roles.update({name: guest.role for name in guest.node_slots(index)})
                 events.append(event(EventKind.NODE_ALLOCATED, now, node=node.name, host=node.host, role=role,
-                                    slot=next(iter(slots)), slots=slots, backend_ref=node.backend_ref))
+                                    slot=next(iter(slots)), slots=slots, backend_ref=node.backend_ref,
+                                    **({"slot_roles": slot_roles} if guests and role == "trainer" else {})))
         for index, node in enumerate(queue):
             events.append(event(EventKind.NODE_ALLOCATED, now, node=node.name, host=node.host, role="spare",
                                 slot=f"standby-{index}" if warm_spares else "", role_of_slot="trainer", standby=True,

@@ -43,8 +43,13 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
     node_bad = verdict.action in ("replace-node", "drain-replace")
     if slot is None:
         return _retire_node(verdict, drain=verdict.action == "drain-replace") if node_bad else []
+    if node_bad:
+        # On a colocated node a trainer rank leaves with the engines: plan for the rank.
+        slot = next((s for s in workers_on(model, verdict.node, slot) if s.role == "trainer"), slot)
     if slot.role == "trainer" and not slot.standby and len(trainer_group(model)) > 1:
         return _restart_trainer_group(model, verdict, slot, node_bad, max_restarts_per_slot)
+    if node_bad and slot.role == "trainer" and _standbys(model, verdict.node) and len(workers_on(model, verdict.node, slot)) > 1:
+        return _standby_takes_colocated_node(model, verdict, slot)
     if _standbys(model, verdict.node) and len(workers_on(model, verdict.node, slot)) == 1:
         # A warm standby takes the role at once; a healthy old node becomes the new spare.
         steps = [Step("stop-worker", {"slot": slot.slot}), Step("activate-standby", {
@@ -87,6 +92,20 @@ def _restart_trainer_group(model: JobModel, verdict: Verdict, slot: SlotRecord, 
         moved = {s.slot for s in leaving}
     return steps + [Step("restart-worker", {"slot": s.slot}) for s in trainer_group(model)
                     if s.slot not in moved and s.node is not None]
+
+
+def _standby_takes_colocated_node(model: JobModel, verdict: Verdict, trainer: SlotRecord) -> list[Step]:
+    """A lost colocated node: the warm standby takes the trainer at once, from its copy of the
+    trainer state, and the node's engines restart beside it on the standby's node (they pull the
+    weights from the other engines or the trainer). A new spare is asked for."""
+    standby = _standbys(model, verdict.node)[0]
+    engines = [s for s in workers_on(model, verdict.node, trainer) if s is not trainer]
+    return (_retire_node(verdict, drain=verdict.action == "drain-replace")
+            + [Step("stop-worker", {"slot": trainer.slot}),
+               Step("activate-standby", {"slot": trainer.slot, "standby_slot": standby.slot})]
+            + [Step("move-slot", {"slot": s.slot, "node": standby.node}) for s in engines]
+            + [Step("restart-worker", {"slot": s.slot}) for s in engines]
+            + [Step("request-spare", {"exclude_node": verdict.node})])
 
 
 def _standbys(model: JobModel, bad_node: str) -> list[SlotRecord]:

@@ -181,7 +181,14 @@ JOB_SCHEMA: dict[str, Field] = {
                     "GPUs; one engine on a node without GPUs); each engine is recovered on its own.",
                     {"tensor_parallel_size": Field(
                         "int", "GPUs of one generation engine (vLLM tensor parallelism); must divide gpus_per_node.",
-                        1, minimum=1)}),
+                        1, minimum=1),
+                     "placement": Field(
+                         "choice", "`disaggregated`: engines on their own nodes. `colocated` (verl's hybrid engine, ROLL's "
+                         "colocated device mapping): the engines run on the trainer's nodes and GPUs and take turns with it. "
+                         "An engine releases its memory while the trainer steps; the trainer offloads its optimizer state "
+                         "while the engines generate; weights reach the engine from the trainer on the same node. Needs "
+                         "`nodes` and `gpus_per_node` equal to the trainer's, and no `[trainer] stream`.",
+                         "disaggregated", choices=("disaggregated", "colocated"))}),
             ),
             "reward": Field(
                 "table",
@@ -474,6 +481,7 @@ class RoleSpec:
     command: tuple[str, ...]
     env: dict[str, str]
     tensor_parallel_size: int = 1
+    colocated: bool = False  # its workers run on the trainer's nodes and GPUs (allocates no nodes of its own)
 
     @property
     def gpus_per_worker(self) -> int:
@@ -625,7 +633,12 @@ class JobSpec:
 
     @property
     def nodes_needed(self) -> int:
-        return sum(r.nodes for r in self.roles.values()) + self.spare_nodes
+        return sum(r.nodes for r in self.roles.values() if not r.colocated) + self.spare_nodes
+
+    @property
+    def colocated(self) -> bool:
+        """The rollout engines share the trainer's nodes and GPUs (``[roles.rollout] placement``)."""
+        return self.roles["rollout"].colocated
 
     @property
     def long_batch(self) -> int:
@@ -656,7 +669,8 @@ def _cross_checks(values: dict[str, Any]) -> list[Problem]:
     if rollout_gpus and rollout_gpus % tensor_parallel:
         problems.append(Problem("roles.rollout.tensor_parallel_size",
                                 f"expected a divisor of roles.rollout.gpus_per_node ({rollout_gpus}), got {tensor_parallel}"))
-    needed = sum(r["nodes"] for r in roles.values()) + values["spares"]["nodes"]
+    problems.extend(_colocation_checks(values))
+    needed = sum(r["nodes"] for r in roles.values() if r.get("placement") != "colocated") + values["spares"]["nodes"]
     backend = values["cluster"]["backend"]
     cluster = values["cluster"][backend]
     if backend == "local":
@@ -719,6 +733,23 @@ def _cross_checks(values: dict[str, Any]) -> list[Problem]:
     return problems
 
 
+def _colocation_checks(values: dict[str, Any]) -> list[Problem]:
+    """Colocated engines live on the trainer's nodes and GPUs and take turns with it."""
+    roles = values["roles"]
+    rollout, trainer = roles["rollout"], roles["trainer"]
+    if rollout["placement"] != "colocated":
+        return []
+    problems = []
+    for key in ("nodes", "gpus_per_node"):
+        if rollout[key] != trainer[key]:
+            problems.append(Problem(f"roles.rollout.{key}", f"expected {trainer[key]} (roles.trainer.{key}): colocated "
+                                    f"engines run on the trainer's nodes and GPUs, got {rollout[key]}"))
+    if values["trainer"]["stream"]:
+        problems.append(Problem("trainer.stream", "expected false with roles.rollout.placement = \"colocated\": a "
+                                "streamed step trains while the engines on the same GPUs generate"))
+    return problems
+
+
 def _ssh_inventory_checks(cluster: dict[str, Any], needed: int) -> list[Problem]:
     problems: list[Problem] = []
     names: list[str] = []
@@ -747,6 +778,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
             command=tuple(table["command"]),
             env=dict(table["env"]),
             tensor_parallel_size=int(table.get("tensor_parallel_size", 1)),
+            colocated=table.get("placement") == "colocated",
         )
         for name, table in values["roles"].items()
     }

@@ -98,6 +98,9 @@ class Rollout:
         self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
         self.server.start()
         self.held_version = -1
+        self.held_bundle: Any = None  # the weights as received (served on; a sleeping engine wakes from them)
+        # Colocated with trainer ranks on the same GPUs: the engine sleeps whenever it has nothing to generate.
+        self.colocated = bool(settings.get("colocated", False))
         self.tokens_generated = 0
         self.scorer: tuple[Any, Any] | None = None  # the reward function's sandbox, made when first asked to help
         self.episodes: Any = None  # the multi-turn episode runner, made for the first episodes
@@ -151,6 +154,7 @@ class Rollout:
             raise RuntimeError(f"asked for weights v{version}, holder sent v{got}")
         self.engine.load_state_dict(unflatten(bundle.manifest, bundle.buffer), got)
         self.held_version = got
+        self.held_bundle = bundle
         descriptor = self.server.publish_bundle(bundle)  # serve on exactly the bytes received, no copy
         self.w.notify("weights.held", version=got, source=descriptor, bytes=int(bundle.manifest.nbytes),
                       seconds=round(time.monotonic() - started, 6), holders=len(sources))
@@ -240,15 +244,23 @@ class Rollout:
         return EpisodeRunner(self.engine, self.env_client, tokenizer, observations, int(env.get("max_turns", 4)),
                              chunk_tokens=CHUNK_TOKENS)
 
+    def release_engine(self) -> None:
+        """Colocated: free the engine's memory for the trainer beside it (``sleeping``)."""
+        if self.colocated and not self.engine.asleep:
+            self.engine.sleep()
+            self.w.phase("sleeping", self.step)
+
     def run(self) -> int:
         capacity = int(self.settings.get("worker_batch", 16))
         while True:
-            self.w.phase("waiting-for-work", self.step)
+            self.w.phase("sleeping" if self.engine.asleep else "waiting-for-work", self.step)
             work = self.w.request("rollout.get_work", capacity=capacity)
             if work and "score" in work:
+                self.release_engine()
                 self.help_score(work["score"])
                 continue
             if not work or "items" not in work:
+                self.release_engine()
                 if wait_or_stop(work):
                     return 0
                 continue
@@ -256,6 +268,11 @@ class Rollout:
             version = int(work["weights_version"])
             if version != self.held_version:
                 self.sync_weights(version, list(work.get("weights_sources") or []))
+            elif self.engine.asleep:
+                from rlctl.weights import unflatten
+
+                self.w.phase("weight-sync", self.step)
+                self.engine.load_state_dict(unflatten(self.held_bundle.manifest, self.held_bundle.buffer), version)
             results = self.play(work) if self.settings.get("multi_turn", False) else self.generate(work)
             if results:
                 self.w.request("rollout.submit", results=results)

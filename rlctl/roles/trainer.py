@@ -36,6 +36,7 @@ class TrainerRole:
     def __init__(self, w: worker.Worker, settings: RoleSettings) -> None:
         from rlctl.weights import WeightServerThread
         from rlctl.workload.grpo import GRPOConfig
+        from rlctl.workload.offload import OptimizerOffload
         from rlctl.workload.trainer import Trainer, TrainerConfig
 
         self.w = w
@@ -68,6 +69,8 @@ class TrainerRole:
         self.state_server: WeightServerThread | None = None
         # (step, bytes): the previous trainer's full state, copied while this worker was a warm standby
         self.held_state: tuple[int, bytes] | None = None
+        # Colocated with engines on the same GPUs: the optimizer state leaves them while this waits.
+        self.offload = OptimizerOffload(self.trainer.optimizer, self.trainer.device) if settings.get("colocated", False) else None
 
     def wait_until_active(self) -> dict[str, Any]:
         while True:
@@ -122,11 +125,15 @@ class TrainerRole:
     def fetch_batch(self, step: int) -> list[Any] | None:
         from rlctl.workload.trainer import TrainSample
 
+        if self.offload is not None:
+            self.offload.offload()
         while True:
             self.w.phase("waiting-for-batch", step)
             reply = self.w.request("trainer.get_batch", step=step)
             if reply and "samples" in reply:
                 self.round_kind = str(reply.get("round", ""))
+                if self.offload is not None:
+                    self.offload.reload()
                 return [TrainSample.from_dict(s) for s in reply["samples"]]
             if wait_or_stop(reply):
                 return None

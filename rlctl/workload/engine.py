@@ -102,6 +102,12 @@ class GenerationEngine(Protocol):
     @property
     def version(self) -> int: ...
 
+    @property
+    def asleep(self) -> bool: ...
+
+    def sleep(self) -> None:
+        """Release the engine's accelerator memory; the next ``load_state_dict`` wakes it."""
+
     def load_state_dict(self, state: dict[str, Tensor], version: int) -> None: ...
 
     def generate(self, requests: list[GenRequest], max_new_tokens: int,
@@ -206,13 +212,38 @@ class TorchEngine:
         self._version = 0
         self._stops = self.sampling.stops()
         self.last_stats = GenerationStats()
+        self._kept_buffers: dict[str, Tensor] | None = None  # while asleep: the buffers no state dict carries
 
     @property
     def version(self) -> int:
         return self._version
 
+    @property
+    def asleep(self) -> bool:
+        return self._kept_buffers is not None
+
+    def sleep(self) -> None:
+        """Release the weights' memory (a colocated trainer steps on the same GPUs); the next
+        ``load_state_dict`` brings them back. Buffers no state dict carries (rotary tables) are
+        kept as they are."""
+        if self.asleep:
+            return
+        self._kept_buffers = dict(self.model.named_buffers())  # type: ignore[attr-defined]
+        self.model.to("meta")  # type: ignore[attr-defined]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _wake_up(self) -> None:
+        kept, self._kept_buffers = self._kept_buffers or {}, None
+        self.model.to_empty(device=self.device)  # type: ignore[attr-defined]
+        for name, buffer in kept.items():
+            owner, _, leaf = name.rpartition(".")
+            self.model.get_submodule(owner)._buffers[leaf] = buffer  # type: ignore[attr-defined]
+
     def load_state_dict(self, state: dict[str, Tensor], version: int) -> None:
-        """Replace the weights (strict key match) and record their version."""
+        """Replace the weights (strict key match) and record their version; wakes a sleeping engine."""
+        if self.asleep:
+            self._wake_up()
         self.model.load_state_dict(state)  # type: ignore[attr-defined]
         self._version = version
 
@@ -227,6 +258,8 @@ class TorchEngine:
         rows still running; those it returns are dropped at once. ``on_finished`` sees every
         returned result exactly once (the last ones just before the call returns).
         """
+        if self.asleep:
+            raise RuntimeError("the engine is asleep: load weights (load_state_dict) before generating")
         started = time.perf_counter()
         self.last_stats = GenerationStats(batch_size=len(requests))
         if not requests or max_new_tokens <= 0:

@@ -168,6 +168,7 @@ class VllmEngine:
         processing (e.g. the CPU build's oneDNN repacking), then drops the prefix cache.
         """
         self._check_keys(state)
+        self.wake_up()
         self._phase("weight-sync")
         started = time.perf_counter()
         items = list(state.items())
@@ -196,6 +197,8 @@ class VllmEngine:
 
         ``on_finished`` and ``should_cancel`` are called every ``chunk_tokens`` engine steps, as in
         ``TorchEngine.generate``."""
+        if self._asleep:
+            raise RuntimeError("the engine is asleep: wake_up() or load_state_dict() before generating")
         started = time.perf_counter()
         self.last_stats = GenerationStats(batch_size=len(requests))
         if not requests or max_new_tokens <= 0:
@@ -251,18 +254,31 @@ class VllmEngine:
             active.difference_update(cancelled)
             self.last_stats.cancelled += len(cancelled)
 
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
     def sleep(self, level: int = 1) -> None:
-        """Free accelerator memory between rounds (level 1 keeps weights in host memory)."""
-        if not self.can_sleep:
-            raise NotImplementedError("vLLM sleep mode is not available on this platform")
-        self.llm.sleep(level=level)
+        """Free accelerator memory between rounds: vLLM's sleep mode where the platform has it
+        (level 1 keeps weights in host memory), else the engine is shut down and started again
+        on ``wake_up`` (release and reload)."""
+        if self._asleep:
+            return
+        if self.can_sleep:
+            self.llm.sleep(level=level)
+        else:
+            self.close()
         self._asleep = True
         self._phase("idle")
 
     def wake_up(self) -> None:
-        """Re-allocate weights and KV cache after ``sleep``; a no-op when awake."""
+        """Re-allocate weights and KV cache after ``sleep`` (or start the engine again); a no-op when awake."""
         if self._asleep:
-            self.llm.wake_up()
+            if self.llm is None:
+                self._phase("compiling")
+                self.llm = self._start()
+            else:
+                self.llm.wake_up()
             self._asleep = False
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ def _ops(tail: bool = False) -> tuple[DataOps, Orchestrator]:
     model = running_job()
     scheduler = make_scheduler(tail=tail)
     shell = RecordingShell(model)
-    spec = SimpleNamespace(env=EnvSpec(), multi_turn=False)
+    spec = SimpleNamespace(env=EnvSpec(), multi_turn=False, colocated=False, reward={"on_error": "zero", "helper_backlog": 0})
     orchestrator = Orchestrator(spec, model, scheduler, None, shell)  # type: ignore[arg-type]
     scheduler.start_round(0, 1.0)
     return DataOps(orchestrator, lambda now: None), orchestrator
@@ -66,7 +66,7 @@ def _scored_items(ops: DataOps, c: Orchestrator) -> list[dict]:
 
 def _with_reward_policy(ops: DataOps, c: Orchestrator, on_error: str) -> list[str]:
     stops: list[str] = []
-    ops.orc.spec = SimpleNamespace(reward={"on_error": on_error}, env=EnvSpec(), multi_turn=False)  # type: ignore[assignment]
+    ops.orc.spec = SimpleNamespace(reward={"on_error": on_error}, env=EnvSpec(), multi_turn=False, colocated=False)  # type: ignore[assignment]
     c.shell.commit = c.shell.commit_decided  # type: ignore[method-assign]
     ops.orc.request_stop = stops.append  # type: ignore[method-assign,assignment]
     return stops
@@ -104,14 +104,21 @@ def test_a_reward_function_error_fails_the_job_when_asked() -> None:
 def test_a_warm_standby_scores_a_chunk_of_a_long_reward_queue_and_is_still_a_standby() -> None:
     ops, c = _ops()
     ops.orc.spec = SimpleNamespace(reward={"on_error": "zero", "helper_backlog": 2}, env=EnvSpec(),  # type: ignore[assignment]
-                                   multi_turn=False)
+                                   multi_turn=False, colocated=False)
     c.shell.commit = c.shell.commit_decided  # type: ignore[method-assign]
     rollout, standby = c.model.slots["rollout-0"], c.model.slots["standby-0"]
-    items = ops.op_rollout_get_work(rollout, {"capacity": 4}, 2.0)["items"]
+    items = ops.op_rollout_get_work(rollout, {"capacity": 8}, 2.0)["items"]
     ops.op_rollout_submit(rollout, {"results": [{"item_id": i["item_id"], "response_tokens": [5, 2], "truncated": False,
                                                  "weights_version": 0} for i in items]}, 2.1)
+    assert len(items) == 8
+    # Four may score (the reward worker, two rollouts, the standby): the standby takes a quarter.
     reply = ops.op_standby_wait(standby, {"trainer_state_step": -1}, 2.2)
-    assert reply["standby"] and [s["item_id"] for s in reply["score"]] == [i["item_id"] for i in items]
+    assert reply["standby"] and [s["item_id"] for s in reply["score"]] == [i["item_id"] for i in items[:2]]
     scores = [{"item_id": s["item_id"], "reward": 1.0, "correct": True} for s in reply["score"]]
-    assert ops.op_reward_submit(standby, {"scores": scores}, 2.3) == {"accepted": len(items)}
-    assert "score" not in ops.op_standby_wait(standby, {"trainer_state_step": -1}, 2.4)  # nothing left to score
+    assert ops.op_reward_submit(standby, {"scores": scores}, 2.3) == {"accepted": 2}
+    shares = []
+    while "score" in (reply := ops.op_standby_wait(standby, {"trainer_state_step": -1}, 2.4)):
+        shares.append(len(reply["score"]))
+        ops.op_reward_submit(standby, {"scores": [{"item_id": s["item_id"], "reward": 1.0} for s in reply["score"]]}, 2.5)
+    assert shares == [2, 1, 1, 1], "an even share while at least helper_backlog samples wait, then none"
+    assert c.scheduler.scoring_backlog() == 1 and reply["standby"]

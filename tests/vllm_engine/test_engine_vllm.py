@@ -219,11 +219,15 @@ def test_finished_requests_are_reported_each_once_at_chunk_boundaries(engine: An
 
 
 @pytest.mark.vllm
-def test_sleep_is_refused_on_cpu(engine: Any) -> None:
-    if engine.can_sleep:
-        engine.sleep()
-        engine.wake_up()
-        assert engine.generate(requests(1), 4)
-    else:
-        with pytest.raises(NotImplementedError):
-            engine.sleep()
+def test_sleep_frees_the_engine_and_loading_weights_wakes_it(engine: Any, policy: Any) -> None:
+    """Colocation: vLLM's sleep mode where the platform has it, else release and restart (CPU)."""
+    before = [r.response_tokens for r in engine.generate(requests(2), 6)]
+    engine.sleep()
+    assert engine.asleep
+    if not engine.can_sleep:
+        assert engine.llm is None, "released: the engine was shut down"
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(requests(1), 4)
+    engine.load_state_dict(policy.state_dict(), 8)  # what a colocated rollout does with the next version
+    assert not engine.asleep and engine.version == 8
+    assert [r.response_tokens for r in engine.generate(requests(2), 6)] == before

@@ -88,6 +88,30 @@ def test_engine_generates_streams_and_cancels_on_hf(model_dir: Path) -> None:
     assert cancelled_once and cancelled_once[0] not in {r.item_id for r in results}
 
 
+def test_a_sleeping_engine_holds_no_weights_and_wakes_with_the_next_ones(model_dir: Path) -> None:
+    """Colocation: the engine releases its weights while the trainer steps; loading the next
+    version wakes it, and it generates exactly what an engine that never slept does."""
+    prompt = ChatTokenizer(model_dir).encode_prompt(MESSAGES)
+    requests = [GenRequest(f"r{i}", prompt, seed=i) for i in range(4)]
+    engine = TorchEngine(load_hf_policy(model_dir), _sampling(model_dir))
+    other = load_hf_policy(model_dir)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    awake = TorchEngine(load_hf_policy(model_dir), _sampling(model_dir))
+    awake.load_state_dict(other.state_dict(), 1)
+
+    engine.sleep()
+    assert engine.asleep
+    assert all(p.is_meta for p in engine.model.parameters()), "every weight released"
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(requests, 4)
+    engine.load_state_dict(other.state_dict(), 1)
+    assert not engine.asleep and engine.version == 1
+    assert [r.response_tokens for r in engine.generate(requests, 12)] == \
+        [r.response_tokens for r in awake.generate(requests, 12)]
+
+
 def test_engine_stops_at_any_stop_token(model_dir: Path) -> None:
     policy = load_hf_policy(model_dir)
     prompt = ChatTokenizer(model_dir).encode_prompt(MESSAGES)
