@@ -5,6 +5,7 @@ must raise zero verdicts. "10% failure injection" = at each RL step, probability
 fault of a random kind hits one random node of the job (DESIGN.md).
 
     python bench/chaos_ettr.py [--steps 120] [--rate 0.1] [--seed 0] [--sweep 0.05,0.1,0.2] [--step-scale 1] [--rl-stages]
+    python bench/chaos_ettr.py --placements [--steps 60] [--clean-steps 30]   # colocated vs disaggregated
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -46,14 +47,23 @@ def rlctl(env: dict[str, str], *args: str) -> str:
     return result.stdout
 
 
+# Two layouts on the same nodes (3 role nodes and a spare, one simulated GPU each): the
+# reference job's split roles against trainer ranks with an engine colocated on each node.
+PLACEMENTS: dict[str, dict[str, Any]] = {
+    "disaggregated": {"trainers": 1, "rollouts": 1},
+    "colocated": {"trainers": 2, "rollouts": 2, "colocated": True},
+}
+
+
 def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int, step_scale: int = 1,
-            rl_stages: bool = False) -> dict[str, Any]:
+            rl_stages: bool = False, layout: dict[str, Any] | None = None) -> dict[str, Any]:
     """Launch the job, soak it with `rlctl chaos` until it finishes, return its report."""
     env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"), UCX_NET_DEVICES="lo", UCXPY_PROGRESS_MODE="blocking",
                UCX_WARN_UNUSED_ENV_VARS="n")
     env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
     spec = write_job(workdir, name=f"bench-{policy}", steps=steps, spares=1, policy=policy, checkpoint_every=5,
-                     max_restarts=2, step_scale=step_scale, extra_tables=write_rl_stages_env(workdir) if rl_stages else "")
+                     max_restarts=2, step_scale=step_scale, extra_tables=write_rl_stages_env(workdir) if rl_stages else "",
+                     **(layout or {}))
     launched = json.loads(rlctl(env, "launch", str(spec), "--json").strip().splitlines()[-1])
     job = launched["job_id"]
     log(f"{policy}: launched {job} ({steps} steps, rate {rate})")
@@ -117,6 +127,27 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def compare_placements(args: argparse.Namespace) -> None:
+    """Colocated against disaggregated on the same nodes, role policy: fault-free step time, then
+    ETTR under the soak. Prints one JSON object."""
+    results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed, "placements": PLACEMENTS,
+                               "definition": "per RL step, probability `rate` that one random node gets a random fault",
+                               "kinds": KINDS.split(",")}
+    with tempfile.TemporaryDirectory(prefix="rlctl-placement-") as tmp:
+        for name, layout in PLACEMENTS.items():
+            clean = run_job(Path(tmp) / f"{name}-clean", "role", args.clean_steps, 0.0, args.seed, args.step_scale,
+                            layout=layout)
+            soaked = summarize(run_job(Path(tmp) / f"{name}-soak", "role", args.steps, args.rate, args.seed,
+                                       args.step_scale, layout=layout))
+            results[name] = {"fault_free": {"verdicts": clean["verdicts"], "steps": clean["steps"],
+                                            "productive_s_per_step": round(clean["seconds"]["productive"] / max(clean["steps"], 1), 3),
+                                            "time_per_step_s": round(clean["wall_s"] / max(clean["steps"], 1), 3)},
+                             "soak": soaked}
+    results["step_time_ratio"] = round(results["disaggregated"]["fault_free"]["productive_s_per_step"]
+                                       / max(results["colocated"]["fault_free"]["productive_s_per_step"], 1e-9), 3)
+    print(json.dumps(results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=120)
@@ -128,7 +159,12 @@ def main() -> None:
                         help="prompts per step times this (a step does that much more work; default 1: ~1 s steps)")
     parser.add_argument("--rl-stages", action="store_true",
                         help="stream training, reward helpers and an env worker with multi-turn episodes switched on")
+    parser.add_argument("--placements", action="store_true",
+                        help="instead: colocated against disaggregated on the same nodes (role policy), fault-free and soaked")
     args = parser.parse_args()
+    if args.placements:
+        compare_placements(args)
+        return
     results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed, "step_scale": args.step_scale, "rl_stages": args.rl_stages,
                                "definition": "per RL step, probability `rate` that one random node gets a random fault",
                                "kinds": KINDS.split(",")}

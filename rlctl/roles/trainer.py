@@ -28,6 +28,9 @@ from rlctl import worker
 from rlctl.roles.common import RoleSettings, model_path, setup_torch, wait_or_stop
 
 CURSOR_FILE = "cursor.json"
+# The metrics of the step a checkpoint ends with: a trainer killed after writing the checkpoint but
+# before publishing reports them when it resumes from it, so the step's record is not lost.
+STEP_METRICS_FILE = "step_metrics.json"
 
 TRAINER_STATE_KEY = "trainer_state"  # the one uint8 tensor of a served trainer state
 
@@ -62,6 +65,7 @@ class TrainerRole:
             self.server.start()
         self.version = 0
         self.round_kind = ""  # the kind of round the last fetched batch came from (short, long, sync)
+        self.last_metrics: dict[str, float] | None = None  # the last trained step's, until published
         self.checkpoint_every = int(settings.get("checkpoint_every", 5))
         self.replicate_state = bool(settings.get("replicate_trainer_state", True)) and self.trainer.dist.world_size == 1
         self.stream = bool(settings.get("stream", False))
@@ -84,10 +88,13 @@ class TrainerRole:
         """The held in-memory state or the checkpoint, whichever is newer, then retrain retained
         batches up to the controller's published version."""
         replayed: list[int] = []
+        unpublished: dict[str, float] | None = None
         state_step = self.restore_held_state(init)
         if state_step is None and init.get("checkpoint"):
             self.w.phase("loading")
             self.version = self.trainer.load_checkpoint(init["checkpoint"])
+            if self.version > int(init.get("target_version", 0)):
+                unpublished = self.checkpoint_metrics(init["checkpoint"])
         for step in init.get("replay_batches", []):
             if step < self.version:
                 continue
@@ -98,10 +105,23 @@ class TrainerRole:
             self.train(batch)
             self.version = step + 1
             replayed.append(step)
-        self.publish(metrics=None)
+            unpublished = None
+        self.publish(metrics=unpublished)
         if self.leader:
             self.w.request("trainer.restored", checkpoint_step=init.get("checkpoint_step"), replayed_steps=replayed,
                            state_step=state_step)
+
+    def checkpoint_metrics(self, path: str) -> dict[str, float] | None:
+        """The metrics the checkpoint at ``path`` was written with (its step was never published)."""
+        from pathlib import Path
+
+        try:
+            saved = json.loads((Path(path) / STEP_METRICS_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        self.round_kind = str(saved.get("round", ""))
+        metrics = saved.get("metrics")
+        return {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else None
 
     def restore_held_state(self, init: dict[str, Any]) -> int | None:
         """Resume from the state copied as a standby when it is newer than the checkpoint and not
@@ -242,6 +262,8 @@ class TrainerRole:
         if self.leader:
             cursor = self.w.request("trainer.cursor", step=self.version) or {}
             extra[CURSOR_FILE] = json.dumps(cursor, indent=1).encode()
+            if self.last_metrics is not None:
+                extra[STEP_METRICS_FILE] = json.dumps({"round": self.round_kind, "metrics": self.last_metrics}).encode()
         self.trainer.save_checkpoint(path, extra)
         if self.leader:
             self.w.request("trainer.checkpointed", step=self.version, path=str(path))
@@ -256,6 +278,7 @@ class TrainerRole:
             if metrics is None:
                 return 0
             self.version = step + 1
+            self.last_metrics = metrics
             if self.version % self.checkpoint_every == 0 or self.version == total:
                 self.checkpoint()
             self.publish(metrics)
