@@ -21,7 +21,7 @@ from rlctl.core.effects import Effect, NodeGrant, Shell, StartWorker, StopWorker
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.launchplan import RolePlan
 from rlctl.core.model import JobModel, SlotRecord
-from rlctl.core.recovery import LIVE_WORKER, Recovery, Tally
+from rlctl.core.recovery import GONE_NODE, LIVE_WORKER, Recovery, Tally
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
 from rlctl.core.states import JobState, NodeState, WorkerState
@@ -115,8 +115,10 @@ class Orchestrator:
         return StartWorker(slot.slot, wid, slot.node, slot.role, slot.standby)
 
     def stop_worker(self, slot: SlotRecord, grace_s: float = 3.0, wait: bool = True) -> StopWorker | None:
-        """Journal that ``slot``'s worker is being stopped; the effect stops it."""
-        if slot.node is None or slot.wid is None:
+        """Journal that ``slot``'s worker is being stopped; the effect stops it. A worker whose node
+        is gone has nothing left to stop: it is never marked stopping (no agent would report its
+        exit, and a slot left stopping is never started again when another plan moves it)."""
+        if slot.node is None or slot.wid is None or self.model.nodes[slot.node].life.state in GONE_NODE:
             return None
         self.stopping_wids.add(slot.wid)
         if slot.life is not None and slot.life.can_move(WorkerState.STOPPING):

@@ -48,6 +48,7 @@ class StepCost:
     jitter: float = 0.05  # relative standard deviation of reward and train times
     checkpoint_s: float = 20.0
     checkpoint_load_s: float = 30.0
+    colocation_switch_s: float = 6.0  # a colocated step: engines sleep and wake, optimizer state out and back
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,10 @@ SOURCES: dict[str, str] = {
     "step.jitter": "[D] 5% step-to-step variation",
     "step.checkpoint_s": "[D] ~96 GB (8B weights + Adam) to a parallel FS at ~5 GB/s",
     "step.checkpoint_load_s": "[D] reading the same checkpoint back plus optimizer re-shard",
+    "step.colocation_switch_s": "[D] per colocated step: the engines' weights back from host memory (16 GB bf16 over "
+                                "PCIe5 at ~50 GB/s per GPU, <1 s), the KV cache re-allocated and CUDA graphs "
+                                "re-captured (seconds), the trainer's sharded Adam state out and back (<1 s): ~6 s, "
+                                "an assumption",
     "weights.bytes": "[D] 8B parameters in BF16 = 16 GB (reliability.md 4)",
     "weights.bandwidth_bytes_per_s": "[D] 25 GB/s point to point (reliability.md 4: 0.64 s for 16 GB)",
     "weights.overhead_s": "[P] NeMo-RL nccl_reshard Qwen3-4B 0.21-0.34 s; 1 s including bookkeeping",

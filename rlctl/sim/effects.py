@@ -44,7 +44,9 @@ def carry_out(sim: SimSite, effect: fx.Effect) -> tuple[float | None, Any]:
             sim.after(STANDBY_POLL_S, _standby_takes_over, sim, slot)
             return STANDBY_POLL_S, None
         case fx.WorkReturned():
-            sim.on_items_returned()
+            # Live workers ask for the returned work themselves, after the recovery step that
+            # returned it has journaled what it does (a node's workers declared dead first).
+            sim.after(0.0, sim.on_items_returned)
             return None, None
         case fx.TrainingAbandoned():
             sim.cancel_task()

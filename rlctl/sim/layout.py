@@ -4,11 +4,11 @@ the roles on them, as it does for a live job)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlctl.core.launchplan import ROLE_ORDER
 from rlctl.core.spec import JobSpec
-from rlctl.sim.costmodel import ClusterCost
+from rlctl.sim.costmodel import ClusterCost, CostModel
 
 
 @dataclass(frozen=True)
@@ -19,10 +19,11 @@ class Layout:
     nodes: dict[str, int]
     spares: int
     warm_spares: bool
+    colocated: bool = False  # the rollout engines run on the trainer nodes (allocate none of their own)
 
     @property
     def role_nodes(self) -> int:
-        return sum(self.nodes.values())
+        return sum(n for role, n in self.nodes.items() if not (self.colocated and role == "rollout"))
 
     @property
     def role_gpus(self) -> int:
@@ -37,15 +38,38 @@ def layout_for(spec: JobSpec, cluster: ClusterCost, gpus: int | None) -> Layout:
     """The job file's node counts, or ``gpus`` split by the cost model's shares (spares on top)."""
     if gpus is None:
         nodes = {role: spec.roles[role].nodes for role in ROLE_ORDER}
-        return Layout(cluster.gpus_per_node, nodes, spec.spare_nodes, spec.warm_spares)
+        return Layout(cluster.gpus_per_node, nodes, spec.spare_nodes, spec.warm_spares, spec.colocated)
     total = max(3, gpus // cluster.gpus_per_node)
     trainer = max(1, round(total * cluster.trainer_share))
     reward = max(1, round(cluster.reward_nodes_per_256_gpus * gpus / 256))
     rollout = max(1, total - trainer - reward)
     spares = max(1, math.ceil(total * cluster.spare_fraction)) if spec.spare_nodes else 0
+    if spec.colocated:
+        trainer = rollout = max(1, total - reward)  # every role node runs a trainer rank group and engines
     nodes = {"trainer": trainer, "rollout": rollout, "reward": reward, "env": spec.roles["env"].nodes}
-    return Layout(cluster.gpus_per_node, nodes, spares, spec.warm_spares)
+    return Layout(cluster.gpus_per_node, nodes, spares, spec.warm_spares, spec.colocated)
+
+
+def colocated_costs(cost: CostModel, layout: Layout) -> CostModel:
+    """A colocated layout's step costs. The trainer has every role node's GPUs, not its share of
+    them (``cluster.trainer_share``): the same step's work spread over more GPUs, taken as linear,
+    which is optimistic for a sharded trainer. Generation is bound by its longest response's
+    per-token latency, which more engines do not shorten. Every step pays
+    ``step.colocation_switch_s``: the engines sleep and wake, the optimizer state goes out and back."""
+    if not layout.colocated:
+        return cost
+    split_trainer = max(1, round(layout.role_nodes * cost.cluster.trainer_share))
+    train_s = cost.step.train_s * split_trainer / max(1, layout.nodes["trainer"])
+    return replace(cost, step=replace(cost.step, train_s=train_s + cost.step.colocation_switch_s))
 
 
 def node_name(index: int) -> str:
     return f"n{index:05d}"
+
+
+def colocated_spec(spec: JobSpec) -> JobSpec:
+    """``spec`` with its engines colocated on the trainer nodes (``[roles.rollout] placement =
+    "colocated"``): the simulator's colocated row of the same job."""
+    trainer, rollout = spec.roles["trainer"], spec.roles["rollout"]
+    engines = replace(rollout, colocated=True, nodes=trainer.nodes, gpus_per_node=trainer.gpus_per_node)
+    return replace(spec, roles={**spec.roles, "rollout": engines})

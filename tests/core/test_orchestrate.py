@@ -10,6 +10,7 @@ from rlctl.core import detector as det
 from rlctl.core import effects as fx
 from rlctl.core import orchestrate as orc
 from rlctl.core.events import EventKind, event
+from rlctl.core.states import WorkerState
 from tests.core.shells import RecordingShell
 from tests.core.test_policy import running_job, verdict
 from tests.core.test_rounds import make_scheduler
@@ -107,3 +108,14 @@ def test_during_a_full_restart_no_worker_is_started_until_start_all() -> None:
     assert not core.recovery.restarting_everything
     assert {e.slot for e in rest if isinstance(e, fx.StartWorker)} == set(core.model.slots)
     assert any(isinstance(e, fx.Requeue) for e in rest)
+
+
+def test_a_worker_on_a_retired_node_is_not_marked_stopping_so_a_move_can_start_it_again() -> None:
+    orc, shell = orchestrator()
+    slot = orc.model.slots["rollout-0"]
+    orc.model.apply(event(EventKind.NODE_STATE_CHANGED, 3.0, node=slot.node, state="failed", reason="retired"))
+    assert orc.stop_worker(slot) is None
+    assert slot.phase != "stopping" and not [e for e in shell.journal if e.type == EventKind.WORKER_PHASE]
+    orc.model.apply(event(EventKind.ACTION_TAKEN, 4.0, action="move-slot", node="node04", slot="rollout-0", reason="replacement node", fault_ids=[]))
+    slot.life.move(WorkerState.EXITED, 4.0, "node failed")  # what fail-node journaled for it
+    assert orc.wants_worker(slot)
