@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.jobtemplates import SMALL_JOB, gpu_line, workload_tables
+from rlctl.jobtemplates import write_job
 from tests.hf_models import tiny_model
 from tests.integration.helpers import run_to_end
 
@@ -18,13 +18,9 @@ STEPS = 4
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_a_job_with_a_vllm_rollout_trains_every_step(tmp_path: Path) -> None:
-    job = SMALL_JOB.format(name="vllmjob", steps=STEPS, trainers=1, rollouts=1, spares=0, policy="role",
-                           checkpoint_every=2, max_restarts=2, agent_tls="auto", gpus_line=gpu_line(1))
-    # workload_tables ends with the [workload] table: the engine key lands in it.
-    job += workload_tables(1) + 'engine = "vllm"\n\n[model]\npath = "' + str(tiny_model("qwen3")) + '"\n'
-    job += "\n[reward]\ntimeout_s = 2.0\n"
-    job_file = tmp_path / "vllmjob.toml"
-    job_file.write_text(job)
+    # The template ends with the [workload] table: the engine key lands in it.
+    job_file = write_job(tmp_path, name="vllmjob", steps=STEPS, rollouts=1, spares=0, checkpoint_every=2, extra_tables=(
+        'engine = "vllm"\n\n[model]\npath = "' + str(tiny_model("qwen3")) + '"\n\n[reward]\ntimeout_s = 2.0\n'))
     snap, events = run_to_end(tmp_path / "jobs", job_file, 600)
     assert snap["job"]["state"] == "succeeded" and snap["job"]["step"] == STEPS, snap["job"]
     rollout_slots = {e.data["slot"] for e in events if e.type == "WorkerStarting" and e.data["role"] == "rollout"}
