@@ -141,11 +141,10 @@ class DataOps:
         """How many workers share the reward queue: the reward worker alone, or while helpers help
         (at least ``[reward] helper_backlog`` samples wait) every live reward and rollout worker
         and warm standby."""
-        slots = self.orc.model.slots.values()
         helper_backlog = int(self.orc.spec.reward.get("helper_backlog", 0))
         if helper_backlog <= 0 or self.orc.scheduler.scoring_backlog() < helper_backlog:
             return 1
-        return max(1, sum(1 for s in slots if s.wid and takes_work(s)
+        return max(1, sum(1 for s in self.orc.model.slots.values() if s.wid and takes_work(s)
                           and (s.phase == "standby" if s.standby else s.role in ("reward", "rollout"))))
 
     def _scoring_items(self, held: list[Any]) -> list[dict[str, Any]]:

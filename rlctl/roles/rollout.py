@@ -123,7 +123,7 @@ class Rollout:
     def sync_weights(self, version: int, sources: list[dict[str, Any]]) -> None:
         """Pull ``version`` from live holders (striped across several full holders when there are,
         ``fetch_holders``); a holder that fails is reported and the controller asked again."""
-        from rlctl.weights import WeightError, unflatten
+        from rlctl.weights import WeightError
 
         self.w.phase("weight-sync", self.step)
         started = time.monotonic()
@@ -152,9 +152,8 @@ class Rollout:
         got = bundle.manifest.version
         if got != version:
             raise RuntimeError(f"asked for weights v{version}, holder sent v{got}")
-        self.engine.load_state_dict(unflatten(bundle.manifest, bundle.buffer), got)
-        self.held_version = got
         self.held_bundle = bundle
+        self.load_held(got)
         descriptor = self.server.publish_bundle(bundle)  # serve on exactly the bytes received, no copy
         self.w.notify("weights.held", version=got, source=descriptor, bytes=int(bundle.manifest.nbytes),
                       seconds=round(time.monotonic() - started, 6), holders=len(sources))
@@ -244,6 +243,13 @@ class Rollout:
         return EpisodeRunner(self.engine, self.env_client, tokenizer, observations, int(env.get("max_turns", 4)),
                              chunk_tokens=CHUNK_TOKENS)
 
+    def load_held(self, version: int) -> None:
+        """Load the held bundle into the engine (waking it if it sleeps) as ``version``."""
+        from rlctl.weights import unflatten
+
+        self.engine.load_state_dict(unflatten(self.held_bundle.manifest, self.held_bundle.buffer), version)
+        self.held_version = version
+
     def release_engine(self) -> None:
         """Colocated: free the engine's memory for the trainer beside it (``sleeping``)."""
         if self.colocated and not self.engine.asleep:
@@ -269,10 +275,8 @@ class Rollout:
             if version != self.held_version:
                 self.sync_weights(version, list(work.get("weights_sources") or []))
             elif self.engine.asleep:
-                from rlctl.weights import unflatten
-
                 self.w.phase("weight-sync", self.step)
-                self.engine.load_state_dict(unflatten(self.held_bundle.manifest, self.held_bundle.buffer), version)
+                self.load_held(version)
             results = self.play(work) if self.settings.get("multi_turn", False) else self.generate(work)
             if results:
                 self.w.request("rollout.submit", results=results)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rlctl import worker
@@ -113,8 +114,6 @@ class TrainerRole:
 
     def checkpoint_metrics(self, path: str) -> dict[str, float] | None:
         """The metrics the checkpoint at ``path`` was written with (its step was never published)."""
-        from pathlib import Path
-
         try:
             saved = json.loads((Path(path) / STEP_METRICS_FILE).read_text())
         except (OSError, ValueError):
