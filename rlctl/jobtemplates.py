@@ -50,12 +50,12 @@ backend = "local"
 agent_tls = "{agent_tls}"
 [cluster.local]
 nodes = 0
-{gpus_line}
+{cluster_gpus_line}
 [roles.trainer]
 nodes = {trainers}
 {gpus_line}[roles.rollout]
 nodes = {rollouts}
-{gpus_line}{rollout_placement}[roles.reward]
+{rollout_gpus_line}{rollout_placement}[roles.reward]
 nodes = 1
 
 [spares]
@@ -90,18 +90,21 @@ def gpu_line(gpus_per_node: int) -> str:
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
               policy: str = "role", checkpoint_every: int = 3, max_restarts: int = 2, step_scale: int = 1,
               trainers: int = 1, agent_tls: str = "auto", extra_tables: str = "", gpus_per_node: int = 1,
-              colocated: bool = False) -> Path:
+              colocated: bool = False, rollout_gpus_per_node: int = 0) -> Path:
     """The small reference job as a file; ``extra_tables`` (TOML) is appended, e.g. ``[model]``,
     ``[data]`` and ``[reward]`` for a job on a Hugging Face model. ``gpus_per_node`` (simulated):
     a trainer node runs that many ranks, a rollout node that many engines. ``colocated``: the
-    engines run on the trainer nodes (``rollouts`` must then equal ``trainers``)."""
+    engines run on the trainer nodes (``rollouts`` must then equal ``trainers``).
+    ``rollout_gpus_per_node``: a rollout node's own count when it differs (0: ``gpus_per_node``)."""
+    rollout_gpus = rollout_gpus_per_node or gpus_per_node
     nodes = trainers + (0 if colocated else rollouts) + 1 + spares
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{name}.toml"
     path.write_text(SMALL_JOB.format(name=name, steps=steps, trainers=trainers, rollouts=rollouts, spares=spares, nodes=nodes,
                                      policy=policy, checkpoint_every=checkpoint_every,
                                      max_restarts=max_restarts, agent_tls=agent_tls,
-                                     gpus_line=gpu_line(gpus_per_node),
+                                     gpus_line=gpu_line(gpus_per_node), rollout_gpus_line=gpu_line(rollout_gpus),
+                                     cluster_gpus_line=gpu_line(max(gpus_per_node, rollout_gpus)),
                                      rollout_placement='placement = "colocated"\n' if colocated else "")
                     + workload_tables(step_scale)
                     + extra_tables)

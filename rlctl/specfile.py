@@ -5,10 +5,13 @@ Errors name the file, the key and what was expected (see rlctl.core.spec.SpecErr
 
 from __future__ import annotations
 
+import json
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlctl.core.elastic import curve_from_json
 from rlctl.core.schema import Problem
 from rlctl.core.spec import JobSpec, SpecError, parse_spec
 
@@ -46,6 +49,9 @@ def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
                 value = table[key]
                 table[key] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
         resolved[table_name] = table
+    rollout = resolved.get("rollout")
+    if isinstance(rollout, dict) and isinstance(rollout.get("elastic"), dict) and "curve" in rollout["elastic"]:
+        resolved["rollout"] = {**rollout, "elastic": {**rollout["elastic"], "curve": absolute(rollout["elastic"]["curve"])}}
     for table_name, key in (("reward", "function"), ("env", "class")):  # `path/to/file.py:name` references
         table = resolved.get(table_name)
         if isinstance(table, dict) and isinstance(table.get(key), str):
@@ -71,7 +77,24 @@ def load_job_file(path: Path, base_dir: Path | None = None) -> JobSpec:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(source, [Problem("(syntax)", f"not valid TOML: {exc}")]) from None
-    return parse_spec(resolve_paths(data, (base_dir or path.parent).resolve()), source)
+    return with_engine_curve(parse_spec(resolve_paths(data, (base_dir or path.parent).resolve()), source))
+
+
+def with_engine_curve(spec: JobSpec) -> JobSpec:
+    """``spec`` with ``[rollout.elastic] curve``'s measured figures read and fitted."""
+    elastic = spec.rollout.elastic
+    if not elastic.enabled or not elastic.curve:
+        return spec
+    try:
+        curve = curve_from_json(json.loads(Path(elastic.curve).read_text()))
+    except (OSError, ValueError) as exc:  # CurveError and JSONDecodeError are ValueErrors
+        raise SpecError(spec.source, [Problem("rollout.elastic.curve", f"{elastic.curve}: {exc}")]) from None
+    missing = [tp for tp in (spec.roles["rollout"].tensor_parallel_size, elastic.tensor_parallel_size)
+               if tp not in curve.lines]
+    if missing:
+        raise SpecError(spec.source, [Problem("rollout.elastic.curve", f"{elastic.curve}: expected figures at "
+                                              f"tensor_parallel {', '.join(map(str, missing))} as well")])
+    return replace(spec, rollout=replace(spec.rollout, elastic=replace(elastic, fitted=curve)))
 
 
 def load_job_dir_spec(jobdir: LaunchedJob) -> JobSpec:

@@ -201,6 +201,7 @@ class Supervisor:
         env.update({str(key): str(value) for key, value in extra.items()})
         if placed:
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(placed, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            env[protocol.NODE_DEVICES_ENV] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         env.update({
             "RLCTL_AGENT_SOCK": str(config.socket_path), "RLCTL_WORKER_ID": wid, "RLCTL_SLOT": str(slot),
             "RLCTL_ROLE": role, "RLCTL_NODE": config.node, "RLCTL_JOB_ID": config.job_id,

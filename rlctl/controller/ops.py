@@ -12,6 +12,7 @@ from typing import Any
 from rlctl.controller.env_ops import EnvOps
 from rlctl.controller.op_rules import WAIT_S, OpError, require_role, takes_work
 from rlctl.core.colocation import engine_may_generate, trainer_may_step
+from rlctl.core.elastic import ElasticConfig, current_degree, layout_change
 from rlctl.core.envcalls import answer_deadline_s
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import SlotRecord
@@ -57,6 +58,10 @@ class DataOps:
         kind, held = scheduler.work_held_by(wid, "inflight")
         if not held and self.orc.spec.colocated and not engine_may_generate(self.orc.model, scheduler, slot):
             return self._helper_scoring(slot, now)  # the trainer beside it steps: score (CPU) or wait, never generate
+        if not held and scheduler.config.elastic is not None:
+            layout = self._elastic_layout(slot, scheduler.config.elastic, now)
+            if layout is not None:
+                return layout
         if not held:
             self.orc.shell.commit_decided(scheduler.dispatch(slot.slot, wid, int(args.get("capacity", 8)), now))
             kind, held = scheduler.work_held_by(wid, "inflight")
@@ -90,6 +95,28 @@ class DataOps:
             ],
             **({"env_wait_s": answer_deadline_s(self.orc.spec.env)} if self.orc.spec.multi_turn else {}),
         }
+
+    def _elastic_layout(self, slot: SlotRecord, elastic: ElasticConfig, now: float) -> dict[str, Any] | None:
+        """An engine's regroup order for the open round (``layout``), a wait while its group gets
+        ready, scoring work while it is parked; None when it may take generation work."""
+        rnd = self.orc.scheduler.round
+        if rnd is not None and not rnd.closed:
+            on_node = self.orc.model.slots_on_node(slot.node) if slot.node else []
+            change = layout_change(on_node, slot, rnd.tensor_parallel or elastic.base_tp, elastic)
+            if change is not None:
+                return {"wait_s": WAIT_S} if change.action == "wait" else {"layout": change.as_reply()}
+        if current_degree(slot, elastic.base_tp) == 0:
+            return self._helper_scoring(slot, now)  # parked: its GPUs are the wide leader's
+        return None
+
+    def op_rollout_resized(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """An engine parked (``tensor_parallel`` 0) or was rebuilt at ``tensor_parallel`` over ``gpus``."""
+        require_role(slot, "rollout")
+        self.orc.shell.commit([event(EventKind.ENGINE_RESIZED, now, slot=slot.slot, wid=slot.wid or "",
+                                     tensor_parallel=int(args["tensor_parallel"]),
+                                     gpus=[int(g) for g in args.get("gpus", [])],
+                                     seconds=float(args.get("seconds", 0.0)))])
+        return {}
 
     def op_rollout_poll(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Between decode chunks: store the samples that finished (``results``, optional), then

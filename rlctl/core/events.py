@@ -58,6 +58,7 @@ class EventKind(StrEnum):
     HELD_OUT_STARTED = "HeldOutStarted"
     HELD_OUT_SCORED = "HeldOutScored"
     HEARTBEAT = "Heartbeat"
+    ENGINE_RESIZED = "EngineResized"
 
 
 # Every event type the journal may hold, with the data keys it must carry.
@@ -102,6 +103,7 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.HELD_OUT_STARTED: ("version", "prompts", "max_new_tokens"),
     EventKind.HELD_OUT_SCORED: ("version", "prompts", "reward_mean", "reward_std_err", "accuracy"),
     EventKind.HEARTBEAT: ("node",),
+    EventKind.ENGINE_RESIZED: ("slot", "wid", "tensor_parallel", "gpus", "seconds"),
 }
 # Applied to the model but never journaled: one per node per second is too many to keep. What they
 # changed is journaled in summary (HeartbeatSummary); a resumed controller starts their clocks anew.

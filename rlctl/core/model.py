@@ -282,6 +282,12 @@ class JobModel(FaultLedger, WeightsRegistry):
         slot.life = Lifecycle.begin(WorkerState.STARTING, ev.at, "start requested")
         slot.phase, slot.phase_since, slot.progress_at, slot.pid = "starting", ev.at, ev.at, None
         slot.weights_version = -1
+        slot.tensor_parallel = None
+
+    def _on_EngineResized(self, ev: Event) -> None:
+        slot = self._slot_for(ev)
+        if slot is not None:
+            slot.tensor_parallel = int(ev.data["tensor_parallel"])
 
     def _on_WorkerStarted(self, ev: Event) -> None:
         slot = self._slot_for(ev)

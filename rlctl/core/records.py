@@ -74,6 +74,7 @@ class SlotRecord:
     weights_version: int = -1
     standby: bool = False
     gpus: tuple[int, ...] = ()  # the node's GPUs (local indices) its worker holds; () on a node without GPUs
+    tensor_parallel: int | None = None  # an engine's degree after its last resize (0: parked); None: the role's
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlctl.core.elastic import ElasticConfig
 from rlctl.core.events import Event
 
 PENDING, INFLIGHT, DONE, SCORING, SCORED = "pending", "inflight", "done", "scoring", "scored"
@@ -30,6 +31,7 @@ class SchedulerConfig:
     long_batch: int
     seed: int
     held_out_every: int = 0
+    elastic: ElasticConfig | None = None  # long rounds may regroup engines (rlctl.core.elastic)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class Round:
     completed: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)
     closed: bool = False
+    tensor_parallel: int = 0  # the engines' degree this round (0: the role's own)
 
     def progress(self) -> dict[str, Any]:
         longest = max((len(s.response_tokens or ()) for s in self.samples.values() if s.response_tokens), default=0)
@@ -84,6 +87,7 @@ class Round:
             "samples_total": len(self.samples),
             "longest_response": longest,
             "closed": self.closed,
+            **({"tensor_parallel": self.tensor_parallel} if self.tensor_parallel else {}),
         }
 
 
@@ -137,6 +141,7 @@ class RoundState:
         self.trajectories_stored = 0
         self.trajectories_discarded = 0
         self.trajectories_lost = 0
+        self.regroup_seconds: list[float] = []  # measured engine resizes (EngineResized), newest last
 
     # ------------------------------------------------------------------------------- apply
 
@@ -161,6 +166,7 @@ class RoundState:
             max_new_tokens=int(data["max_new_tokens"]),
             target_groups=int(data["target_groups"]),
             prompt_ids=prompts,
+            tensor_parallel=int(data.get("tensor_parallel", 0)),
         )
         for prompt_id in prompts:
             for index in range(self.config.group_size):
@@ -173,6 +179,10 @@ class RoundState:
             self.pool = deque(p for p in self.pool if p not in taken)
         self.round = rnd
         self.cancelled = set()
+
+    def _on_EngineResized(self, data: dict[str, Any]) -> None:
+        if int(data["tensor_parallel"]) > 0:  # a park frees memory; only a rebuild costs the round
+            self.regroup_seconds = (self.regroup_seconds + [float(data["seconds"])])[-32:]
 
     def _on_ItemsDispatched(self, data: dict[str, Any]) -> None:
         for sample in self._samples(data["item_ids"]):

@@ -27,6 +27,7 @@ import math
 import random
 from typing import TYPE_CHECKING, Any
 
+from rlctl.core.elastic import ElasticConfig, choose_tensor_parallel
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.round_state import (
     DONE,
@@ -73,7 +74,17 @@ def config_from_spec(spec: JobSpec) -> SchedulerConfig:
         long_batch=spec.long_batch,
         seed=spec.seed,
         held_out_every=int(spec.data["eval_every"]),  # without held-out prompts nothing is ever due
+        elastic=elastic_config(spec),
     )
+
+
+def elastic_config(spec: JobSpec) -> ElasticConfig | None:
+    """The job's elastic rollout settings for the scheduler; None when long rounds never regroup."""
+    elastic, role = spec.rollout.elastic, spec.roles["rollout"]
+    if not elastic.enabled:
+        return None
+    return ElasticConfig(role.tensor_parallel_size, elastic.tensor_parallel_size, role.workers, elastic.fitted,
+                         elastic.policy)
 
 
 class RoundScheduler(RoundState):
@@ -331,6 +342,10 @@ class RoundScheduler(RoundState):
             cap, target = cfg.short_max_tokens, min(cfg.batch_prompts, len(prompts))
         else:
             cap, target = cfg.max_new_tokens, len(prompts) if kind == "long" else min(cfg.batch_prompts, len(prompts))
+        elastic: dict[str, Any] = {}
+        if cfg.elastic is not None and kind == "long":
+            decision = choose_tensor_parallel(cfg.elastic, len(prompts) * cfg.group_size, cap, self.regroup_seconds)
+            elastic = {"tensor_parallel": decision.tensor_parallel, "estimate": decision.as_data()}
         return event(
             EventKind.ROUND_STARTED,
             at,
@@ -340,6 +355,7 @@ class RoundScheduler(RoundState):
             max_new_tokens=cap,
             prompts=prompts,
             target_groups=target,
+            **elastic,
         )
 
     def _epoch_event(self, at: float) -> Event:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlctl.core.elastic import EngineCurve
 from rlctl.core.schema import Field, Problem, render_markdown, validate_table
 
 ROLE_NAMES = ("trainer", "rollout", "reward", "env")
@@ -18,6 +19,7 @@ PHASES_WITH_BOUNDS = (
     "starting",
     "compiling",
     "loading",
+    "regrouping",
     "generating",
     "scoring",
     "stepping",
@@ -274,6 +276,7 @@ JOB_SCHEMA: dict[str, Field] = {
                         "starting": 120.0,
                         "compiling": 900.0,
                         "loading": 600.0,
+                        "regrouping": 600.0,
                         "generating": 8.0,
                         "scoring": 8.0,
                         "stepping": 30.0,
@@ -307,6 +310,23 @@ JOB_SCHEMA: dict[str, Field] = {
                         minimum=0.0, maximum=4.0,
                     ),
                     "long_batch": Field("int", "Prompts in a long round (0: the same as `batch_prompts`).", 0, minimum=0),
+                },
+            ),
+            "elastic": Field(
+                "table",
+                "RollPacker's elastic rollout parallelism: for a long round the engines of each rollout node regroup "
+                "into fewer engines with more tensor parallelism (faster tokens on the long tail), and go back for "
+                "short rounds. Needs tail batching and a rollout node with GPUs for several engines.",
+                fields={
+                    "enabled": Field("bool", "Let long rounds regroup the engines.", False),
+                    "tensor_parallel_size": Field("int", "The engines' degree in a regrouped round (0: twice "
+                                                  "`roles.rollout.tensor_parallel_size`).", 0, minimum=0),
+                    "policy": Field("choice", "`cost-model`: regroup when the fitted engine curve says the round's "
+                                    "time saved exceeds a round trip of reconfiguration. `always`: every long round.",
+                                    "cost-model", choices=("cost-model", "always")),
+                    "curve": Field("str", "JSON file of measured engine figures (decode-step seconds per degree and "
+                                   "batch, and the regroup time): `rlctl model curve` measures one. Needed by the "
+                                   "`cost-model` policy.", ""),
                 },
             ),
         },
@@ -513,6 +533,15 @@ class TailBatchingSpec:
 
 
 @dataclass(frozen=True)
+class ElasticSpec:
+    enabled: bool
+    tensor_parallel_size: int  # the long rounds' degree (already resolved: never 0)
+    policy: str
+    curve: str  # the measured figures' file
+    fitted: EngineCurve | None = None  # read and fitted from ``curve`` by the job-file loader
+
+
+@dataclass(frozen=True)
 class RolloutSpec:
     batch_prompts: int
     group_size: int
@@ -520,6 +549,7 @@ class RolloutSpec:
     dataset_size: int
     worker_batch: int
     tail_batching: TailBatchingSpec
+    elastic: ElasticSpec = ElasticSpec(False, 0, "cost-model", "")
 
 
 @dataclass(frozen=True)
@@ -670,6 +700,7 @@ def _cross_checks(values: dict[str, Any]) -> list[Problem]:
         problems.append(Problem("roles.rollout.tensor_parallel_size",
                                 f"expected a divisor of roles.rollout.gpus_per_node ({rollout_gpus}), got {tensor_parallel}"))
     problems.extend(_colocation_checks(values))
+    problems.extend(_elastic_checks(values))
     needed = sum(r["nodes"] for r in roles.values() if r.get("placement") != "colocated") + values["spares"]["nodes"]
     backend = values["cluster"]["backend"]
     cluster = values["cluster"][backend]
@@ -750,6 +781,33 @@ def _colocation_checks(values: dict[str, Any]) -> list[Problem]:
     return problems
 
 
+def _elastic_checks(values: dict[str, Any]) -> list[Problem]:
+    """A regroup needs long rounds, several engines' GPUs on a node and engines of their own."""
+    elastic, rollout = values["rollout"]["elastic"], values["roles"]["rollout"]
+    if not elastic["enabled"]:
+        return []
+    base = rollout["tensor_parallel_size"]
+    wide = elastic["tensor_parallel_size"] or 2 * base
+    problems = []
+    if wide <= base or wide % base:
+        problems.append(Problem("rollout.elastic.tensor_parallel_size", f"expected a multiple of "
+                                f"roles.rollout.tensor_parallel_size ({base}) above it, got {wide}"))
+    elif rollout["gpus_per_node"] < wide or rollout["gpus_per_node"] % wide:
+        problems.append(Problem("roles.rollout.gpus_per_node", f"expected a multiple of rollout.elastic."
+                                f"tensor_parallel_size ({wide}): a node's engines regroup into engines of {wide} GPUs, "
+                                f"got {rollout['gpus_per_node']}"))
+    if not values["rollout"]["tail_batching"]["enabled"]:
+        problems.append(Problem("rollout.elastic.enabled", "expected rollout.tail_batching.enabled = true: only "
+                                "long rounds regroup"))
+    if rollout["placement"] == "colocated":
+        problems.append(Problem("rollout.elastic.enabled", "expected roles.rollout.placement = \"disaggregated\": "
+                                "colocated engines share their GPUs with the trainer's ranks"))
+    if elastic["policy"] == "cost-model" and not elastic["curve"]:
+        problems.append(Problem("rollout.elastic.curve", "expected a file of measured engine figures (`rlctl model "
+                                "curve` makes one) for the cost-model policy"))
+    return problems
+
+
 def _ssh_inventory_checks(cluster: dict[str, Any], needed: int) -> list[Problem]:
     problems: list[Problem] = []
     names: list[str] = []
@@ -799,9 +857,11 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         replicate_trainer_state=values["spares"]["replicate_trainer_state"],
         fault_tolerance=FaultToleranceSpec(**{**ft, "phase_timeout_s": dict(ft["phase_timeout_s"])}),
         rollout=RolloutSpec(
-            **{k: v for k, v in rollout.items() if k not in ("tail_batching", "max_new_tokens")},
+            **{k: v for k, v in rollout.items() if k not in ("tail_batching", "max_new_tokens", "elastic")},
             max_new_tokens=values["model"]["max_response_tokens"] or rollout["max_new_tokens"],
             tail_batching=TailBatchingSpec(**rollout["tail_batching"]),
+            elastic=ElasticSpec(**{**rollout["elastic"], "tensor_parallel_size": rollout["elastic"]["tensor_parallel_size"]
+                                   or 2 * values["roles"]["rollout"]["tensor_parallel_size"]}),
         ),
         weights_transport=values["weights"]["transport"],
         weights_host=values["weights"]["host"],

@@ -8,6 +8,7 @@ and between decode chunks sends the samples that finished and asks which running
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -104,6 +105,7 @@ class Rollout:
         self.tokens_generated = 0
         self.scorer: tuple[Any, Any] | None = None  # the reward function's sandbox, made when first asked to help
         self.episodes: Any = None  # the multi-turn episode runner, made for the first episodes
+        self.parked = False  # elastic rollout: its GPUs serve a wider engine on this node for a long round
         self.env_client: ControllerEnvClient
 
     def _make_engine(self, sampling: Any, device: str) -> Any:
@@ -250,6 +252,30 @@ class Rollout:
         self.engine.load_state_dict(unflatten(self.held_bundle.manifest, self.held_bundle.buffer), version)
         self.held_version = version
 
+    def apply_layout(self, layout: dict[str, Any]) -> None:
+        """Elastic rollout: ``park`` (free the engine's memory, keep the held weights), or rebuild the
+        engine at ``tensor_parallel`` over ``gpus`` (the node's GPU indices) and load the held
+        weights into it: the local holder, nothing crosses the network. Reports the time it took."""
+        from rlctl_agent.protocol import NODE_DEVICES_ENV
+        from rlctl_agent.supervisor import visible_devices
+
+        started = time.monotonic()
+        gpus = [int(g) for g in layout.get("gpus", [])]
+        degree = 0
+        if layout["action"] == "park":
+            self.engine.sleep()
+            self.parked = True
+        else:
+            degree = int(layout["tensor_parallel"])
+            self.w.phase("regrouping", self.step)
+            devices = visible_devices(gpus, os.environ.get(NODE_DEVICES_ENV)) if gpus else ""
+            self.engine.resize(degree, devices)
+            self.parked = False
+            if self.held_bundle is not None:
+                self.load_held(self.held_version)
+        self.w.request("rollout.resized", tensor_parallel=degree, gpus=gpus,
+                       seconds=round(time.monotonic() - started, 6))
+
     def release_engine(self) -> None:
         """Colocated: free the engine's memory for the trainer beside it (``sleeping``)."""
         if self.colocated and not self.engine.asleep:
@@ -259,8 +285,12 @@ class Rollout:
     def run(self) -> int:
         capacity = int(self.settings.get("worker_batch", 16))
         while True:
-            self.w.phase("sleeping" if self.engine.asleep else "waiting-for-work", self.step)
+            idle = "parked" if self.parked else "sleeping" if self.engine.asleep else "waiting-for-work"
+            self.w.phase(idle, self.step)
             work = self.w.request("rollout.get_work", capacity=capacity)
+            if work and "layout" in work:
+                self.apply_layout(work["layout"])
+                continue
             if work and "score" in work:
                 self.release_engine()
                 self.help_score(work["score"])

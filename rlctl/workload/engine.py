@@ -108,6 +108,10 @@ class GenerationEngine(Protocol):
     def sleep(self) -> None:
         """Release the engine's accelerator memory; the next ``load_state_dict`` wakes it."""
 
+    def resize(self, tensor_parallel: int, devices: str) -> None:
+        """Rebuild at ``tensor_parallel`` over ``devices`` (a CUDA_VISIBLE_DEVICES list), asleep
+        until the next ``load_state_dict`` (elastic rollout: the caller loads its held weights)."""
+
     def load_state_dict(self, state: dict[str, Tensor], version: int) -> None: ...
 
     def generate(self, requests: list[GenRequest], max_new_tokens: int,
@@ -213,6 +217,8 @@ class TorchEngine:
         self._stops = self.sampling.stops()
         self.last_stats = GenerationStats()
         self._kept_buffers: dict[str, Tensor] | None = None  # while asleep: the buffers no state dict carries
+        self.tensor_parallel = 1
+        self.threads_per_degree = max(1, torch.get_num_threads())  # on CPU: intra-op threads per degree
 
     @property
     def version(self) -> int:
@@ -232,6 +238,15 @@ class TorchEngine:
         self.model.to("meta")  # type: ignore[attr-defined]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def resize(self, tensor_parallel: int, devices: str) -> None:
+        """Release the weights and run at ``tensor_parallel``. The torch engine runs on one device:
+        on CPU its degree is its intra-op threads (``threads_per_degree`` each, the CPU analogue of
+        more GPUs per engine); on a GPU it stays on its own device (use vLLM for tensor parallelism)."""
+        self.sleep()
+        self.tensor_parallel = tensor_parallel
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, tensor_parallel * self.threads_per_degree))
 
     def _wake_up(self) -> None:
         kept, self._kept_buffers = self._kept_buffers or {}, None

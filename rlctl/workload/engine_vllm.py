@@ -35,7 +35,7 @@ import os
 import struct
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +280,16 @@ class VllmEngine:
             else:
                 self.llm.wake_up()
             self._asleep = False
+
+    def resize(self, tensor_parallel: int, devices: str) -> None:
+        """Shut the engine down and start it again at ``tensor_parallel`` over ``devices`` (the GPUs
+        its new workers see), asleep until the next ``load_state_dict`` brings the held weights in.
+        vLLM's workers are processes of their own, started with the environment of the moment."""
+        self.close()
+        self.options = replace(self.options, tensor_parallel_size=tensor_parallel)
+        if devices:
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices
+        self._asleep = True  # wake_up (from load_state_dict) starts the new engine
 
     def close(self) -> None:
         """Shut the engine down and free its memory. Idempotent."""
