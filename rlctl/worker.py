@@ -422,6 +422,14 @@ _instance: Worker | None = None
 _instance_lock = threading.Lock()
 
 
+def node_devices(gpus: list[int], env: Mapping[str, str] | None = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the node's GPUs ``gpus`` (local indices), as the agent maps a
+    worker's own: through the node's list it passes as ``RLCTL_NODE_DEVICES``, else the indices.
+    A worker that grows over other GPUs of its node (elastic rollout) starts its engine with it."""
+    own = [part.strip() for part in (env or os.environ).get("RLCTL_NODE_DEVICES", "").split(",") if part.strip()]
+    return ",".join(own[index] if index < len(own) else str(index) for index in gpus)
+
+
 def connect(wait_s: float = 5.0, env: Mapping[str, str] | None = None) -> Worker:
     """The process's agent connection (created on first call; later calls return the same one).
 

@@ -71,7 +71,7 @@ WEIGHTS_TOKEN_ENV = "RLCTL_WEIGHTS_TOKEN"
 # The GPUs (the node's local indices, comma-separated) a worker holds, as the controller placed it.
 GPUS_ENV = "RLCTL_GPUS"
 # The node's own CUDA_VISIBLE_DEVICES as the agent found it: a worker that regroups over other GPUs
-# of the node (elastic rollout) maps their indices through it as the agent would.
+# of the node (elastic rollout) maps their indices through it as the agent would (rlctl.worker.node_devices).
 NODE_DEVICES_ENV = "RLCTL_NODE_DEVICES"
 _WEIGHTS_PURPOSE = b"rlctl weights pull v1"
 

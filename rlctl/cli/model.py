@@ -101,6 +101,74 @@ def model_check(
                       f"chat template {'yes' if summary['chat_template'] else 'no'}")
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        fail(f"{option}: expected positive integers separated by commas, got {text!r}", 2)
+    return values
+
+
+@model_app.command("curve")
+def model_curve(
+    path: Path = typer.Argument(..., help="The model folder."),
+    out: Path = typer.Option(..., "--out", help="JSON file to write: `[rollout.elastic] curve` names it."),
+    degrees: str = typer.Option("1,2", "--degrees", help="Tensor-parallel degrees to measure (the base and the wide)."),
+    batches: str = typer.Option("1,4,16", "--batches", help="Sequences per engine to measure at."),
+    tokens: int = typer.Option(32, "--tokens", min=4, help="New tokens per measured decode run."),
+    engine_name: str = typer.Option("torch", "--engine", help="torch (CPU: a degree is an intra-op thread) or vllm."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object for scripts."),
+) -> None:
+    """Measure the engine curve elastic rollout parallelism decides with: decode-step seconds per
+    degree and batch, and the time to rebuild an engine at another degree from held weights."""
+    import json
+
+    from rlctl.core.elastic import curve_from_json
+    from rlctl.workload.modeldir import ModelDirError, check_model_dir
+
+    degree_list, batch_list = _int_list(degrees, "--degrees"), _int_list(batches, "--batches")
+    if engine_name not in ("torch", "vllm"):
+        fail(f"--engine: expected torch or vllm, got {engine_name!r}", 2)
+    try:
+        summary = check_model_dir(path).summary()
+    except ModelDirError as exc:
+        fail(str(exc), 2)
+    from rlctl.workload.engine_curve import measure_curve
+
+    with console.status(f"measuring {engine_name} at degrees {degree_list}, batches {batch_list}") as shown:
+        engine, state = _curve_engine(path, engine_name, degree_list[0])
+        result = measure_curve(engine, state, degree_list, batch_list, tokens, int(summary["vocab_size"]),
+                               devices=lambda degree: ",".join(str(i) for i in range(degree)) if engine_name == "vllm" else "",
+                               on_point=lambda p: shown.update(f"degree {p['tensor_parallel']}, batch {p['batch']}: "
+                                                              f"{p['step_s'] * 1e3:.2f} ms a step"))
+    fitted = curve_from_json(result)
+    document = {**result, "engine": engine_name, "model": str(path), "fitted": fitted.to_json()}
+    out.write_text(json.dumps(document, indent=1) + "\n")
+    if json_out:
+        print_json(document)
+        return
+    for degree, (base_s, per_seq_s) in sorted(fitted.lines.items()):
+        console.print(f"degree {degree}: {base_s * 1e3:.3f} ms + {per_seq_s * 1e3:.4f} ms per sequence a step")
+    console.print(f"regroup: {fitted.regroup_s:.3f} s; wrote {out}")
+
+
+def _curve_engine(path: Path, engine_name: str, degree: int) -> tuple[object, dict]:
+    """The engine to measure and the weights it reloads after each rebuild (its own)."""
+    from rlctl.workload.engine import SamplingConfig, TorchEngine
+    from rlctl.workload.hf_model import load_hf_policy
+
+    policy = load_hf_policy(path, "cpu")
+    state = {name: tensor.detach().clone() for name, tensor in policy.state_dict().items()}
+    sampling = SamplingConfig(eos_id=-1, pad_id=0)  # no stop: every sequence decodes the full count
+    if engine_name == "torch":
+        return TorchEngine(policy, sampling, device="cpu"), state
+    from rlctl.workload.engine_vllm import VllmEngine, VllmOptions
+
+    return VllmEngine(path, sampling, options=VllmOptions(tensor_parallel_size=degree)), state
+
+
 @data_app.command("gsm8k")
 def data_gsm8k(
     target: Path = typer.Argument(..., help="Folder for train.parquet and test.parquet."),

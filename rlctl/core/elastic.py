@@ -9,9 +9,10 @@ controller and the simulator carry out the layout that ``layout_change`` asks of
 - **The engine curve.** Seconds a decode step takes at tensor-parallel degree ``tp`` with
   ``batch`` sequences per engine: ``base_s + per_seq_s * batch``, one line per degree, fitted by
   least squares to measured points (``fit_curve``; ``rlctl model curve`` measures them).
-- **The decision.** A round of ``samples`` sequences decoded to ``tokens`` on ``engines`` engines
-  takes about ``tokens * step_s(tp, mean batch)``; the mean batch of a long-tail round is taken
-  as half the samples per engine (sequences finish along the way). Regroup when the wide
+- **The decision.** A round of ``samples`` sequences whose longest response has ``tokens`` tokens
+  takes about ``tokens * step_s(tp, mean batch)`` on ``engines`` engines; the mean batch of a
+  long-tail round is taken as half the samples per engine (sequences finish along the way), and
+  ``tokens`` is the median longest response of the job's recent long rounds (the cap before any). Regroup when the wide
   layout's estimate plus a round trip of reconfiguration (there and back) is below the base
   layout's. The reconfiguration time is the measured mean of the job's own regroups once it has
   any, the curve's figure before that.
@@ -104,6 +105,9 @@ class ElasticConfig:
     engines: int
     curve: EngineCurve | None
     policy: str = "cost-model"
+    # A long round's critical path in tokens when the workload says it (the simulator's cost model);
+    # 0: learnt from the job's own long rounds (their longest responses), the cap before any.
+    expected_tokens: float = 0.0
 
     @property
     def group(self) -> int:
@@ -121,15 +125,25 @@ class Decision:
         return {"base_s": round(self.base_s, 6), "wide_s": round(self.wide_s, 6), "regroup_s": round(self.regroup_s, 6)}
 
 
-def round_estimate_s(curve: EngineCurve, tensor_parallel: int, engines: int, samples: int, tokens: int) -> float:
+def round_estimate_s(curve: EngineCurve, tensor_parallel: int, engines: int, samples: int, tokens: float) -> float:
     """Decode seconds of a round: ``tokens`` steps at the mean batch (half the samples per engine)."""
     batch = samples / max(engines, 1) / 2.0
     return tokens * curve.step_s(tensor_parallel, batch)
 
 
-def choose_tensor_parallel(config: ElasticConfig, samples: int, tokens: int,
-                           measured_regroup_s: list[float] | None = None) -> Decision:
-    """The degree a long round of ``samples`` sequences capped at ``tokens`` runs at."""
+def critical_path_tokens(config: ElasticConfig, cap: int, observed_longest: list[int] | None) -> float:
+    """The tokens a long round decodes one after another: the workload's figure, else the median
+    longest response of the job's recent long rounds, else the cap."""
+    if config.expected_tokens > 0:
+        return min(float(cap), config.expected_tokens)
+    recent = sorted((observed_longest or [])[-5:])
+    return float(min(cap, recent[len(recent) // 2])) if recent else float(cap)
+
+
+def choose_tensor_parallel(config: ElasticConfig, samples: int, cap: int, measured_regroup_s: list[float] | None = None,
+                           observed_longest: list[int] | None = None) -> Decision:
+    """The degree a long round of ``samples`` sequences capped at ``cap`` tokens runs at."""
+    tokens = critical_path_tokens(config, cap, observed_longest)
     wide_engines = max(config.engines // config.group, 1)
     curve = config.curve
     if curve is None or config.base_tp not in curve.lines or config.wide_tp not in curve.lines:

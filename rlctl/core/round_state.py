@@ -142,6 +142,7 @@ class RoundState:
         self.trajectories_discarded = 0
         self.trajectories_lost = 0
         self.regroup_seconds: list[float] = []  # measured engine resizes (EngineResized), newest last
+        self.long_round_longest: list[int] = []  # each long round's longest response (tokens), newest last
 
     # ------------------------------------------------------------------------------- apply
 
@@ -273,6 +274,9 @@ class RoundState:
             if sample.prompt_id not in in_batch and sample.status in (DONE, SCORING, SCORED):
                 self.trajectories_discarded += 1
         self.batches[rnd.step] = Batch(rnd.step, rnd.kind, self.epoch, rnd.weights_version, chosen, samples)
+        if rnd.kind == "long" and samples:
+            longest = max(len(s.response_tokens or ()) for s in samples)
+            self.long_round_longest = (self.long_round_longest + [longest])[-32:]
         self.batch_stats[rnd.step] = batch_stats(self.batches[rnd.step])
         self.epoch_trained.update(chosen)
         returned = [p for p in data["returned_prompt_ids"]]

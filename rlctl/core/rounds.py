@@ -344,7 +344,8 @@ class RoundScheduler(RoundState):
             cap, target = cfg.max_new_tokens, len(prompts) if kind == "long" else min(cfg.batch_prompts, len(prompts))
         elastic: dict[str, Any] = {}
         if cfg.elastic is not None and kind == "long":
-            decision = choose_tensor_parallel(cfg.elastic, len(prompts) * cfg.group_size, cap, self.regroup_seconds)
+            decision = choose_tensor_parallel(cfg.elastic, len(prompts) * cfg.group_size, cap, self.regroup_seconds,
+                                              self.long_round_longest)
             elastic = {"tensor_parallel": decision.tensor_parallel, "estimate": decision.as_data()}
         return event(
             EventKind.ROUND_STARTED,

@@ -8,7 +8,6 @@ and between decode chunks sends the samples that finished and asks which running
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -256,9 +255,6 @@ class Rollout:
         """Elastic rollout: ``park`` (free the engine's memory, keep the held weights), or rebuild the
         engine at ``tensor_parallel`` over ``gpus`` (the node's GPU indices) and load the held
         weights into it: the local holder, nothing crosses the network. Reports the time it took."""
-        from rlctl_agent.protocol import NODE_DEVICES_ENV
-        from rlctl_agent.supervisor import visible_devices
-
         started = time.monotonic()
         gpus = [int(g) for g in layout.get("gpus", [])]
         degree = 0
@@ -268,7 +264,7 @@ class Rollout:
         else:
             degree = int(layout["tensor_parallel"])
             self.w.phase("regrouping", self.step)
-            devices = visible_devices(gpus, os.environ.get(NODE_DEVICES_ENV)) if gpus else ""
+            devices = worker.node_devices(gpus) if gpus else ""
             self.engine.resize(degree, devices)
             self.parked = False
             if self.held_bundle is not None:

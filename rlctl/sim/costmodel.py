@@ -39,6 +39,8 @@ class GenerationCost:
     short_max_tokens: int = 2048  # 0: take the job file's short-round cap
     per_token_s: float = 0.03
     overhead_s: float = 5.0
+    wide_per_token_ratio: float = 0.65  # per-token latency of a regrouped (twice as wide) engine, relative
+    regroup_s: float = 15.0  # an engine rebuilt at another degree from the weights it holds
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,13 @@ SOURCES: dict[str, str] = {
     "generation.short_max_tokens": "[P] RollPacker short rounds cap responses well below the hard cap",
     "generation.per_token_s": "[P/D] verl Qwen2.5-Math-7B DAPO on H20: generation 150-357 s per step; 30 ms/token decode",
     "generation.overhead_s": "[D] prefill and scheduling per round",
+    "generation.wide_per_token_ratio": "[S/D] elastic rollout: twice the tensor parallelism decodes the long tail's "
+                                       "few sequences ~35% faster (PAT, arXiv 2605.23945: up to 34.6% lower generation "
+                                       "latency with adaptive TP, LLaMA3.1-8B/Qwen3-14B); memory-bound decode reads "
+                                       "half the weights per GPU, less the all-reduce",
+    "generation.regroup_s": "[D] a vLLM engine restarted at another TP degree from host-held weights: 16 GB in "
+                            "(<1 s), KV cache allocated and CUDA graphs captured (~10 s); 15 s, an assumption "
+                            "(rlctl's torch engine measures its own: bench/elastic_rollout.py)",
     "step.reward_s": "[D] rule-based math verifier, seconds per batch",
     "step.train_s": "[P/D] verl 7B DAPO step 356-790 s of which 150-357 s generation; the rest on H100 ~120 s",
     "step.jitter": "[D] 5% step-to-step variation",

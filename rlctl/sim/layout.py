@@ -73,3 +73,12 @@ def colocated_spec(spec: JobSpec) -> JobSpec:
     trainer, rollout = spec.roles["trainer"], spec.roles["rollout"]
     engines = replace(rollout, colocated=True, nodes=trainer.nodes, gpus_per_node=trainer.gpus_per_node)
     return replace(spec, roles={**spec.roles, "rollout": engines})
+
+
+def elastic_spec(spec: JobSpec, policy: str = "cost-model") -> JobSpec:
+    """``spec`` with elastic rollout parallelism on (``[rollout.elastic]``, twice the engines'
+    degree in a regrouped round): the simulator's elastic row of the same job. The simulated
+    engines' curve comes from the cost model (``generation.wide_per_token_ratio``, ``regroup_s``)."""
+    base = spec.roles["rollout"].tensor_parallel_size
+    elastic = replace(spec.rollout.elastic, enabled=True, tensor_parallel_size=2 * base, policy=policy)
+    return replace(spec, rollout=replace(spec.rollout, elastic=elastic))

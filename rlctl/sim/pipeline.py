@@ -15,7 +15,7 @@ from rlctl.core.events import EventKind
 from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
 from rlctl.core.states import JobState
 from rlctl.sim.site import FluidTask, SimSite
-from rlctl.sim.workload import expected_step_s, jittered, round_timing, sample_length
+from rlctl.sim.workload import elastic_round_s, expected_step_s, jittered, round_timing, sample_length
 
 REWARD_CAPACITY = 64  # rlctl/roles/reward.py CAPACITY
 HEARTBEAT_SUMMARY_EVERY_STEPS = 1
@@ -72,8 +72,11 @@ class Pipeline:
         self.sim.stats.rounds[rnd.kind] = self.sim.stats.rounds.get(rnd.kind, 0) + 1
         cfg = self.sim.scheduler.config
         timing = round_timing(self.sim.cost, rnd.kind, rnd.max_new_tokens, cfg.overprovision, self.sim.rng)
+        regrouped = cfg.elastic is not None and rnd.tensor_parallel == cfg.elastic.wide_tp
+        if regrouped:
+            self.sim.stats.rounds["regrouped"] = self.sim.stats.rounds.get("regrouped", 0) + 1
         self.dispatch_pending()
-        self._start_task("gen", self.sim.cost.weights.sync_s + timing.seconds)
+        self._start_task("gen", self.sim.cost.weights.sync_s + elastic_round_s(self.sim.cost, timing, regrouped))
         self.sim.q.after(self.sim.cost.weights.sync_s, self._representative_held, rnd.weights_version)
 
     def _representative_held(self, version: int) -> None:

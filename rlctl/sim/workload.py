@@ -14,6 +14,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
+from rlctl.core.elastic import EngineCurve
 from rlctl.core.rounds import PromptRef, SchedulerConfig, config_from_spec
 from rlctl.core.spec import JobSpec
 from rlctl.sim.costmodel import CostModel, GenerationCost, response_quantile
@@ -27,8 +28,17 @@ def scheduler_config(spec: JobSpec, cost: CostModel) -> SchedulerConfig:
     gen, work = cost.generation, cost.workload
     batch = work.sim_batch_prompts or base.batch_prompts
     long_batch = base.long_batch if not work.sim_batch_prompts else max(1, round(base.long_batch * batch / base.batch_prompts))
+    elastic = base.elastic
+    if elastic is not None:  # the simulated engines' curve is the cost model's, not the job's measured file
+        lines = {elastic.base_tp: (gen.per_token_s, 0.0),
+                 elastic.wide_tp: (gen.per_token_s * gen.wide_per_token_ratio, 0.0)}
+        cap = gen.max_new_tokens or base.max_new_tokens
+        # The tracked samples are a small stand-in batch: the critical path is the real batch's (round_timing's median).
+        longest = response_quantile(gen, 0.5 ** (1.0 / max(work.batch_prompts * work.group_size, 1)))
+        elastic = replace(elastic, curve=EngineCurve(lines, gen.regroup_s), expected_tokens=min(float(cap), longest))
     return replace(
         base,
+        elastic=elastic,
         batch_prompts=batch,
         group_size=work.sim_group_size or base.group_size,
         max_new_tokens=gen.max_new_tokens or base.max_new_tokens,
@@ -85,6 +95,15 @@ def round_timing(cost: CostModel, kind: str, cap: int, overprovision: float, rng
     else:
         tokens = min(float(cap), _max_of(gen, real_samples, rng))
     return RoundTiming(tokens, gen.overhead_s + gen.per_token_s * tokens)
+
+
+def elastic_round_s(cost: CostModel, timing: RoundTiming, regrouped: bool) -> float:
+    """A round's generation seconds when the scheduler regrouped its engines: the critical path at
+    the wide engines' per-token latency, plus the reconfiguration there and back."""
+    if not regrouped:
+        return timing.seconds
+    gen = cost.generation
+    return gen.overhead_s + gen.per_token_s * gen.wide_per_token_ratio * timing.tokens + 2.0 * gen.regroup_s
 
 
 def expected_step_s(cost: CostModel, tail: bool, overprovision: float) -> float:

@@ -52,14 +52,19 @@ def config(regroup_s: float, policy: str = "cost-model", engines: int = 8) -> El
 def test_a_long_round_regroups_only_when_the_time_saved_pays_for_the_round_trip() -> None:
     # 32 samples on 8 engines (mean batch 2) to 1024 tokens: 11.26 s at degree 1, 7.78 s at degree 2
     # on 4 engines (mean batch 4), so regrouping saves 3.5 s before reconfiguration.
-    cheap = choose_tensor_parallel(config(regroup_s=1.0), samples=32, tokens=1024)
+    cheap = choose_tensor_parallel(config(regroup_s=1.0), samples=32, cap=1024)
     assert cheap.tensor_parallel == 2 and cheap.base_s == pytest.approx(11.264) and cheap.wide_s == pytest.approx(9.7824)
-    dear = choose_tensor_parallel(config(regroup_s=2.0), samples=32, tokens=1024)
+    dear = choose_tensor_parallel(config(regroup_s=2.0), samples=32, cap=1024)
     assert dear.tensor_parallel == 1, "2 x 2 s of reconfiguration eat the 3.5 s"
-    assert choose_tensor_parallel(config(regroup_s=1.0), samples=32, tokens=64).tensor_parallel == 1, "too short to pay"
+    assert choose_tensor_parallel(config(regroup_s=1.0), samples=32, cap=64).tensor_parallel == 1, "too short to pay"
     assert choose_tensor_parallel(config(regroup_s=50.0, policy="always"), 32, 64).tensor_parallel == 2
-    measured = choose_tensor_parallel(config(regroup_s=1.0), samples=32, tokens=1024, measured_regroup_s=[3.0, 5.0])
+    measured = choose_tensor_parallel(config(regroup_s=1.0), samples=32, cap=1024, measured_regroup_s=[3.0, 5.0])
     assert measured.tensor_parallel == 1 and measured.regroup_s == 4.0, "the job's own regroups replace the prior"
+    # The job's own long rounds ended at ~300 tokens, not the 1024 cap: too short to pay for 2 x 1 s.
+    learnt = choose_tensor_parallel(config(regroup_s=1.0), samples=32, cap=1024, observed_longest=[900, 300, 200, 400, 250])
+    assert learnt.tensor_parallel == 1 and learnt.base_s == pytest.approx(300 * 0.011)
+    told = choose_tensor_parallel(replace(config(regroup_s=1.0), expected_tokens=2048.0), 32, 1024, None, [10])
+    assert told.base_s == pytest.approx(11.264), "the workload's figure, capped, before the observed"
 
 
 def test_the_round_scheduler_decides_at_a_long_round_only_and_journals_its_estimate() -> None:
@@ -75,6 +80,10 @@ def test_the_round_scheduler_decides_at_a_long_round_only_and_journals_its_estim
     scheduler.apply(event("EngineResized", 3.0, slot="rollout-0", wid="w", tensor_parallel=2, gpus=[0, 1], seconds=9.0))
     scheduler.apply(event("EngineResized", 3.0, slot="rollout-1", wid="w", tensor_parallel=0, gpus=[], seconds=0.1))
     assert scheduler.regroup_seconds == [9.0], "a park is not a rebuild"
+    for sample in scheduler.round.samples.values():
+        sample.response_tokens = [1] * 7
+    scheduler.apply(event("BatchFormed", 4.0, step=1, kind="long", prompt_ids=["p000", "p001"], returned_prompt_ids=[]))
+    assert scheduler.long_round_longest == [7]
 
 
 def rollout_node(engines: int = 3) -> JobModel:
@@ -176,3 +185,10 @@ def test_the_spec_reads_and_fits_the_curve_relative_to_the_job_file(tmp_path: Pa
 def test_impossible_elastic_settings_are_refused_by_key(tmp_path: Path, kwargs: dict, key: str) -> None:
     with pytest.raises(SpecError, match=key):
         spec_of(tmp_path, **kwargs)
+
+
+def test_a_worker_maps_its_group_gpus_through_the_node_devices_as_the_agent_does() -> None:
+    from rlctl.worker import node_devices
+
+    assert node_devices([2, 3], {"RLCTL_NODE_DEVICES": "4,5,6,7"}) == "6,7"
+    assert node_devices([0, 1], {}) == "0,1"
