@@ -69,12 +69,11 @@ class Pipeline:
     def _start_generation(self) -> None:
         rnd = self.sim.scheduler.round
         assert rnd is not None
-        self.sim.stats.rounds[rnd.kind] = self.sim.stats.rounds.get(rnd.kind, 0) + 1
         cfg = self.sim.scheduler.config
-        timing = round_timing(self.sim.cost, rnd.kind, rnd.max_new_tokens, cfg.overprovision, self.sim.rng)
         regrouped = cfg.elastic is not None and rnd.tensor_parallel == cfg.elastic.wide_tp
-        if regrouped:
-            self.sim.stats.rounds["regrouped"] = self.sim.stats.rounds.get("regrouped", 0) + 1
+        for counted in (rnd.kind, "regrouped")[: 1 + regrouped]:
+            self.sim.stats.rounds[counted] = self.sim.stats.rounds.get(counted, 0) + 1
+        timing = round_timing(self.sim.cost, rnd.kind, rnd.max_new_tokens, cfg.overprovision, self.sim.rng)
         self.dispatch_pending()
         self._start_task("gen", self.sim.cost.weights.sync_s + elastic_round_s(self.sim.cost, timing, regrouped))
         self.sim.q.after(self.sim.cost.weights.sync_s, self._representative_held, rnd.weights_version)
