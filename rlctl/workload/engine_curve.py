@@ -30,6 +30,14 @@ def decode_step_s(engine: Any, batch: int, tokens: int, vocab: int, seed: int = 
     return (time.perf_counter() - started) / tokens
 
 
+def regroup_s(engine: Any, state: dict[str, Any], degree: int, devices: str) -> float:
+    """Seconds to rebuild ``engine`` at ``degree`` and load the held ``state``, as a regrouping rollout does."""
+    started = time.perf_counter()
+    engine.resize(degree, devices)
+    engine.load_state_dict(state, engine.version)
+    return time.perf_counter() - started
+
+
 def measure_curve(engine: Any, state: dict[str, Any], degrees: list[int], batches: list[int], tokens: int,
                   vocab: int, repeats: int = 3, devices: Callable[[int], str] = lambda degree: "",
                   on_point: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -38,10 +46,7 @@ def measure_curve(engine: Any, state: dict[str, Any], degrees: list[int], batche
     points: list[dict[str, Any]] = []
     regroups: list[float] = []
     for degree in degrees:
-        started = time.perf_counter()
-        engine.resize(degree, devices(degree))
-        engine.load_state_dict(state, engine.version)
-        regroups.append(time.perf_counter() - started)
+        regroups.append(regroup_s(engine, state, degree, devices(degree)))
         decode_step_s(engine, 1, 4, vocab)  # warm up at this degree
         for batch in batches:
             seconds = statistics.median(decode_step_s(engine, batch, tokens, vocab, seed=r) for r in range(repeats))
@@ -50,9 +55,6 @@ def measure_curve(engine: Any, state: dict[str, Any], degrees: list[int], batche
             if on_point is not None:
                 on_point(point)
     for degree in degrees * max(1, repeats - 1):  # more rebuilds for the regroup's median
-        started = time.perf_counter()
-        engine.resize(degree, devices(degree))
-        engine.load_state_dict(state, engine.version)
-        regroups.append(time.perf_counter() - started)
+        regroups.append(regroup_s(engine, state, degree, devices(degree)))
     return {"points": points, "regroup_s": round(statistics.median(regroups), 6), "regroups_s": [round(r, 6) for r in regroups],
             "tokens": tokens}
