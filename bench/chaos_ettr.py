@@ -6,6 +6,7 @@ fault of a random kind hits one random node of the job (DESIGN.md).
 
     python bench/chaos_ettr.py [--steps 120] [--rate 0.1] [--seed 0] [--sweep 0.05,0.1,0.2] [--step-scale 1] [--rl-stages]
     python bench/chaos_ettr.py --placements [--steps 60] [--clean-steps 30]   # colocated vs disaggregated
+    python bench/chaos_ettr.py --elastic [--steps 40]   # 2 engines a rollout node that regroup for long rounds
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -27,6 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from jobrun import rlctl
+
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.reporting import build_report
 from rlctl.controller.store import Journal
@@ -39,14 +42,6 @@ def log(message: str) -> None:
     print(f"[chaos_ettr {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def rlctl(env: dict[str, str], *args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "rlctl.cli", *args], env=env, capture_output=True, text=True,
-                            timeout=600, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"rlctl {' '.join(args)} failed: {result.stderr[-2000:]}")
-    return result.stdout
-
-
 # Two layouts on the same nodes (3 role nodes and a spare, one simulated GPU each): the
 # reference job's split roles against trainer ranks with an engine colocated on each node.
 PLACEMENTS: dict[str, dict[str, Any]] = {
@@ -55,15 +50,22 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
 }
 
 
+# Elastic rollout parallelism: one rollout node of 2 simulated GPUs (2 engines) regrouped into one
+# engine of 2 for every long round (policy "always": this machine's curve would never regroup).
+ELASTIC_LAYOUT: dict[str, Any] = {"trainers": 1, "rollouts": 1, "rollout_gpus_per_node": 2,
+                                  "extra_tables": '\n[rollout.elastic]\nenabled = true\npolicy = "always"\n'}
+
+
 def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int, step_scale: int = 1,
             rl_stages: bool = False, layout: dict[str, Any] | None = None) -> dict[str, Any]:
     """Launch the job, soak it with `rlctl chaos` until it finishes, return its report."""
     env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"), UCX_NET_DEVICES="lo", UCXPY_PROGRESS_MODE="blocking",
                UCX_WARN_UNUSED_ENV_VARS="n")
     env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
+    placement = dict(layout or {})
+    extra = (write_rl_stages_env(workdir) if rl_stages else "") + str(placement.pop("extra_tables", ""))
     spec = write_job(workdir, name=f"bench-{policy}", steps=steps, spares=1, policy=policy, checkpoint_every=5,
-                     max_restarts=2, step_scale=step_scale, extra_tables=write_rl_stages_env(workdir) if rl_stages else "",
-                     **(layout or {}))
+                     max_restarts=2, step_scale=step_scale, extra_tables=extra, **placement)
     launched = json.loads(rlctl(env, "launch", str(spec), "--json").strip().splitlines()[-1])
     job = launched["job_id"]
     log(f"{policy}: launched {job} ({steps} steps, rate {rate})")
@@ -85,8 +87,10 @@ def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int, step
     if state not in ("succeeded", "stopped", "failed"):
         rlctl(env, "stop", job)
     report, _ = build_report(JobDir(Path(launched["job_dir"])))
-    verdicts = list(Journal(Path(launched["job_dir"]) / "journal.db", readonly=True).read(types=("Verdict",)))
-    report["verdicts"] = len(verdicts)
+    journal = Journal(Path(launched["job_dir"]) / "journal.db", readonly=True)
+    report["verdicts"] = len(list(journal.read(types=("Verdict",))))
+    resized = list(journal.read(types=("EngineResized",)))
+    report["regroups"] = sum(1 for e in resized if int(e.data["tensor_parallel"]) > 1)  # elastic rollout only
     log(f"{policy}: {report['state']} in {report['wall_s']:.0f}s, ETTR {report['ettr']:.3f}, "
         f"{len(report['faults'])} faults")
     return report
@@ -119,6 +123,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         "faults_injected": sum(1 for f in report["faults"] if f["injected"]),
         "faults_unrecovered": sum(1 for f in report["faults"] if f["recovered_s"] is None and not f.get("refused")),
         "trajectories_lost": report["trajectories_lost"],
+        "regroups": report["regroups"],
         "detection_s": {k: percentiles(v) for k, v in sorted(detection.items())},
         "recovery_s": {k: percentiles(v) for k, v in sorted(recovery.items())},
         "time_per_step_s": round(report["wall_s"] / max(report["steps"], 1), 3),
@@ -159,18 +164,23 @@ def main() -> None:
                         help="prompts per step times this (a step does that much more work; default 1: ~1 s steps)")
     parser.add_argument("--rl-stages", action="store_true",
                         help="stream training, reward helpers and an env worker with multi-turn episodes switched on")
+    parser.add_argument("--elastic", action="store_true",
+                        help="elastic rollout parallelism on: 2 engines a rollout node, regrouped for every long round")
     parser.add_argument("--placements", action="store_true",
                         help="instead: colocated against disaggregated on the same nodes (role policy), fault-free and soaked")
     args = parser.parse_args()
     if args.placements:
         compare_placements(args)
         return
-    results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed, "step_scale": args.step_scale, "rl_stages": args.rl_stages,
+    layout = ELASTIC_LAYOUT if args.elastic else None
+    results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed, "step_scale": args.step_scale,
+                               "rl_stages": args.rl_stages, "elastic": args.elastic,
                                "definition": "per RL step, probability `rate` that one random node gets a random fault",
                                "kinds": KINDS.split(",")}
     with tempfile.TemporaryDirectory(prefix="rlctl-chaos-") as tmp:
         base = Path(tmp)
-        clean = run_job(base / "clean", "role", args.clean_steps, 0.0, args.seed, args.step_scale, args.rl_stages)
+        clean = run_job(base / "clean", "role", args.clean_steps, 0.0, args.seed, args.step_scale, args.rl_stages,
+                        layout)
         results["fault_free"] = {"verdicts": clean["verdicts"], "ettr": clean["ettr"], "steps": clean["steps"],
                                  "time_per_step_s": round(clean["wall_s"] / max(clean["steps"], 1), 3)}
         rates = [args.rate] + [float(r) for r in args.sweep.split(",") if r.strip()]
@@ -178,7 +188,7 @@ def main() -> None:
         for rate in rates:
             for policy in ("role", "full-restart"):
                 report = run_job(base / f"{policy}-{rate}", policy, args.steps, rate, args.seed, args.step_scale,
-                                 args.rl_stages)
+                                 args.rl_stages, layout)
                 runs[f"{policy}@{rate}"] = summarize(report)
         results["runs"] = runs
     main_role, main_full = runs[f"role@{args.rate}"], runs[f"full-restart@{args.rate}"]

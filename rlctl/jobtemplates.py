@@ -61,6 +61,7 @@ nodes = 1
 [spares]
 nodes = {spares}
 warm = true
+replicate_trainer_state = {replicate}
 
 [fault_tolerance]
 policy = "{policy}"
@@ -90,7 +91,7 @@ def gpu_line(gpus_per_node: int) -> str:
 def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: int = 2, spares: int = 1,
               policy: str = "role", checkpoint_every: int = 3, max_restarts: int = 2, step_scale: int = 1,
               trainers: int = 1, agent_tls: str = "auto", extra_tables: str = "", gpus_per_node: int = 1,
-              colocated: bool = False, rollout_gpus_per_node: int = 0) -> Path:
+              colocated: bool = False, rollout_gpus_per_node: int = 0, replicate_trainer_state: bool = True) -> Path:
     """The small reference job as a file; ``extra_tables`` (TOML) is appended, e.g. ``[model]``,
     ``[data]`` and ``[reward]`` for a job on a Hugging Face model. ``gpus_per_node`` (simulated):
     a trainer node runs that many ranks, a rollout node that many engines. ``colocated``: the
@@ -102,6 +103,7 @@ def write_job(tmp_path: Path, name: str = "itest", steps: int = 400, rollouts: i
     path = tmp_path / f"{name}.toml"
     path.write_text(SMALL_JOB.format(name=name, steps=steps, trainers=trainers, rollouts=rollouts, spares=spares, nodes=nodes,
                                      policy=policy, checkpoint_every=checkpoint_every,
+                                     replicate=str(replicate_trainer_state).lower(),
                                      max_restarts=max_restarts, agent_tls=agent_tls,
                                      gpus_line=gpu_line(gpus_per_node), rollout_gpus_line=gpu_line(rollout_gpus),
                                      cluster_gpus_line=gpu_line(max(gpus_per_node, rollout_gpus)),

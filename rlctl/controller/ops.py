@@ -212,6 +212,7 @@ class DataOps:
         if self.orc.model.life.state.terminal or self.orc.stopping:
             return {"stop": True}
         if slot.standby:
+            self._note_state_replica(slot, args, now)
             reply: dict[str, Any] = {"standby": True, "wait_s": 0.3}
             offer = self.orc.model.live_trainer_state()
             if offer is not None and offer.version > int(args.get("trainer_state_step", -1)):
@@ -221,21 +222,30 @@ class DataOps:
             return reply
         return {"role": slot.role, "slot": slot.slot}
 
+    def _note_state_replica(self, slot: SlotRecord, args: dict[str, Any], now: float) -> None:
+        """Journal the trainer state this standby now holds and serves, when it is newer."""
+        source, step = args.get("trainer_state_source"), args.get("trainer_state_step")
+        if not isinstance(source, dict) or not isinstance(source.get("shards"), list) or not isinstance(step, int):
+            return
+        held = self.orc.model.state_replica
+        if held is None or held.wid != slot.wid or step > held.version:
+            self.orc.shell.commit([event(EventKind.TRAINER_STATE_HELD, now, slot=slot.slot, wid=slot.wid, step=step,
+                                         source=source)])
+
     def op_trainer_init(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         model = self.orc.model
         if slot.standby:
             return {"standby": True, "wait_s": 0.5}
         require_role(slot, "trainer")
-        checkpoint_step = model.checkpoint_step if model.checkpoint_step >= 0 else None
-        start = checkpoint_step or 0
-        target = model.published_version
-        replay = [s for s in range(start, target) if self.orc.scheduler.batch_for(s) is not None]
+        plan = model.restore_plan(lambda step: self.orc.scheduler.batch_for(step) is not None)
+        replica = plan.replica
         return {
+            "state_replica": {"step": replica.version, "source": replica.source} if replica is not None else None,
             "checkpoint": model.checkpoint_path or None,
-            "checkpoint_step": checkpoint_step,
-            "target_version": target,
+            "checkpoint_step": plan.checkpoint_step,
+            "target_version": plan.target,
             "target_checksum": model.published_checksum,
-            "replay_batches": replay,
+            "replay_batches": plan.replay,
             "total_steps": model.total_steps,
             "checkpoint_every": self.orc.spec.checkpoint_every,
         }

@@ -44,7 +44,7 @@ class WorkerLauncher:
             "seed": spec.seed,
             "steps": spec.steps,
             "checkpoint_every": spec.checkpoint_every,
-            "replicate_trainer_state": spec.replicate_trainer_state,
+            "replicate_trainer_state": spec.trainer_state_replicated(),
             "stream": bool(spec.raw["trainer"]["stream"]),
             "stream_parts": int(spec.raw["trainer"]["stream_parts"]),
             "group_size": spec.rollout.group_size,

@@ -52,6 +52,7 @@ class EventKind(StrEnum):
     STEP_TRAINED = "StepTrained"
     CHECKPOINTED = "Checkpointed"
     TRAINER_RESTORED = "TrainerRestored"
+    TRAINER_STATE_HELD = "TrainerStateHeld"
     CONTROLLER_STARTED = "ControllerStarted"
     CONNECTION_REFUSED = "ConnectionRefused"
     SCHEDULER_ROLLED_BACK = "SchedulerRolledBack"
@@ -98,6 +99,7 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.STEP_TRAINED: ("step", "metrics"),
     EventKind.CHECKPOINTED: ("step", "path"),
     EventKind.TRAINER_RESTORED: ("slot", "checkpoint_step", "replayed_steps"),
+    EventKind.TRAINER_STATE_HELD: ("slot", "wid", "step", "source"),
     EventKind.CONTROLLER_STARTED: ("pid", "resumed"),
     EventKind.SCHEDULER_ROLLED_BACK: ("to_step",),
     EventKind.HELD_OUT_STARTED: ("version", "prompts", "max_new_tokens"),

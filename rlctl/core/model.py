@@ -45,6 +45,7 @@ class JobModel(FaultLedger, WeightsRegistry):
     checkpoint_step: int = -1
     checkpoint_path: str = ""
     trainer_state: TrainerStateOffer | None = None
+    state_replica: TrainerStateOffer | None = None  # the copy a warm standby holds and serves
     step_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
     step_trained_at: dict[int, float] = field(default_factory=dict)
     ettr_at_step: dict[int, float] = field(default_factory=dict)

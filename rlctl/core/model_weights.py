@@ -8,6 +8,8 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlctl.core.ettr import EttrLedger
@@ -19,6 +21,24 @@ from rlctl.core.states import WorkerState
 STRIPED_HOLDERS = 4
 
 
+def state_not_older(step: int, checkpoint_step: int | None) -> bool:
+    """A trainer state held in memory at ``step`` is at least as new as the checkpoint (equal: memory
+    is read instead of the file); with no checkpoint, any state past the initial weights."""
+    return step >= checkpoint_step if checkpoint_step is not None else step > 0
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What a trainer (every rank of a group) restores from: the state replica a warm standby holds
+    when it is newer than the checkpoint, else the checkpoint; then the retained batches up to the
+    published version (``replay``: all since the checkpoint; a trainer skips those below the step it restored)."""
+
+    checkpoint_step: int | None
+    target: int
+    replay: list[int]
+    replica: TrainerStateOffer | None
+
+
 class WeightsRegistry:
     weights_holders: dict[int, dict[str, dict[str, Any]]]
     published_version: int
@@ -26,6 +46,7 @@ class WeightsRegistry:
     checkpoint_step: int
     checkpoint_path: str
     trainer_state: TrainerStateOffer | None
+    state_replica: TrainerStateOffer | None
     step_metrics: dict[int, dict[str, Any]]
     step_trained_at: dict[int, float]
     ettr_at_step: dict[int, float]
@@ -127,13 +148,36 @@ class WeightsRegistry:
 
     def live_trainer_state(self) -> TrainerStateOffer | None:
         """The newest trainer-state offer while the worker that made it still runs (else None)."""
-        offer = self.trainer_state
+        return self._while_served(self.trainer_state)
+
+    def live_state_replica(self) -> TrainerStateOffer | None:
+        """The trainer state a warm standby holds, while that standby still runs and waits (else None)."""
+        replica = self._while_served(self.state_replica)
+        holder = self.slots.get(replica.slot) if replica is not None else None
+        return replica if holder is not None and holder.standby else None
+
+    def restore_plan(self, retained: Callable[[int], bool]) -> RestorePlan:
+        """The plan for a trainer that (re)starts now; ``retained(step)``: the batch of ``step`` is kept."""
+        checkpoint_step = self.checkpoint_step if self.checkpoint_step >= 0 else None
+        start, target = checkpoint_step or 0, self.published_version
+        replica = self.live_state_replica()
+        if replica is not None and not (state_not_older(replica.version, checkpoint_step) and replica.version <= target
+                                        and len(replica.source.get("shards", [])) == len(self.slots_of("trainer"))):
+            replica = None  # older than the checkpoint, rolled back past, or of a group of another size
+        # From the checkpoint even with a replica: a rank that cannot fetch its part falls back to it.
+        return RestorePlan(checkpoint_step, target, [s for s in range(start, target) if retained(s)], replica)
+
+    def _while_served(self, offer: TrainerStateOffer | None) -> TrainerStateOffer | None:
         if offer is None:
             return None
-        publisher = self.slots.get(offer.slot)
-        if publisher is None or publisher.wid != offer.wid or publisher.life is None:
+        server = self.slots.get(offer.slot)
+        if server is None or server.wid != offer.wid or server.life is None:
             return None
-        return offer if publisher.life.state is WorkerState.RUNNING else None
+        return offer if server.life.state is WorkerState.RUNNING else None
+
+    def _on_TrainerStateHeld(self, ev: Event) -> None:
+        self.state_replica = TrainerStateOffer(int(ev.data["step"]), str(ev.data["slot"]), ev.data["wid"],
+                                               dict(ev.data["source"]))
 
     def _on_TrainerRestored(self, ev: Event) -> None:
         replayed = [int(s) for s in ev.data["replayed_steps"]]

@@ -221,9 +221,11 @@ JOB_SCHEMA: dict[str, Field] = {
             ),
             "replicate_trainer_state": Field(
                 "bool",
-                "Warm standbys keep a copy of the trainer's full state (weights, optimizer, RNG, step) in memory, "
-                "refreshed after every step, so a standby that takes over the trainer resumes at the last step "
-                "instead of retraining the steps since the last checkpoint. Single-node trainers only.",
+                "Warm standbys keep a copy of the trainer's state (weights, optimizer, RNG, step) in memory, "
+                "refreshed after every step: one part per rank of a sharded (FSDP) group, each rank's own shards. "
+                "A standby that takes over a lone trainer, or a trainer group that restarts (each rank taking its "
+                "part back from the standby), resumes at the last step instead of retraining the steps since the "
+                "last checkpoint. Not for `sharding = \"ddp\"` groups (every rank's part would be the whole state).",
                 True,
             ),
         },
@@ -660,6 +662,13 @@ class JobSpec:
     def hf_model(self) -> bool:
         """The policy is a Hugging Face model folder (`[model] path`)."""
         return bool(self.raw["model"]["path"])
+
+    def trainer_state_replicated(self, ranks: int | None = None) -> bool:
+        """Warm standbys keep the trainer's state: asked for, and the trainer is alone or a sharded
+        group (a plain data-parallel rank's part would be the whole state). ``ranks``: the group's
+        size when it is not the spec's (the simulator's scaled layouts)."""
+        alone = (self.roles["trainer"].workers if ranks is None else ranks) == 1
+        return self.replicate_trainer_state and (alone or self.workload["sharding"] == "fsdp")
 
     @property
     def nodes_needed(self) -> int:

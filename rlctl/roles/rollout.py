@@ -245,10 +245,14 @@ class Rollout:
                              chunk_tokens=CHUNK_TOKENS)
 
     def load_held(self, version: int) -> None:
-        """Load the held bundle into the engine (waking it if it sleeps) as ``version``."""
+        """Load the held bundle into the engine (waking it if it sleeps) as ``version``. An engine
+        whose workers run in processes of their own pulls it from this rollout's own server."""
         from rlctl.weights import unflatten
 
-        self.engine.load_state_dict(unflatten(self.held_bundle.manifest, self.held_bundle.buffer), version)
+        if getattr(self.engine, "pulls_itself", False):
+            self.engine.load_from_source(self.server.publish_bundle(self.held_bundle), version)
+        else:
+            self.engine.load_state_dict(unflatten(self.held_bundle.manifest, self.held_bundle.buffer), version)
         self.held_version = version
 
     def apply_layout(self, layout: dict[str, Any]) -> None:

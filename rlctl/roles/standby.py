@@ -12,46 +12,81 @@ capacity from a spare.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlctl import worker
 from rlctl.roles.common import RoleSettings
 
+if TYPE_CHECKING:
+    from rlctl.weights import Bundle, WeightServerThread
+
 
 class TrainerStateReplica:
-    """The newest copy of the trainer's full state that this standby fetched, kept in memory."""
+    """The newest copy of the trainer's state this standby fetched: one part per rank (one for a lone
+    trainer), kept in memory and served again from here, so that a trainer group that restarts can
+    take its parts back (each rank its own, from its own server) without reading a checkpoint."""
 
-    FETCH_TIMEOUT_S = 10.0
+    FETCH_TIMEOUT_S = 60.0
 
-    def __init__(self) -> None:
+    def __init__(self, transport: str, host: str) -> None:
+        self.transport = transport
+        self.host = host
         self.step = -1
-        self._data: bytes | None = None
+        self.source: dict[str, Any] | None = None  # what this standby serves: a sharded source, one part per rank
+        self._parts: list[Bundle] = []
+        self._servers: list[WeightServerThread] = []
         self._failed_step = -1
 
     def copy(self, offer: dict[str, Any]) -> None:
-        """Fetch the offered state; a source that fails is not tried again for that step."""
-        from rlctl.roles.trainer import TRAINER_STATE_KEY
-        from rlctl.weights import WeightError, fetch_sync
+        """Fetch every part of the offered state at once and serve it; a source that fails is not
+        tried again for that step (the previous copy stays served until a whole new one is here)."""
+        from rlctl.weights import WeightError
+        from rlctl.weights.shards import combine, fetch_parts, is_sharded
 
         step = int(offer.get("step", -1))
-        if step <= self.step or step == self._failed_step:
+        source = offer.get("source")
+        if step <= self.step or step == self._failed_step or not isinstance(source, dict) or not is_sharded(source):
             return
         try:
-            version, state = fetch_sync(dict(offer["source"]), timeout=self.FETCH_TIMEOUT_S)
-        except (WeightError, OSError, KeyError, TypeError) as exc:
+            parts = asyncio.run(fetch_parts(dict(source), timeout=self.FETCH_TIMEOUT_S))
+            if any(part.manifest.version != step for part in parts):
+                raise WeightError(f"a part is not of step {step}")
+            descriptors = [self._server(rank).publish_bundle(part) for rank, part in enumerate(parts)]
+        except (WeightError, OSError, KeyError, TypeError, ValueError) as exc:
             self._failed_step = step
             print(f"rlctl standby: could not copy the trainer state of step {step}: {exc}", file=sys.stderr, flush=True)
             return
-        if version != step or TRAINER_STATE_KEY not in state:
-            self._failed_step = step
-            return
-        self._data = state[TRAINER_STATE_KEY].numpy().tobytes()
-        self.step = step
+        self._parts, self.step, self.source = parts, step, combine(descriptors, step)
 
-    def held(self) -> tuple[int, bytes] | None:
-        return (self.step, self._data) if self._data is not None else None
+    def _server(self, rank: int) -> WeightServerThread:
+        from rlctl.weights import WeightServerThread
+
+        while len(self._servers) <= rank:
+            server = WeightServerThread(self.transport, host=self.host)
+            server.start()
+            self._servers.append(server)
+        return self._servers[rank]
+
+    def held(self) -> tuple[int, dict[str, Any]] | None:
+        """A lone trainer's whole state (``rlctl.workload.rank_state``), for this standby to resume
+        from when it takes the role."""
+        from rlctl.weights import unflatten
+
+        if len(self._parts) != 1:
+            return None
+        return self.step, unflatten(self._parts[0].manifest, self._parts[0].buffer)
+
+    def report(self) -> dict[str, Any]:
+        """What the standby tells the controller in ``standby.wait``: the step it holds and where."""
+        return {"trainer_state_step": self.step, **({"trainer_state_source": self.source} if self.source else {})}
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        self._servers, self._parts, self.source = [], [], None
 
 
 def main() -> int:
@@ -65,10 +100,10 @@ def main() -> int:
     settings = RoleSettings.from_env()
     trainer = TrainerRole(w, settings)
     rollout = Rollout(w, settings)
-    replica = TrainerStateReplica()
+    replica = TrainerStateReplica(settings.weights_transport, settings.weights_host)
     while True:
         w.phase("standby")
-        reply = w.request("standby.wait", trainer_state_step=replica.step) or {}
+        reply = w.request("standby.wait", **replica.report()) or {}
         role = reply.get("role")
         if reply.get("stop"):
             return 0
@@ -84,9 +119,11 @@ def main() -> int:
         break
     if rollout.scorer is not None and role != "rollout":
         rollout.scorer[1]()
+    held = replica.held()  # views into the copy's buffer, which stays alive with them
+    replica.close()  # the job's trainer state now lives in the role this standby takes
     if role == "trainer":
         rollout.server.close()
-        trainer.held_state = replica.held()
+        trainer.held_state = held
         try:
             return trainer.run()
         finally:

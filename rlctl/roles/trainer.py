@@ -5,9 +5,12 @@ controller retained since then (no rollout replay), then trains step after step.
 warm standby (``RLCTL_STANDBY=1``, on a spare node) it loads everything and waits until the
 controller hands it the trainer role.
 
-After every step a single-node trainer also serves its full state (weights, optimizer, RNG,
-step; ``[spares] replicate_trainer_state``), and the warm standby keeps a copy in memory: a
-standby that takes over resumes at that step, with nothing to retrain.
+After every step the trainer also serves its state (weights, optimizer, RNG, step; ``[spares]
+replicate_trainer_state``): a lone trainer the whole of it, each rank of a sharded group its own
+part (``rlctl.workload.rank_state``). The warm standby copies every part into memory and serves it
+again: a standby that takes over a lone trainer resumes at that step, and a trainer or group that
+restarts takes its parts back from the standby (``state_replica`` in ``trainer.init``) instead of
+reading the checkpoint and retraining the batches since.
 
 With several trainer ranks (one per GPU of every trainer node) the workers are one group (the
 controller sets ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``; gloo on
@@ -33,7 +36,7 @@ CURSOR_FILE = "cursor.json"
 # before publishing reports them when it resumes from it, so the step's record is not lost.
 STEP_METRICS_FILE = "step_metrics.json"
 
-TRAINER_STATE_KEY = "trainer_state"  # the one uint8 tensor of a served trainer state
+REPLICA_FETCH_TIMEOUT_S = 120.0
 
 
 class TrainerRole:
@@ -68,12 +71,12 @@ class TrainerRole:
         self.round_kind = ""  # the kind of round the last fetched batch came from (short, long, sync)
         self.last_metrics: dict[str, float] | None = None  # the last trained step's, until published
         self.checkpoint_every = int(settings.get("checkpoint_every", 5))
-        self.replicate_state = bool(settings.get("replicate_trainer_state", True)) and self.trainer.dist.world_size == 1
+        self.replicate_state = bool(settings.get("replicate_trainer_state", True))  # JobSpec.trainer_state_replicated
         self.stream = bool(settings.get("stream", False))
         self.stream_parts = int(settings.get("stream_parts", 4))
         self.state_server: WeightServerThread | None = None
         # (step, bytes): the previous trainer's full state, copied while this worker was a warm standby
-        self.held_state: tuple[int, bytes] | None = None
+        self.held_state: tuple[int, dict[str, Any]] | None = None
         # Colocated with engines on the same GPUs: the optimizer state leaves them while this waits.
         self.offload = OptimizerOffload(self.trainer.optimizer, self.trainer.device) if settings.get("colocated", False) else None
 
@@ -91,6 +94,8 @@ class TrainerRole:
         replayed: list[int] = []
         unpublished: dict[str, float] | None = None
         state_step = self.restore_held_state(init)
+        if state_step is None:
+            state_step = self.restore_replica(init)
         if state_step is None and init.get("checkpoint"):
             self.w.phase("loading")
             self.version = self.trainer.load_checkpoint(init["checkpoint"])
@@ -123,23 +128,66 @@ class TrainerRole:
         return {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else None
 
     def restore_held_state(self, init: dict[str, Any]) -> int | None:
-        """Resume from the state copied as a standby when it is newer than the checkpoint and not
-        past the published version (a rollback to the checkpoint makes it too new). Returns its step."""
+        """Resume from the state copied as a standby when it is at least as new as the checkpoint and
+        not past the published version (a rollback to the checkpoint makes it too new). Returns its step."""
         if self.held_state is None:
             return None
         step, data = self.held_state
         self.held_state = None
         checkpoint_step = init.get("checkpoint_step")
-        if step > (checkpoint_step if checkpoint_step is not None else 0) and step <= int(init.get("target_version", 0)):
+        # As core.model_weights.state_not_older: a copy as new as the checkpoint is read from memory.
+        newer = step >= checkpoint_step if checkpoint_step is not None else step > 0
+        if newer and step <= int(init.get("target_version", 0)):
             self.w.phase("loading", step)
+            from rlctl.workload.rank_state import load_rank_state
+
             try:
-                self.version = self.trainer.load_state_bytes(data)
+                self.version = load_rank_state(self.trainer, data)
             except (ValueError, RuntimeError) as exc:
                 print(f"rlctl trainer: the held state of step {step} did not load ({exc}); using the checkpoint",
                       file=sys.stderr, flush=True)
                 return None
             return step
         return None
+
+    def restore_replica(self, init: dict[str, Any]) -> int | None:
+        """Every rank takes its part of the state the warm standby holds (``state_replica``). The
+        ranks first agree that every one of them received its part; only then do they load, so a
+        failed transfer leaves them all on the checkpoint path. Returns the restored step."""
+        from rlctl.weights import WeightError, fetch_sync
+        from rlctl.workload.rank_state import META_KEY, load_rank_state
+
+        offer = init.get("state_replica")
+        rank, world = self.trainer.dist.rank, self.trainer.dist.world_size
+        data: dict[str, Any] | None = None
+        step = -1
+        if isinstance(offer, dict) and isinstance(offer.get("source"), dict):
+            step = int(offer.get("step", -1))
+            self.w.phase("loading", step)
+            try:
+                shards = offer["source"]["shards"]
+                version, state = fetch_sync(dict(shards[rank]), timeout=REPLICA_FETCH_TIMEOUT_S) if len(shards) == world else (-1, {})
+                if version == step and META_KEY in state:
+                    data = state
+            except (WeightError, OSError, KeyError, IndexError, TypeError, ValueError) as exc:
+                print(f"rlctl trainer: rank {rank} could not fetch its part of the state of step {step} ({exc}); "
+                      "using the checkpoint", file=sys.stderr, flush=True)
+        # The replica may change while the ranks ask (a copy finishing): all must hold the same step.
+        if not self.same_on_every_rank(step if data is not None else -1) or data is None:
+            return None
+        self.version = load_rank_state(self.trainer, data)
+        return self.version
+
+    def same_on_every_rank(self, value: int) -> bool:
+        """Whether every rank of the group has this same ``value`` >= 0 (a collective when there are several)."""
+        if self.trainer.dist.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            bounds = torch.tensor([value, -value], dtype=torch.int64)
+            dist.all_reduce(bounds, op=dist.ReduceOp.MIN)
+            return value >= 0 and int(bounds[0]) == -int(bounds[1])
+        return value >= 0
 
     def fetch_batch(self, step: int) -> list[Any] | None:
         from rlctl.workload.trainer import TrainSample
@@ -205,43 +253,44 @@ class TrainerRole:
         """Every rank calls it. In a sharded group each rank serves its own shard and rank 0
         reports one source naming them all (no gather); otherwise rank 0 serves the whole model."""
         if self.trainer.sharded:
-            descriptor = self.publish_shard()
+            assert self.server is not None
+            descriptor = self.group_source(self.server.publish(self.version, self.trainer.shard_for_publish()))
         else:
             weights = self.trainer.state_dict_for_publish()
             descriptor = self.server.publish(self.version, weights) if self.server is not None else None
+        state_source = self.offer_state() if self.replicate_state else None
         if descriptor is None or not self.leader:
             return
         args: dict[str, Any] = {"version": self.version, "source": descriptor}
-        if self.replicate_state:
-            args["state_source"] = self.offer_state()
+        if state_source is not None:
+            args["state_source"] = state_source
         if metrics is not None:
             args["metrics"] = {"mean_reward": metrics["reward_mean"], "round": self.round_kind, **metrics}
         self.w.request("trainer.publish", **args)
 
-    def publish_shard(self) -> dict[str, Any] | None:
-        """Serve this rank's shard of the version; rank 0 gets the combined sharded source (the
-        ranks swap their descriptors, a few hundred bytes each), the others None."""
-        import torch.distributed as dist
-
+    def group_source(self, mine: dict[str, Any]) -> dict[str, Any] | None:
+        """Rank 0 gets one sharded source naming what every rank serves of this version (the ranks
+        swap their descriptors, a few hundred bytes each), the others None."""
         from rlctl.weights.shards import combine
 
-        assert self.server is not None
-        mine = self.server.publish(self.version, self.trainer.shard_for_publish())
-        descriptors: list[Any] = [None] * self.trainer.dist.world_size
-        dist.all_gather_object(descriptors, mine)
+        descriptors: list[Any] = [mine]
+        if self.trainer.dist.world_size > 1:
+            import torch.distributed as dist
+
+            descriptors = [None] * self.trainer.dist.world_size
+            dist.all_gather_object(descriptors, mine)
         return combine(descriptors, self.version) if self.leader else None
 
-    def offer_state(self) -> dict[str, Any]:
-        """Serve the full trainer state of this version for the warm standby to copy; its descriptor."""
-        import torch
-
+    def offer_state(self) -> dict[str, Any] | None:
+        """Serve this rank's part of the trainer state of this version for the warm standby to copy;
+        rank 0 gets the source of all parts."""
         from rlctl.weights import WeightServerThread
+        from rlctl.workload.rank_state import rank_state
 
         if self.state_server is None:
             self.state_server = WeightServerThread(self.settings.weights_transport, host=self.settings.weights_host)
             self.state_server.start()
-        data = self.trainer.state_bytes()
-        return self.state_server.publish(self.version, {TRAINER_STATE_KEY: torch.frombuffer(bytearray(data), dtype=torch.uint8)})
+        return self.group_source(self.state_server.publish(self.version, rank_state(self.trainer)))
 
     def close(self) -> None:
         for server in (self.server, self.state_server):

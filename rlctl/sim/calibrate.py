@@ -1,7 +1,8 @@
 """Calibration: measure a cost model from a real job's journal, replay its faults, predict its ETTR.
 
 ``measure_cost_model`` reads the journal (rlctl.controller.store.Journal) and takes the step,
-training, checkpoint, init, detection and recovery times the live run actually had;
+training, checkpoint, init, detection and recovery times the live run actually had, the weight-sync
+line through its own pulls and the time its trainer took to read a checkpoint back;
 ``trace_from_journal`` turns its ``FaultInjected`` events into a fault trace (by role, so the
 simulator's node names need not match); ``predict_from_journal`` simulates the same job with both
 and compares the predicted ETTR with the journal's own ledger.
@@ -34,6 +35,11 @@ from rlctl.sim.faults import (
     fault_from_record,
 )
 from rlctl.sim.site import SimConfig
+
+# What a journal without the figures gets (journals before pulls carried bytes and seconds, or a
+# job that never restored from a checkpoint): a tiny model's sync and checkpoint read.
+FALLBACK_SYNC_S = 0.05
+FALLBACK_CHECKPOINT_LOAD_S = 0.5
 
 # Injected fault kinds (rlctl inject-fault) → simulated kinds.
 INJECTED_TO_SIM = {"crash": "crash", "hang": "hang", "node-down": "node-down", "xid": "xid", "ecc": "ecc",
@@ -140,8 +146,9 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
         generation=replace(GenerationCost(), max_new_tokens=0, short_max_tokens=0, per_token_s=0.0,
                            overhead_s=_median(gen_s, base.generation.overhead_s), **_length_fit(lengths)),
         step=replace(StepCost(), reward_s=reward_median, train_s=train_median, jitter=0.0,
-                     checkpoint_s=_median(checkpoint_s, 0.0), checkpoint_load_s=0.5),
-        weights=replace(WeightsCost(), bytes=0.0, overhead_s=0.05),
+                     checkpoint_s=_median(checkpoint_s, 0.0),
+                     checkpoint_load_s=_median(_checkpoint_loads(events, model), FALLBACK_CHECKPOINT_LOAD_S)),
+        weights=weights_from_pulls(events),
         init=replace(InitCost(), trainer_s=max(0.0, trainer_init), rollout_s=_median(init_by_role["rollout"], 5.0),
                      reward_s=_median(init_by_role["reward"], 1.0), standby_s=_median(standby_refill_s or standby_s, trainer_init),
                      allocate_s=max(0.0, allocated - t0),
@@ -149,6 +156,41 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
         detection=replace(DetectionCost(), exit_report_s=_median(detection, 0.2), tick_s=0.1),
         workload=replace(base.workload, batch_prompts=spec.rollout.batch_prompts, group_size=spec.rollout.group_size),
     )
+
+
+def weights_from_pulls(events: list[Event]) -> WeightsCost:
+    """The weight-sync line through the job's own pulls (``WeightsHeld`` with ``bytes`` and
+    ``seconds``): ``seconds = overhead_s + bytes / bandwidth``, least squares when the pulls
+    moved at least two sizes; one size gives the bandwidth alone (overhead 0, so a copy of 7x the
+    bytes is priced at 7x the time). A journal without pull figures keeps the old constants."""
+    pulls = [(float(e.data["bytes"]), float(e.data["seconds"])) for e in events
+             if e.type == EventKind.WEIGHTS_HELD and "bytes" in e.data and float(e.data.get("seconds", 0.0)) > 0]
+    if not pulls or all(size <= 0 for size, _ in pulls):
+        return replace(WeightsCost(), bytes=0.0, overhead_s=FALLBACK_SYNC_S)
+    size = statistics.median(b for b, _ in pulls)
+    if len({b for b, _ in pulls}) >= 2:
+        mean_b = statistics.fmean(b for b, _ in pulls)
+        mean_s = statistics.fmean(t for _, t in pulls)
+        spread = sum((b - mean_b) ** 2 for b, _ in pulls)
+        slope = sum((b - mean_b) * (t - mean_s) for b, t in pulls) / spread
+        if slope > 0:
+            return WeightsCost(bytes=size, bandwidth_bytes_per_s=1.0 / slope, overhead_s=max(0.0, mean_s - slope * mean_b))
+    return WeightsCost(bytes=size, bandwidth_bytes_per_s=size / statistics.median(t for _, t in pulls), overhead_s=0.0)
+
+
+def _checkpoint_loads(events: list[Event], model: JobModel) -> list[float]:
+    """Seconds a trainer spent restoring from a checkpoint: from its last ``loading`` phase to
+    ``TrainerRestored``, less the training time of the batches it retrained."""
+    loading: dict[str, float] = {}
+    found: list[float] = []
+    for ev in events:
+        if ev.type == EventKind.WORKER_PHASE and ev.data["phase"] == "loading":
+            loading[ev.data["slot"]] = ev.at
+        elif (ev.type == EventKind.TRAINER_RESTORED and ev.data.get("checkpoint_step") is not None
+              and ev.data.get("state_step") is None and ev.data["slot"] in loading):
+            retrained = sum(max(0.0, model.training_seconds.get(int(s), 0.0)) for s in ev.data["replayed_steps"])
+            found.append(max(0.0, ev.at - loading.pop(ev.data["slot"]) - retrained))
+    return found
 
 
 def _length_fit(lengths: list[int]) -> dict[str, float]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlctl.core.events import EventKind
+from rlctl.core.model_weights import state_not_older
 from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
 from rlctl.core.states import JobState
 from rlctl.sim.site import FluidTask, SimSite
@@ -219,11 +220,13 @@ class Pipeline:
         self._publish(version)
 
     def _state_copied(self, wid: str, version: int) -> None:
-        """roles/standby.TrainerStateReplica.copy finished: the standby holds the state of ``version``."""
+        """roles/standby.TrainerStateReplica.copy finished: the standby holds and serves the state of ``version``."""
         worker = self.sim.workers.get(wid)
         slot = self.sim.model.slots.get(worker.slot) if worker is not None else None
         if worker is not None and worker.alive and slot is not None and slot.standby and slot.wid == wid:
             worker.state_step = max(worker.state_step, version)
+            parts = [{"transport": "sim"}] * len(self.sim.role_slots("trainer"))  # one per rank
+            self.sim.emit(EventKind.TRAINER_STATE_HELD, slot=slot.slot, wid=wid, step=version, source={"shards": parts})
 
     def _publish(self, version: int) -> None:
         """DataOps.op_trainer_publish: StepTrained for the step, then WeightsPublished."""
@@ -232,7 +235,7 @@ class Pipeline:
         self.sim.emit(EventKind.WEIGHTS_PUBLISHED, version=version, slot=trainer.slot, source={"transport": "sim", "checksum": f"v{version}"})
         self._trainer_phase("waiting-for-batch", version)
         self._replay_reported.clear()
-        if self.sim.spec.replicate_trainer_state and self.sim.layout.nodes["trainer"] == 1:
+        if self.sim.spec.trainer_state_replicated(len(self.sim.role_slots("trainer"))):
             for worker in self.sim.workers.values():
                 slot = self.sim.model.slots.get(worker.slot)
                 if worker.alive and worker.loaded and slot is not None and slot.standby:
@@ -314,29 +317,26 @@ class Pipeline:
         self.sim.update_capacity()
 
     def trainer_restore(self, wid: str, recovering: bool | None = None) -> None:
-        """TrainerRole.restore + DataOps.op_trainer_init: checkpoint, then retrain retained batches."""
+        """TrainerRole.restore + DataOps.op_trainer_init (``JobModel.restore_plan``): the held state, the
+        standby's replica or the checkpoint, then retrain retained batches."""
         current = self.sim.current(wid)
         if current is None:
             return
         worker, slot = current
-        model = self.sim.model
-        checkpoint_step = model.checkpoint_step if model.checkpoint_step >= 0 else None
-        target = model.published_version
-        start = checkpoint_step or 0
-        replay = [s for s in range(start, target) if self.sim.scheduler.batch_for(s) is not None]
-        if recovering is None:
-            recovering = model.productive_since is not None
-        seconds = 0.0
-        state_step: int | None = None
-        if (checkpoint_step or 0) < worker.state_step <= target:
-            # TrainerRole.restore_held_state: the standby's in-memory copy is newer than the checkpoint
-            state_step = worker.state_step
-            replay = [s for s in replay if s >= state_step]
-            self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="loading", step=state_step)
-            seconds += self.sim.cost.step.checkpoint_load_s
+        plan = self.sim.model.restore_plan(lambda step: self.sim.scheduler.batch_for(step) is not None)
+        checkpoint_step, target, replay = plan.checkpoint_step, plan.target, plan.replay
+        recovering = self.sim.model.productive_since is not None if recovering is None else recovering
+        seconds, state_step = 0.0, None
+        if state_not_older(worker.state_step, checkpoint_step) and worker.state_step <= target:
+            # TrainerRole.restore_held_state: the standby took the trainer over with its own copy
+            state_step, seconds = worker.state_step, self.sim.cost.step.checkpoint_load_s
+        elif plan.replica is not None:  # TrainerRole.restore_replica: every rank fetches its part
+            state_step, seconds = plan.replica.version, self.sim.cost.weights.state_copy_s
         elif checkpoint_step is not None:
-            self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="loading", step=checkpoint_step)
-            seconds += self.sim.cost.step.checkpoint_load_s
+            seconds = self.sim.cost.step.checkpoint_load_s
+        if (loaded := state_step if state_step is not None else checkpoint_step) is not None:
+            replay = [s for s in replay if s >= loaded]
+            self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="loading", step=loaded)
         worker.state_step = -1
         seconds += sum(jittered(self.sim.cost.step.train_s, self.sim.cost.step.jitter, self.sim.rng) for _ in replay)
         self.sim.q.after(seconds, self._trainer_restored, wid, target, checkpoint_step, replay, recovering, state_step)

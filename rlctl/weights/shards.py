@@ -42,16 +42,23 @@ def is_sharded(source: dict[str, Any]) -> bool:
     return bool(source.get("sharded")) and isinstance(source.get("shards"), list)
 
 
-async def fetch_sharded(source: dict[str, Any], timeout: float = 60.0,
-                        max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
-    """Every shard of ``source`` at once, verified, assembled into one bundle of the whole model."""
+async def fetch_parts(source: dict[str, Any], timeout: float = 60.0,
+                      max_nbytes: int = DEFAULT_MAX_NBYTES) -> list[Bundle]:
+    """Every shard of ``source`` at once, each verified against its descriptor, in rank order."""
     shards = source["shards"]
     bundles = await asyncio.gather(*(fetch_bundle(shard, timeout, max_nbytes) for shard in shards))
     for shard, bundle in zip(shards, bundles):
         if bundle.manifest.version != int(source["version"]):
             raise WeightIntegrityError(f"shard at {shard.get('host')}:{shard.get('port')} sent v"
                                        f"{bundle.manifest.version}, expected v{source['version']}")
-    return await asyncio.to_thread(assemble, list(bundles), int(source["version"]))
+    return list(bundles)
+
+
+async def fetch_sharded(source: dict[str, Any], timeout: float = 60.0,
+                        max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
+    """Every shard of ``source`` at once, verified, assembled into one bundle of the whole model."""
+    bundles = await fetch_parts(source, timeout, max_nbytes)
+    return await asyncio.to_thread(assemble, bundles, int(source["version"]))
 
 
 def fetch_sharded_sync(source: dict[str, Any], timeout: float = 60.0,

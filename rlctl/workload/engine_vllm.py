@@ -12,9 +12,13 @@ Contract (same as ``TorchEngine`` where vLLM allows):
   TorchEngine). Blocking. ``should_cancel`` and ``on_finished`` are called every
   ``chunk_tokens`` engine steps (one step decodes one token for every running request).
 - ``load_state_dict(state, version)`` checks the names and shapes against the model folder's
-  safetensors, then loads the weights **in place** into the running model (vLLM's
-  ``reload_weights``: ``model.load_weights`` plus the platform's weight processing), then drops
-  the prefix cache (its KV was computed with the old weights). No restart, no re-compile.
+  safetensors, then loads the weights **in place** into the running model, then drops the prefix
+  cache (its KV was computed with the old weights). No restart, no re-compile. Where the installed
+  vLLM has its weight-transfer API for RL, the load goes through it (``start_weight_update`` /
+  ``update_weights`` / ``finish_weight_update`` with rlctl's backend, ``rlctl.roles.vllm_transfer``:
+  vLLM's layerwise reload and weight version); otherwise through ``reload_weights``
+  (``model.load_weights`` plus the platform's weight processing). ``load_from_source`` has every
+  vLLM worker pull the version itself from a holder over rlctl's transports (API only).
 - Phases go to ``on_phase``: ``compiling`` for the whole engine start (weight load, memory
   profiling, compilation/graph capture, KV-cache allocation: long on a first start, never a
   hang), ``weight-sync`` while loading weights, ``generating`` while generating, ``idle`` while
@@ -30,9 +34,11 @@ it). Scripts that create an engine should still use an ``if __name__ == "__main_
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -88,6 +94,55 @@ class VllmOptions:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     seed: int = 0
+    native_weight_transfer: bool = True  # vLLM's weight-transfer API for RL when the installed vLLM has it
+    weights_timeout_s: float = 300.0
+
+
+TRANSFER_BACKEND = "rlctl"
+TRANSFER_ENGINE = ("rlctl.roles.vllm_transfer", "RlctlWeightTransferEngine")  # module, class: the worker side
+
+_handles = itertools.count(1)
+_handed: dict[int, Mapping[str, Tensor]] = {}
+_handed_lock = threading.Lock()
+
+
+def hand_over(state: Mapping[str, Tensor]) -> int:
+    """Keep ``state`` for an in-process ``update_weights`` (``rlctl.roles.vllm_transfer``); the handle
+    goes in the update info."""
+    with _handed_lock:
+        handle = next(_handles)
+        _handed[handle] = state
+    return handle
+
+
+def take_handed_over(handle: int) -> Mapping[str, Tensor] | None:
+    with _handed_lock:
+        return _handed.pop(handle, None)
+
+
+def native_weight_transfer() -> Any:
+    """``WeightTransferConfig(backend="rlctl")`` when the installed vLLM has the weight-transfer API
+    for RL, with rlctl's backend registered (by module path: the workers import it); else None."""
+    try:
+        from vllm.config import WeightTransferConfig
+    except ImportError:
+        return None
+    return WeightTransferConfig(backend=TRANSFER_BACKEND) if register_transfer_backend() else None
+
+
+def register_transfer_backend() -> bool:
+    """Put rlctl's backend in vLLM's weight-transfer registry, by module path (the workers import
+    it lazily); idempotent. Also the ``vllm.general_plugins`` entry point (pyproject.toml), which
+    vLLM runs in every process it starts. False when this vLLM has no such registry."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return False
+    if not hasattr(WeightTransferEngineFactory, "register_engine"):
+        return False
+    if TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, *TRANSFER_ENGINE)
+    return True
 
 
 def _prepare_vllm_env(options: VllmOptions) -> None:
@@ -150,11 +205,16 @@ class VllmEngine:
         self._optional_keys = TIED_KEYS if config.get("tie_word_embeddings") else frozenset()
         self.can_sleep = bool(current_platform.is_sleep_mode_available())
         opts = self.options
-        return LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=opts.dtype,
-                   enforce_eager=opts.enforce_eager, gpu_memory_utilization=opts.gpu_memory_utilization,
-                   max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
-                   tensor_parallel_size=opts.tensor_parallel_size, seed=opts.seed,
-                   enable_sleep_mode=self.can_sleep)
+        transfer = native_weight_transfer() if opts.native_weight_transfer else None
+        llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype=opts.dtype,
+                  enforce_eager=opts.enforce_eager, gpu_memory_utilization=opts.gpu_memory_utilization,
+                  max_num_seqs=opts.max_num_seqs, max_model_len=opts.max_model_len,
+                  tensor_parallel_size=opts.tensor_parallel_size, seed=opts.seed,
+                  enable_sleep_mode=self.can_sleep, **({"weight_transfer_config": transfer} if transfer else {}))
+        self.weight_transfer = transfer is not None
+        if self.weight_transfer:
+            llm.init_weight_transfer_engine({"init_info": {"timeout_s": opts.weights_timeout_s}})
+        return llm
 
     @property
     def version(self) -> int:
@@ -169,11 +229,46 @@ class VllmEngine:
         """
         self._check_keys(state)
         self.wake_up()
+        if self.weight_transfer and not self.pulls_itself:
+            self._update({"version": version, "state_handle": hand_over(state)}, version)
+            return
         self._phase("weight-sync")
         started = time.perf_counter()
         items = list(state.items())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items),
                                                           "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        self.last_load_seconds = time.perf_counter() - started
+        self._version = version
+
+    @property
+    def pulls_itself(self) -> bool:
+        """The engine's workers run in processes of their own (tensor parallelism): tensors cannot be
+        handed over in process, so a holder should have them pull (``load_from_source``)."""
+        return self.weight_transfer and self.options.tensor_parallel_size > 1
+
+    def load_from_source(self, source: dict[str, Any], version: int) -> None:
+        """Every vLLM worker pulls ``version`` itself from the holder ``source`` names (a trainer
+        group's sharded source included) over rlctl's transports; the native weight-transfer path only."""
+        if not self.weight_transfer:
+            raise RuntimeError("this vLLM has no weight-transfer API for rlctl (load_state_dict instead)")
+        self.wake_up()
+        self._update({"version": version, "source": dict(source)}, version)
+
+    def _update(self, update_info: dict[str, Any], version: int) -> None:
+        """One update through vLLM's weight-transfer API (``rlctl.roles.vllm_transfer`` in the workers)."""
+        self._phase("weight-sync")
+        started = time.perf_counter()
+        self.llm.start_weight_update()
+        try:
+            self.llm.update_weights({"update_info": update_info})
+        except BaseException:
+            # vLLM ended the session without finishing the layerwise reload; an empty session
+            # finishes it, which puts back the weights of every layer that received none.
+            self.llm.start_weight_update()
+            self.llm.finish_weight_update()
+            raise
+        self.llm.finish_weight_update(weight_version=str(version))
         self.llm.reset_prefix_cache()
         self.last_load_seconds = time.perf_counter() - started
         self._version = version

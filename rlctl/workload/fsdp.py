@@ -13,10 +13,16 @@ data-parallel path.
 The full state (weights to publish, an HF export) is gathered with
 ``torch.distributed.checkpoint.state_dict`` — a collective every rank enters. The optimizer state
 is saved sharded with ``torch.distributed.checkpoint`` (each rank writes its own shard).
+
+A rank's own part of the state in memory (for the trainer-state replica a warm standby keeps) is
+its local shards as plain tensors: ``local_shards`` of the weights and ``local_optimizer_state``;
+``load_local_shards`` / ``load_local_optimizer_state`` put them back into a group of the same size.
+Neither is a collective.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +88,73 @@ def local_shards(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str
     shards = {name: (t.to_local() if isinstance(t, DTensor) else t).detach()
               for name, t in hf_root(model).state_dict().items()}
     return {name: t.to(dtype) if dtype is not None else t for name, t in shards.items()}
+
+
+def load_local_shards(model: nn.Module, shards: Mapping[str, Tensor]) -> None:
+    """Copy ``local_shards`` output (of a group of the same size, same rank) into this rank's shards."""
+    from torch.distributed.tensor import DTensor
+
+    current = hf_root(model).state_dict()
+    missing = sorted(set(current) - set(shards))
+    if missing:
+        raise ValueError(f"the saved shards lack {missing[:3]}")
+    with torch.no_grad():
+        for name, tensor in current.items():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            if local.shape != shards[name].shape:
+                raise ValueError(f"the saved shard of {name!r} is {tuple(shards[name].shape)}, this rank holds {tuple(local.shape)}")
+            local.copy_(shards[name])
+
+
+def local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """This rank's optimizer tensors by path (``state/<HF name>/exp_avg``...), every sharded moment as
+    its local shard (views, not copies). Works on an unsharded model too (the whole state)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    found: dict[str, Tensor] = {}
+
+    def keep(local: Tensor, path: tuple[Any, ...]) -> Tensor:
+        found["/".join(map(str, path))] = local
+        return local
+
+    _map_tensors(get_optimizer_state_dict(hf_root(model), optimizer), keep)
+    return found
+
+
+def load_local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Tensor]) -> None:
+    """Restore ``local_optimizer_state`` output of the same rank in a group of the same size (the
+    learning rates and other settings stay this optimizer's own)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    root = hf_root(model)
+    template = get_optimizer_state_dict(root, optimizer)  # the sharded layout, states initialised
+
+    def copy(local: Tensor, path: tuple[Any, ...]) -> Tensor:
+        key = "/".join(map(str, path))
+        value = saved.get(key)
+        if value is None or value.shape != local.shape:
+            raise ValueError(f"the saved optimizer state has no {key} of shape {tuple(local.shape)}")
+        with torch.no_grad():
+            local.copy_(value)
+        return local
+
+    _map_tensors(template, copy)
+    set_optimizer_state_dict(root, optimizer, template)
+
+
+def _map_tensors(value: Any, visit: Callable[[Tensor, tuple[Any, ...]], Tensor], path: tuple[Any, ...] = ()) -> Any:
+    """``value`` with every tensor ``t`` replaced by ``visit(local of t, path)``; the rest as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return visit(value.to_local(), path)
+    if isinstance(value, Tensor):
+        return visit(value, path)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, visit, (*path, key)) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_map_tensors(item, visit, (*path, index)) for index, item in enumerate(value)]
+    return value
 
 
 def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:

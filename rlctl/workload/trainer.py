@@ -15,7 +15,8 @@ Contract:
   optimizer, scheduler, reference model, step and the python/torch/numpy RNG states.
   ``load_checkpoint`` followed by ``train_step`` on the retained batches reproduces the
   uninterrupted run's weights exactly (same process layout, same device). ``state_bytes`` /
-  ``load_state_bytes`` are the same payload in memory, for a warm standby's replica.
+  ``load_state_bytes`` are the same payload in memory; ``rlctl.workload.rank_state`` holds one
+  rank's part of it, for the replica a warm standby keeps.
 - A group when ``WORLD_SIZE`` > 1 (env, ``torch.distributed``: gloo on CPU, nccl on CUDA): every
   rank receives the *whole* batch, computes the same advantages, trains on its shard
   (``samples[rank::world]``) after scaling its loss by the global token count, and the gradients

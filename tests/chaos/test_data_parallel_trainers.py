@@ -1,6 +1,8 @@
-"""Two data-parallel trainer ranks (gloo) in one local job: rank 0 alone publishes and checkpoints,
-both train every step; a crashed rank restarts the whole group, which meets again at the
-rendezvous and restores from the checkpoint plus the retained batches (no rollout replay)."""
+"""Two sharded trainer ranks (FSDP2 over gloo) in one local job: rank 0 alone reports publishing
+and checkpointing, both train every step; a crashed rank restarts the whole group, which meets again
+at the rendezvous. With the warm standby's replica every rank takes its own part of the last
+step's state back from the standby and nothing is retrained; without it the group restores from
+the checkpoint plus the retained batches. Never a rollout replay."""
 
 from __future__ import annotations
 
@@ -22,12 +24,22 @@ from tests.integration.helpers import (
 
 
 @pytest.mark.slow
-def test_two_trainer_ranks_train_together_and_restart_together(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replica", [True, False], ids=["standby-replica", "checkpoint"])
+def test_two_trainer_ranks_train_together_and_restart_together(tmp_path: Path, replica: bool) -> None:
     state_dir = tmp_path / "jobs"
-    launched = rlctl_json(state_dir, "launch", str(write_job(tmp_path, name="dp", trainers=2, rollouts=1, spares=1)))
+    # No checkpoint falls due before the fault when the replica is on: all it restores is the replica.
+    job_file = write_job(tmp_path, name="dp", trainers=2, rollouts=1, spares=1, replicate_trainer_state=replica,
+                         checkpoint_every=1000 if replica else 3)
+    launched = rlctl_json(state_dir, "launch", str(job_file))
     job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
     try:
-        snap = wait_for(lambda: (s := status(state_dir, job)) and s["job"]["step"] >= 4 and s, 240, "training")
+        def ready() -> dict | None:
+            s = status(state_dir, job)
+            held = not replica or any(e.type == "TrainerStateHeld" and e.data["step"] >= 3
+                                      for e in Journal(jobdir.journal, readonly=True).read())
+            return s if s and s["job"]["step"] >= 4 and held else None
+
+        snap = wait_for(ready, 240, "training" + (" and the standby holding a replica" if replica else ""))
         events = list(Journal(jobdir.journal, readonly=True).read())
         trainers = {e.data["slot"]: e.data["node"] for e in events if e.type == "NodeAllocated"
                     and e.data["slot"].startswith("trainer-")}
@@ -47,11 +59,19 @@ def test_two_trainer_ranks_train_together_and_restart_together(tmp_path: Path) -
         restarted = [e.data["slot"] for e in events[events.index(verdict):]
                      if e.type == "ActionTaken" and e.data["action"] == "restart-worker"]
         assert {"trainer-0", "trainer-1"} <= set(restarted), "the whole group restarts"
-        assert [e for e in events if e.type == "TrainerRestored" and e.seq > verdict.seq]
+        restored = next(e for e in events if e.type == "TrainerRestored" and e.seq > verdict.seq)
+        if replica:
+            held = [e for e in events if e.type == "TrainerStateHeld" and e.seq < verdict.seq]
+            assert len(held[-1].data["source"]["shards"]) == 2, "one part per rank"
+            assert restored.data["checkpoint_step"] is None and restored.data["state_step"] == held[-1].data["step"]
+            assert all(s >= restored.data["state_step"] for s in restored.data["replayed_steps"])
+            assert len(restored.data["replayed_steps"]) <= 1, "at most the step in flight is retrained"
+        else:
+            assert restored.data["state_step"] is None
+            assert not [e for e in events if "state_source" in e.data or e.type == "TrainerStateHeld"]
         steps = [e.data["step"] for e in events if e.type == "BatchFormed"]
         assert len(steps) == len(set(steps)), "a batch was generated twice (rollout replay)"
         assert {e.data["slot"] for e in events if e.type == "WeightsPublished"} == {"trainer-0"}
-        assert not [e for e in events if "state_source" in e.data], "a rank's state alone cannot resume the group"
         assert rlctl_json(state_dir, "report", job)["trajectories_lost"] == 0
     finally:
         rlctl(state_dir, "stop", job, check=False)

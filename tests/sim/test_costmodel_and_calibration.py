@@ -75,3 +75,29 @@ def test_calibration_predicts_a_real_runs_ettr_within_five_points() -> None:
     result = predict_from_events(events, spec)
     assert result["predicted"]["steps"] == result["measured"]["steps"]
     assert result["within_5_points"], result
+
+
+def test_calibration_fits_the_weight_sync_line_and_the_checkpoint_read_from_the_journal() -> None:
+    """Weight-sync and recovery costs come from what the job measured, not from constants."""
+    from rlctl.core.events import EventKind, event
+    from rlctl.core.model import JobModel
+    from rlctl.sim.calibrate import FALLBACK_SYNC_S, _checkpoint_loads, weights_from_pulls
+
+    def pull(at: float, nbytes: float, seconds: float) -> object:
+        return event(EventKind.WEIGHTS_HELD, at, version=1, slot="rollout-0", source={}, bytes=nbytes, seconds=seconds)
+
+    line = weights_from_pulls([pull(1, 1e6, 1.0), pull(2, 2e6, 1.5), pull(3, 4e6, 2.5), pull(4, 4e6, 2.5)])
+    assert line.bandwidth_bytes_per_s == pytest.approx(2e6) and line.overhead_s == pytest.approx(0.5)
+    assert line.bytes == pytest.approx(3e6) and line.sync_s == pytest.approx(2.0)
+    one_size = weights_from_pulls([pull(1, 8e6, 2.0), pull(2, 8e6, 4.0), pull(3, 8e6, 3.0)])
+    assert one_size.overhead_s == 0.0 and one_size.sync_s == pytest.approx(3.0)
+    assert weights_from_pulls([]).sync_s == pytest.approx(FALLBACK_SYNC_S), "an old journal keeps the constant"
+
+    model = JobModel(job_id="j")
+    model.training_seconds.update({5: 0.75, 6: 0.25})
+    events = [event(EventKind.WORKER_PHASE, 10.0, slot="trainer-0", wid="w", phase="loading", step=0),
+              event(EventKind.TRAINER_RESTORED, 14.0, slot="trainer-0", checkpoint_step=5, replayed_steps=[5, 6]),
+              event(EventKind.WORKER_PHASE, 20.0, slot="trainer-0", wid="w2", phase="loading", step=0),
+              event(EventKind.TRAINER_RESTORED, 21.0, slot="trainer-0", checkpoint_step=5, replayed_steps=[],
+                    state_step=7)]
+    assert _checkpoint_loads(events, model) == [pytest.approx(3.0)], "a restore from the replica read no checkpoint"

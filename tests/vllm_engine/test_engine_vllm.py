@@ -174,6 +174,48 @@ def test_weights_are_replaced_in_place(engine: Any, policy: Any) -> None:
     assert engine.generate(requests(4), 10) == before
     assert_same_policy(engine, policy, PROMPTS[1])
     assert engine.last_load_seconds > 0
+    # Through vLLM's weight-transfer API for RL (this vLLM has it), which keeps the weight version.
+    assert engine.weight_transfer and engine.llm.get_weight_version() == "7"
+
+
+@pytest.mark.vllm
+def test_every_worker_pulls_the_version_itself_through_vllms_weight_transfer_api(engine: Any, policy: Any) -> None:
+    """``load_from_source``: the vLLM worker fetches from a holder over rlctl's transport (here TCP),
+    checksummed, and loads through the ``rlctl`` backend; the rollout never holds the tensors."""
+    from rlctl.weights import WeightServerThread
+    from rlctl.workload.hf_model import load_hf_policy
+
+    other = load_hf_policy(tiny_model("qwen3", seed=1), "cpu", "float32")
+    with WeightServerThread("tcp", host="127.0.0.1") as holder:
+        source = holder.publish(8, {k: v.detach().clone() for k, v in other.state_dict().items()})
+        engine.load_from_source(source, 8)
+        assert engine.version == 8 and engine.llm.get_weight_version() == "8"
+        assert_same_policy(engine, other, PROMPTS[0])
+        with pytest.raises(Exception, match="expected v9, holder sent v8"):
+            engine.load_from_source({**source, "version": 9}, 9)
+        assert engine.version == 8, "a failed update leaves the engine on the weights it had"
+        assert_same_policy(engine, other, PROMPTS[1])
+    engine.load_state_dict(policy.state_dict(), 10)
+    assert_same_policy(engine, policy, PROMPTS[1])
+
+
+@pytest.mark.vllm
+def test_without_the_api_weights_load_through_reload_weights(engine: Any, policy: Any) -> None:
+    """The path a vLLM without the weight-transfer API takes (``reload_weights``), on the same engine
+    (two engines in one process would share vLLM's global parallel state)."""
+    from rlctl.workload.hf_model import load_hf_policy
+
+    other = load_hf_policy(tiny_model("qwen3", seed=1), "cpu", "float32")
+    engine.weight_transfer = False
+    try:
+        engine.load_state_dict(other.state_dict(), 11)
+        assert engine.version == 11 and engine.llm.get_weight_version() != "11"
+        assert_same_policy(engine, other, PROMPTS[0])
+    finally:
+        engine.weight_transfer = True
+        engine.load_state_dict(policy.state_dict(), 12)
+    assert engine.llm.get_weight_version() == "12"
+    assert_same_policy(engine, policy, PROMPTS[1])
 
 
 @pytest.mark.vllm

@@ -5,6 +5,9 @@ Usage: python fsdp_worker.py OUT_FILE MODE [CHECKPOINT_DIR]   (WORLD_SIZE/RANK/M
   how many parameter elements this rank holds.
 - ``checkpoint``: a step, a sharded checkpoint into CHECKPOINT_DIR, another step; saves the weights.
 - ``resume``: restores CHECKPOINT_DIR, takes the second step; saves the weights.
+- ``rank-state``: a step, this rank's part of the state (``rank_state``) into CHECKPOINT_DIR/rank-N.pt, another step.
+- ``rank-resume``: a fresh group loads its ranks' parts from CHECKPOINT_DIR (no checkpoint) and
+  takes the second step.
 - ``shards``: a step, then every rank serves its own shard (TCP holder) and rank 0 pulls all of
   them point to point (``rlctl.weights.shards``); saves what rank 0 pulled and the gathered weights.
 """
@@ -23,6 +26,7 @@ from batches import small_model, synthetic_batch
 
 from rlctl.workload.fsdp import local_shards
 from rlctl.workload.grpo import GRPOConfig
+from rlctl.workload.rank_state import load_rank_state, rank_state
 from rlctl.workload.trainer import Trainer, TrainerConfig, leave_group_and_exit
 
 
@@ -41,6 +45,13 @@ def main(out: str, mode: str, checkpoint: str = "") -> None:
         result["metrics"] = trainer.train_step(synthetic_batch(2))
     elif mode == "resume":
         result["restored_step"] = trainer.load_checkpoint(checkpoint)
+        result["metrics"] = trainer.train_step(synthetic_batch(2))
+    elif mode == "rank-state":
+        trainer.train_step(synthetic_batch(1))
+        torch.save({k: v.clone() for k, v in rank_state(trainer).items()}, Path(checkpoint, f"rank-{rank}.pt"))
+        result["metrics"] = trainer.train_step(synthetic_batch(2))
+    elif mode == "rank-resume":
+        result["restored_step"] = load_rank_state(trainer, torch.load(Path(checkpoint, f"rank-{rank}.pt"), weights_only=True))
         result["metrics"] = trainer.train_step(synthetic_batch(2))
     elif mode == "shards":
         result["pulled"] = serve_and_pull_shards(trainer)

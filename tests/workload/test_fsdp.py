@@ -71,6 +71,21 @@ def test_a_sharded_checkpoint_resumes_like_the_uninterrupted_run(tmp_path: Path)
     assert worst == 0.0, worst
 
 
+def test_each_rank_resumes_from_its_own_part_of_the_state_like_the_uninterrupted_run(tmp_path: Path) -> None:
+    """The warm standby's replica of a sharded group: each rank's part (shards of weights, reference
+    and optimizer, its RNG), loaded by a fresh group without any checkpoint, steps on exactly as the
+    group that kept running."""
+    straight = run_group(tmp_path, "straight", 2, "rank-state", str(tmp_path))
+    parts = [(tmp_path / f"rank-{rank}.pt").stat().st_size for rank in range(2)]
+    resumed = run_group(tmp_path, "resumed", 2, "rank-resume", str(tmp_path))
+    assert [r["restored_step"] for r in resumed] == [1, 1]
+    worst = max((resumed[0]["state"][k] - v).abs().max().item() for k, v in straight[0]["state"].items())
+    assert worst == 0.0, worst
+    assert resumed[0]["metrics"]["loss"] == straight[0]["metrics"]["loss"]
+    whole = sum(v.numel() * v.element_size() for v in straight[0]["state"].values())
+    assert max(parts) < 0.75 * 4 * whole, f"a rank's part is its shard, not the whole state: {parts} vs {whole}"
+
+
 def test_every_rank_serves_its_shard_and_a_pull_of_all_of_them_is_the_whole_model(tmp_path: Path) -> None:
     group = run_group(tmp_path, "shards", 2, "shards")
     pulled, gathered = group[0]["pulled"], group[0]["state"]

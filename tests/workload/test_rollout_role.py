@@ -73,3 +73,40 @@ def test_running_samples_the_controller_cancels_are_dropped_and_never_sent() -> 
     sent = [r["item_id"] for op, args in worker.requests if op == "rollout.poll" for r in args["results"]]
     sent += [r["item_id"] for r in left]
     assert not cancelled & set(sent)
+
+
+class PullingEngine:
+    """Stands in for a vLLM engine whose workers run in processes of their own (tensor parallelism on
+    GPUs, which this machine cannot run): it pulls what it is told to, over the real transport."""
+
+    pulls_itself = True
+
+    def __init__(self) -> None:
+        self.pulled: list[tuple[int, dict[str, Any]]] = []
+
+    def load_from_source(self, source: dict[str, Any], version: int) -> None:
+        from rlctl.weights import fetch_sync
+
+        got, state = fetch_sync(source, timeout=30)
+        assert got == version
+        self.pulled.append((version, {k: v.clone() for k, v in state.items()}))
+
+    def load_state_dict(self, state: Any, version: int) -> None:
+        raise AssertionError("an engine that pulls itself is never handed tensors")
+
+
+def test_an_engine_whose_workers_pull_takes_the_held_version_from_the_rollouts_own_server() -> None:
+    import torch
+
+    from rlctl.weights import WeightServerThread, flatten
+
+    rollout = Rollout.__new__(Rollout)
+    rollout.engine = PullingEngine()  # type: ignore[assignment]
+    weights = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3, dtype=torch.bfloat16)}
+    rollout.held_bundle = flatten(weights, 4)
+    with WeightServerThread("tcp", host="127.0.0.1") as server:
+        rollout.server = server
+        rollout.load_held(4)
+    assert rollout.held_version == 4 and rollout.engine.pulled[0][0] == 4
+    for name, tensor in weights.items():
+        assert torch.equal(rollout.engine.pulled[0][1][name], tensor)

@@ -112,47 +112,57 @@ def test_checkpoint_replay_equals_uninterrupted_run(tmp_path: Path) -> None:
 
 
 def test_state_served_to_a_standby_replica_resumes_like_the_uninterrupted_run() -> None:
-    """The in-memory replica path end to end: state_bytes -> weight server (tcp) -> the standby's
-    TrainerStateReplica -> load_state_bytes, then the same batches give the same weights."""
+    """The in-memory replica path end to end: rank_state -> weight server (tcp) -> the standby's
+    TrainerStateReplica, which serves it again -> a restarted trainer fetches it from the standby
+    (the trainer that served it is gone) -> load_rank_state, then the same batches give the same weights."""
     from rlctl.roles.standby import TrainerStateReplica
-    from rlctl.roles.trainer import TRAINER_STATE_KEY
-    from rlctl.weights import WeightServerThread
+    from rlctl.weights import WeightServerThread, fetch_sync
+    from rlctl.weights.shards import combine
+    from rlctl.workload.rank_state import load_rank_state, rank_state
 
     batches = [synthetic_batch(seed) for seed in range(4)]
     uninterrupted = _trainer(0)
     for batch in batches[:2]:
         uninterrupted.train_step(batch)
-    replica = TrainerStateReplica()
-    with WeightServerThread("tcp") as server:
-        data = uninterrupted.state_bytes()
-        source = server.publish(2, {TRAINER_STATE_KEY: torch.frombuffer(bytearray(data), dtype=torch.uint8)})
-        replica.copy({"step": 2, "source": source})
-        replica.copy({"step": 1, "source": source})  # older than what it holds: ignored
-    held = replica.held()
-    assert held is not None and held[0] == 2 and held[1] == data
+    replica = TrainerStateReplica("tcp", "127.0.0.1")
+    try:
+        with WeightServerThread("tcp") as server:
+            source = combine([server.publish(2, rank_state(uninterrupted))], 2)
+            replica.copy({"step": 2, "source": source})
+            replica.copy({"step": 1, "source": source})  # older than what it holds: ignored
+        held = replica.held()
+        assert held is not None and held[0] == 2
+        report = replica.report()
+        assert report["trainer_state_step"] == 2 and len(report["trainer_state_source"]["shards"]) == 1
+        version, served = fetch_sync(report["trainer_state_source"]["shards"][0], timeout=30)
+        assert version == 2 and served.keys() == held[1].keys()
+    finally:
+        replica.close()
     draws_after = (random.random(), torch.rand(3))
     restored = _trainer(seed=99)
-    assert restored.load_state_bytes(held[1]) == 2
+    assert load_rank_state(restored, served) == 2
     assert random.random() == draws_after[0] and torch.equal(torch.rand(3), draws_after[1])
     for batch in batches[2:]:
         restored.train_step(batch)
         uninterrupted.train_step(batch)
     _assert_same_weights(restored.state_dict_for_publish(), uninterrupted.state_dict_for_publish())
-    with pytest.raises(ValueError, match="not an rlctl trainer state"):
-        restored.load_state_bytes(_model_only_bytes())
+    assert restored.optimizer.state_dict()["state"][0]["step"] == 4
+    with pytest.raises(ValueError, match="not one rank's rlctl trainer state"):
+        load_rank_state(restored, {"meta": torch.frombuffer(bytearray(_model_only_bytes()), dtype=torch.uint8)})
 
 
 def test_replica_skips_a_source_that_failed() -> None:
     from rlctl.roles.standby import TrainerStateReplica
+    from rlctl.weights.shards import combine
 
-    replica = TrainerStateReplica()
+    replica = TrainerStateReplica("tcp", "127.0.0.1")
     replica.FETCH_TIMEOUT_S = 2.0
     with socket.socket() as sock:  # a port nobody serves on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     dead = {"transport": "tcp", "host": "127.0.0.1", "port": port, "version": 3, "nbytes": 10, "checksum": "x"}
-    replica.copy({"step": 3, "source": dead})
-    assert replica.held() is None and replica.step == -1
+    replica.copy({"step": 3, "source": combine([dead], 3)})
+    assert replica.held() is None and replica.step == -1 and "trainer_state_source" not in replica.report()
     assert replica._failed_step == 3
 
 
