@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from rlctl.backends.base import Backend, BackendError, NodeInfo
 from rlctl.controller.jobdir import JobDir
+from rlctl.controller.predecessor import JournalHeld, take_write_lock
 from rlctl.controller.store import Journal
 from rlctl.core import detector as det
 from rlctl.core import effects as fx
@@ -77,6 +78,10 @@ async def stop_offline(jobdir: JobDir, spec: JobSpec, backend: Backend, reason: 
     journal = Journal(jobdir.journal)
     job_id = jobdir.job_id
     try:
+        try:
+            take_write_lock(journal, jobdir.read_controller())
+        except JournalHeld as exc:
+            raise OfflineStopError(str(exc)) from exc
         journal.take_over()
         model = JobModel(job_id=job_id)
         scheduler = RoundScheduler(config_from_spec(spec), [])

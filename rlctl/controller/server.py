@@ -22,6 +22,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Coroutine
@@ -39,6 +40,7 @@ from rlctl.controller.injection import FaultInjection
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.observing import ObservabilityError, Observing
 from rlctl.controller.ops import DataOps
+from rlctl.controller.predecessor import JournalHeld, take_write_lock, this_process
 from rlctl.controller.seam import Workload
 from rlctl.controller.store import Journal, JournalFenced
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
@@ -117,29 +119,25 @@ class Controller:
 
     def commit(self, events: list[Event]) -> list[Event]:
         """Journal events (durably), then apply them to the model, scheduler included."""
-        stored = self._append(events)
-        for ev in stored:
-            self.model.apply(ev)
-        self.observing.on_events(stored)
-        return stored
+        return self._commit(events, decided=False)
 
     def commit_decided(self, events: list[Event]) -> list[Event]:
         """Journal events the scheduler decided (and so already applied to itself), then apply
         them to the rest of the model."""
-        stored = self._append(events)
-        for ev in stored:
-            self.model.apply(ev, decided=True)
-        self.observing.on_events(stored)
-        return stored
+        return self._commit(events, decided=True)
 
-    def _append(self, events: list[Event]) -> list[Event]:
+    def _commit(self, events: list[Event], decided: bool) -> list[Event]:
         if self.fenced_reason:
             raise JournalFenced(self.fenced_reason)
         try:
-            return self.journal.append(events)
+            stored = self.journal.append(events)
         except JournalFenced as exc:
             self._fenced(str(exc))
             raise
+        for ev in stored:
+            self.model.apply(ev, decided=decided)
+        self.observing.on_events(stored)
+        return stored
 
     def connected(self, node: str) -> bool:
         return self.hub.connected(node)
@@ -203,6 +201,8 @@ class Controller:
             ticker = self.spawn(self._tick_loop())
             await self._done.wait()
             ticker.cancel()
+        except JournalHeld as exc:  # nothing was journaled or started: the job is left as it was
+            return _cannot_take_over(exc)
         except Exception as exc:  # the controller must record why it died before it goes
             if self.fenced_reason:
                 return EXIT_FENCED
@@ -243,12 +243,13 @@ class Controller:
             raise BackendError(f"could not start the agent on {node.name}{others}: {exc}")
 
     async def _resume(self) -> None:
+        killed = await asyncio.to_thread(take_write_lock, self.journal, self.jobdir.read_controller())
         self.journal.take_over()
         for ev in self.journal.read():
             self.model.apply(ev)
         self.observing.catch_up()
         info = self.jobdir.read_controller()
-        await self._bind(port=int(info.get("agent_port", 0)), resumed=True)
+        await self._bind(port=int(info.get("agent_port", 0)), resumed=True, **({"predecessor_killed": killed.pid} if killed else {}))
         for node in self.model.nodes.values():
             self.node_infos[node.name] = NodeInfo(name=node.name, host=node.host, backend_ref=node.backend_ref)
         await self.backend.adopt(list(self.node_infos.values()))
@@ -256,7 +257,7 @@ class Controller:
         if self.model.life.state.terminal:
             self._done.set()
 
-    async def _bind(self, port: int, resumed: bool) -> None:
+    async def _bind(self, port: int, resumed: bool, **started: Any) -> None:
         """Listen for agents and the CLI. The new epoch is journaled before any agent is accepted."""
         host = self.plan.controller_host
         certificate = None
@@ -266,7 +267,7 @@ class Controller:
         self.agent_port = await self.hub.start(host, port, server_context(certificate) if certificate else None,
                                                accept=False)
         self.record(EventKind.CONTROLLER_STARTED, pid=os.getpid(), resumed=resumed, agent_port=self.agent_port,
-                    epoch=self.hub.epoch)
+                    epoch=self.hub.epoch, **started)
         await self.hub.serve()
         bundle = build_agent_zipapp(self.jobdir.path / "agent")
         self.effects.launch = AgentLaunch(
@@ -284,7 +285,7 @@ class Controller:
         await self.api.start()
         metrics_port = await self.observing.start()
         self.jobdir.write_controller(
-            {"pid": os.getpid(), "agent_port": self.agent_port, "api_socket": str(self.jobdir.api_socket),
+            {**this_process().as_record(), "agent_port": self.agent_port, "api_socket": str(self.jobdir.api_socket),
              "host": host, "started_at": time.time(), "metrics_port": metrics_port}
         )
 
@@ -424,6 +425,12 @@ def _percentiles(values: Any) -> dict[str, float | int]:
         return {"n": 0}
     return {"p50": ordered[len(ordered) // 2], "p99": ordered[int(len(ordered) * 0.99)], "max": ordered[-1],
             "n": len(ordered)}
+
+
+def _cannot_take_over(reason: JournalHeld) -> int:
+    log.error("cannot take the job over: %s", reason)
+    print(f"cannot take the job over: {reason}", file=sys.stderr, flush=True)  # what `rlctl resume` shows
+    return 1
 
 
 def setup_logging(path: Path) -> None:

@@ -34,12 +34,12 @@ class JournalFenced(RuntimeError):
 class Journal:
     """Append and read events. ``append`` commits before returning (durable under WAL)."""
 
-    def __init__(self, path: Path, readonly: bool = False) -> None:
+    def __init__(self, path: Path, readonly: bool = False, busy_timeout_s: float = 10.0) -> None:
         self.path = path
         if readonly:
-            self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0, check_same_thread=False)
+            self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=busy_timeout_s, check_same_thread=False)
         else:
-            self._db = sqlite3.connect(path, timeout=10.0, check_same_thread=False)
+            self._db = sqlite3.connect(path, timeout=busy_timeout_s, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
@@ -50,6 +50,17 @@ class Journal:
         """Become the journal's writer from its current end; returns that sequence number."""
         self._owned_seq = self.last_seq()
         return self._owned_seq
+
+    def can_write(self) -> bool:
+        """Whether this connection gets the write lock within its busy timeout (taken and let go)."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                return False
+            raise
+        self._db.rollback()
+        return True
 
     def superseded(self) -> bool:
         """Whether another writer has appended since this one took over or last wrote."""

@@ -43,6 +43,8 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
     node_bad = verdict.action in ("replace-node", "drain-replace")
     if slot is None:
         return _retire_node(verdict, drain=verdict.action == "drain-replace") if node_bad else []
+    if slot.standby:
+        return _standby_failed(verdict, slot, node_bad, max_restarts_per_slot)
     if node_bad:
         # On a colocated node a trainer rank leaves with the engines: plan for the rank.
         slot = next((s for s in workers_on(model, verdict.node, slot) if s.role == "trainer"), slot)
@@ -65,6 +67,16 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
             + _move(model, workers_on(model, verdict.node, slot), verdict.node))
 
 
+def _standby_failed(verdict: Verdict, slot: SlotRecord, node_bad: bool, max_restarts_per_slot: int) -> list[Step]:
+    """A warm standby's own fault: no role is affected. The standby is started again on its node;
+    a bad node (or one whose standby keeps failing) is retired and the spare pool refilled."""
+    if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
+        return [Step("restart-worker", {"slot": slot.slot})]
+    return ([Step("stop-worker", {"slot": slot.slot})]
+            + _retire_node(verdict, drain=verdict.action == "drain-replace")
+            + [Step("request-spare", {"exclude_node": verdict.node})])
+
+
 def workers_on(model: JobModel, node: str, slot: SlotRecord | None = None) -> list[SlotRecord]:
     """The role workers that leave ``node`` with it when it is retired (``slot`` among them): all
     of a node's ranks or engines move together."""
@@ -82,8 +94,8 @@ def _restart_trainer_group(model: JobModel, verdict: Verdict, slot: SlotRecord, 
     """Data-parallel trainers share one process group, which cannot take a new member: a failed
     rank stalls the others in their next collective. So the failed rank is restarted (or moved off
     a bad node) and every other rank restarts with it; they meet again at the rendezvous and
-    restore from the checkpoint plus the retained batches. A warm standby is not used here: it
-    would need the same group restart and it holds no rank."""
+    restore from the state replica a warm standby holds (else the checkpoint plus the retained
+    batches). The standby does not take a rank: it would need the same group restart."""
     if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
         steps, moved = [Step("restart-worker", {"slot": slot.slot})], {slot.slot}
     else:
@@ -143,6 +155,9 @@ def _move(model: JobModel, slots: list[SlotRecord], bad_node: str) -> list[Step]
     for name, on_spare in placed:
         if not on_spare:
             return onto(name)
+    # The standby that holds the trainer's state replica is retired last: the trainer group restores from it.
+    replica = model.live_state_replica()
+    placed.sort(key=lambda item: replica is not None and any(s.slot == replica.slot for s in item[1]))
     for name, on_spare in placed:
         if all(s.standby for s in on_spare):
             return [Step("retire-standby", {"standby_slot": s.slot}) for s in on_spare] + onto(name)

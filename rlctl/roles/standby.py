@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,11 @@ if TYPE_CHECKING:
 class TrainerStateReplica:
     """The newest copy of the trainer's state this standby fetched: one part per rank (one for a lone
     trainer), kept in memory and served again from here, so that a trainer group that restarts can
-    take its parts back (each rank its own, from its own server) without reading a checkpoint."""
+    take its parts back (each rank its own, from its own server) without reading a checkpoint.
+
+    Copies are fetched by one background thread, so the standby keeps polling the controller while
+    a copy is in flight: a source that stops answering (a hung or paused trainer) costs that copy
+    its fetch timeout, never the standby its liveness. Only the newest offer waiting is fetched next."""
 
     FETCH_TIMEOUT_S = 60.0
 
@@ -39,27 +44,63 @@ class TrainerStateReplica:
         self._parts: list[Bundle] = []
         self._servers: list[WeightServerThread] = []
         self._failed_step = -1
+        self._lock = threading.Lock()
+        self._wanted: dict[str, Any] | None = None  # the newest offer not yet fetched
+        self._copier: threading.Thread | None = None
+        self._closed = False
+
+    def offer(self, offer: dict[str, Any]) -> None:
+        """Fetch ``offer`` in the background (after the copy in flight, if any); returns at once."""
+        with self._lock:
+            if self._closed or not self._worth_copying(offer):
+                return
+            self._wanted = offer
+            if self._copier is None or not self._copier.is_alive():
+                self._copier = threading.Thread(target=self._copy_wanted, name="trainer-state-copy", daemon=True)
+                self._copier.start()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether no copy is in flight (waiting up to ``timeout`` s for the one that is)."""
+        copier = self._copier
+        if copier is not None:
+            copier.join(timeout)
+        return copier is None or not copier.is_alive()
+
+    def _worth_copying(self, offer: dict[str, Any]) -> bool:
+        from rlctl.weights.shards import is_sharded
+
+        step, source = int(offer.get("step", -1)), offer.get("source")
+        return step > self.step and step != self._failed_step and isinstance(source, dict) and is_sharded(source)
+
+    def _copy_wanted(self) -> None:
+        while True:
+            with self._lock:
+                offer, self._wanted = self._wanted, None
+                if offer is None or self._closed:
+                    return
+            self.copy(offer)
 
     def copy(self, offer: dict[str, Any]) -> None:
         """Fetch every part of the offered state at once and serve it; a source that fails is not
         tried again for that step (the previous copy stays served until a whole new one is here)."""
         from rlctl.weights import WeightError
-        from rlctl.weights.shards import combine, fetch_parts, is_sharded
+        from rlctl.weights.shards import combine, fetch_parts
 
-        step = int(offer.get("step", -1))
-        source = offer.get("source")
-        if step <= self.step or step == self._failed_step or not isinstance(source, dict) or not is_sharded(source):
+        if not self._worth_copying(offer):
             return
+        step, source = int(offer["step"]), dict(offer["source"])
         try:
-            parts = asyncio.run(fetch_parts(dict(source), timeout=self.FETCH_TIMEOUT_S))
+            parts = asyncio.run(fetch_parts(source, timeout=self.FETCH_TIMEOUT_S))
             if any(part.manifest.version != step for part in parts):
                 raise WeightError(f"a part is not of step {step}")
-            descriptors = [self._server(rank).publish_bundle(part) for rank, part in enumerate(parts)]
+            with self._lock:
+                if self._closed:
+                    return
+                descriptors = [self._server(rank).publish_bundle(part) for rank, part in enumerate(parts)]
+                self._parts, self.step, self.source = parts, step, combine(descriptors, step)
         except (WeightError, OSError, KeyError, TypeError, ValueError) as exc:
             self._failed_step = step
             print(f"rlctl standby: could not copy the trainer state of step {step}: {exc}", file=sys.stderr, flush=True)
-            return
-        self._parts, self.step, self.source = parts, step, combine(descriptors, step)
 
     def _server(self, rank: int) -> WeightServerThread:
         from rlctl.weights import WeightServerThread
@@ -75,18 +116,23 @@ class TrainerStateReplica:
         from when it takes the role."""
         from rlctl.weights import unflatten
 
-        if len(self._parts) != 1:
-            return None
-        return self.step, unflatten(self._parts[0].manifest, self._parts[0].buffer)
+        with self._lock:
+            if len(self._parts) != 1:
+                return None
+            return self.step, unflatten(self._parts[0].manifest, self._parts[0].buffer)
 
     def report(self) -> dict[str, Any]:
         """What the standby tells the controller in ``standby.wait``: the step it holds and where."""
-        return {"trainer_state_step": self.step, **({"trainer_state_source": self.source} if self.source else {})}
+        with self._lock:
+            return {"trainer_state_step": self.step, **({"trainer_state_source": self.source} if self.source else {})}
 
     def close(self) -> None:
-        for server in self._servers:
-            server.close()
-        self._servers, self._parts, self.source = [], [], None
+        """Stop serving; a copy still in flight is dropped when it lands."""
+        with self._lock:
+            self._closed = True
+            for server in self._servers:
+                server.close()
+            self._servers, self._parts, self.source = [], [], None
 
 
 def main() -> int:
@@ -110,7 +156,7 @@ def main() -> int:
         if role is None:
             offer = reply.get("trainer_state")
             if isinstance(offer, dict):
-                replica.copy(offer)
+                replica.offer(offer)
             if reply.get("score"):  # reward capacity from a spare: a small chunk, then ready again
                 rollout.help_score(reply["score"])
                 continue

@@ -146,3 +146,18 @@ def test_a_spare_whose_standby_is_not_ready_is_cleared_before_a_slot_moves_onto_
     assert [(s.kind, s.args.get("slot") or s.args.get("standby_slot") or s.args.get("node")) for s in steps] == [
         ("fail-node", "node02"), ("retire-standby", "standby-0"), ("move-slot", "rollout-0"), ("restart-worker", "rollout-0")]
     assert steps[2].args["node"] == "node05"
+
+
+def test_a_standby_that_fails_is_started_again_and_no_role_moves() -> None:
+    # A hung or crashed standby is not a role's fault: nothing is handed over (to another standby, or to itself).
+    steps = plan(running_job(spares=2), verdict("node06", "standby-1", "worker-hang", "restart-worker"), 2)
+    assert [(s.kind, s.args) for s in steps] == [("restart-worker", {"slot": "standby-1"})]
+
+
+def test_a_standby_that_keeps_failing_or_whose_node_is_bad_retires_its_node() -> None:
+    model = running_job(spares=2)
+    model.slots["standby-1"].restarts_on_node = 2
+    steps = plan(model, verdict("node06", "standby-1", "worker-crash", "restart-worker"), 2)
+    assert kinds(steps) == ["stop-worker", "fail-node", "request-spare"]
+    steps = plan(running_job(spares=2), verdict("node06", "standby-1", "gpu-lost", "replace-node"), 2)
+    assert kinds(steps) == ["stop-worker", "fail-node", "request-spare"] and steps[2].args == {"exclude_node": "node06"}

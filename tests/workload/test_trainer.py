@@ -7,6 +7,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,41 @@ def test_replica_skips_a_source_that_failed() -> None:
     replica.copy({"step": 3, "source": combine([dead], 3)})
     assert replica.held() is None and replica.step == -1 and "trainer_state_source" not in replica.report()
     assert replica._failed_step == 3
+
+
+def test_a_source_that_stops_answering_never_blocks_the_standby() -> None:
+    """A paused trainer's server accepts and then says nothing: the copy runs in the background, so
+    ``offer`` and ``report`` (what the standby's polling loop calls) return at once, and the next
+    offer from a live source is copied once the stalled fetch gives up."""
+    from rlctl.roles.standby import TrainerStateReplica
+    from rlctl.weights import WeightServerThread
+    from rlctl.weights.shards import combine
+    from rlctl.workload.rank_state import rank_state
+
+    replica = TrainerStateReplica("tcp", "127.0.0.1")
+    replica.FETCH_TIMEOUT_S = 3.0
+    with socket.socket() as silent:  # listens (the kernel accepts), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        stalled = {"transport": "tcp", "host": "127.0.0.1", "port": port, "version": 3, "nbytes": 10, "checksum": "x"}
+        try:
+            with WeightServerThread("tcp") as server:
+                live = combine([server.publish(4, rank_state(_trainer(0)))], 4)
+                started = time.monotonic()
+                replica.offer({"step": 3, "source": combine([stalled], 3)})
+                while replica._wanted is not None:  # the copier has taken step 3 (else step 4 would replace it)
+                    time.sleep(0.01)
+                replica.offer({"step": 4, "source": live})
+                assert replica.report() == {"trainer_state_step": -1}
+                assert time.monotonic() - started < 1.0  # the polling loop was never held up
+                assert replica.wait_idle(30.0)
+                assert replica.step == 4 and replica._failed_step == 3
+                assert time.monotonic() - started >= replica.FETCH_TIMEOUT_S  # the stalled fetch was given up first
+        finally:
+            replica.close()
+    replica.offer({"step": 5, "source": live})  # closed: nothing more is fetched
+    assert replica.wait_idle(1.0) and replica.step == 4
 
 
 def _model_only_bytes() -> bytes:
