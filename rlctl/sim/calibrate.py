@@ -148,7 +148,7 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
         step=replace(StepCost(), reward_s=reward_median, train_s=train_median, jitter=0.0,
                      checkpoint_s=_median(checkpoint_s, 0.0),
                      checkpoint_load_s=_median(_checkpoint_loads(events, model), FALLBACK_CHECKPOINT_LOAD_S)),
-        weights=weights_from_pulls(events),
+        weights=weights_from_pulls(events, senders=len(model.slots_of("trainer")), pullers=len(model.slots_of("rollout"))),
         init=replace(InitCost(), trainer_s=max(0.0, trainer_init), rollout_s=_median(init_by_role["rollout"], 5.0),
                      reward_s=_median(init_by_role["reward"], 1.0), standby_s=_median(standby_refill_s or standby_s, trainer_init),
                      allocate_s=max(0.0, allocated - t0),
@@ -158,24 +158,29 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
     )
 
 
-def weights_from_pulls(events: list[Event]) -> WeightsCost:
+def weights_from_pulls(events: list[Event], senders: int = 1, pullers: int = 1) -> WeightsCost:
     """The weight-sync line through the job's own pulls (``WeightsHeld`` with ``bytes`` and
-    ``seconds``): ``seconds = overhead_s + bytes / bandwidth``, least squares when the pulls
-    moved at least two sizes; one size gives the bandwidth alone (overhead 0, so a copy of 7x the
-    bytes is priced at 7x the time). A journal without pull figures keeps the old constants."""
+    ``seconds``): ``seconds = overhead_s + bytes / rate``, least squares when the pulls moved at
+    least two sizes; one size gives the rate alone (overhead 0, so a copy of 7x the bytes is priced
+    at 7x the time). A journal without pull figures keeps the old constants. The measured rate is
+    what a pull got with ``pullers`` pulling from ``senders`` at once; the link is set so that the
+    cost model's contention (``WeightsCost.pull_s``) gives that rate back in the same layout."""
     pulls = [(float(e.data["bytes"]), float(e.data["seconds"])) for e in events
              if e.type == EventKind.WEIGHTS_HELD and "bytes" in e.data and float(e.data.get("seconds", 0.0)) > 0]
     if not pulls or all(size <= 0 for size, _ in pulls):
         return replace(WeightsCost(), bytes=0.0, overhead_s=FALLBACK_SYNC_S)
     size = statistics.median(b for b, _ in pulls)
+    rate, overhead = size / statistics.median(t for _, t in pulls), 0.0
     if len({b for b, _ in pulls}) >= 2:
         mean_b = statistics.fmean(b for b, _ in pulls)
         mean_s = statistics.fmean(t for _, t in pulls)
         spread = sum((b - mean_b) ** 2 for b, _ in pulls)
         slope = sum((b - mean_b) * (t - mean_s) for b, t in pulls) / spread
         if slope > 0:
-            return WeightsCost(bytes=size, bandwidth_bytes_per_s=1.0 / slope, overhead_s=max(0.0, mean_s - slope * mean_b))
-    return WeightsCost(bytes=size, bandwidth_bytes_per_s=size / statistics.median(t for _, t in pulls), overhead_s=0.0)
+            rate, overhead = 1.0 / slope, max(0.0, mean_s - slope * mean_b)
+    shape = WeightsCost(bytes=size, overhead_s=overhead, senders=max(1, senders), pullers=max(1, pullers))
+    contention = max(1.0, shape.pullers / (shape.senders * shape.sender_efficiency))
+    return replace(shape, bandwidth_bytes_per_s=rate * contention)
 
 
 def _checkpoint_loads(events: list[Event], model: JobModel) -> list[float]:

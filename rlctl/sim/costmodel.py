@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from rlctl.sim.measured import STRIPED_PULL, sender_efficiency
+
 
 @dataclass(frozen=True)
 class ClusterCost:
@@ -55,19 +57,34 @@ class StepCost:
 
 @dataclass(frozen=True)
 class WeightsCost:
+    """A weight version moved point to point: each trainer rank serves its shard, every rollout
+    engine pulls the whole version striped over all ranks. A pull is bound by the receiver's link,
+    or by each sender's link shared by every puller at once, whichever is slower; a sender achieves
+    ``sender_efficiency`` of its link (fitted from a measured striped pull, ``rlctl.sim.measured``)."""
+
     bytes: float = 16e9
-    bandwidth_bytes_per_s: float = 25e9
+    bandwidth_bytes_per_s: float = 25e9  # one link, a sender's or a receiver's
     overhead_s: float = 1.0
+    sender_efficiency: float = field(default_factory=sender_efficiency)
+    senders: int = 1  # trainer ranks that serve a version (the simulated layout sets it: one per trainer GPU)
+    pullers: int = 1  # rollout engines that pull each version at once (the layout: rollout GPUs over TP)
+
+    def pull_s(self, nbytes: float, pullers: int) -> float:
+        """``pullers`` receivers each pulling ``nbytes`` split evenly over the senders."""
+        receiver_s = nbytes / self.bandwidth_bytes_per_s
+        sender_s = nbytes * pullers / (max(1, self.senders) * self.bandwidth_bytes_per_s * self.sender_efficiency)
+        return self.overhead_s + max(receiver_s, sender_s)
 
     @property
     def sync_s(self) -> float:
-        return self.overhead_s + self.bytes / self.bandwidth_bytes_per_s
+        """A version to every rollout engine."""
+        return self.pull_s(self.bytes, self.pullers)
 
     @property
     def state_copy_s(self) -> float:
-        """The trainer's full state to a warm standby: bf16 weights plus an fp32 master copy and two
-        fp32 Adam moments, 7x the weight bytes, over the same link."""
-        return self.overhead_s + 7 * self.bytes / self.bandwidth_bytes_per_s
+        """The trainer's full state to a warm standby (one puller): bf16 weights plus an fp32 master
+        copy and two fp32 Adam moments, 7x the weight bytes, each rank its part."""
+        return self.pull_s(7 * self.bytes, 1)
 
 
 @dataclass(frozen=True)
@@ -119,7 +136,8 @@ class CostModel:
 
 
 # Where each default comes from (rendered into docs/cost-model.md). [P] primary, [S] secondary,
-# [D] derived arithmetic or an assumption stated as such.
+# [D] derived arithmetic or an assumption stated as such, [M] fitted from rlctl's own measured curve
+# (rlctl.sim.measured).
 SOURCES: dict[str, str] = {
     "cluster.gpus_per_node": "[P] HGX H100/H800 nodes carry 8 GPUs (Llama 3, RobustRL testbeds)",
     "cluster.trainer_share": "[D] disaggregated RL: rollout is ~70-80% of the step (verl DAPO-32B, hotdry blog), so ~25% of GPUs train",
@@ -152,6 +170,10 @@ SOURCES: dict[str, str] = {
     "weights.bytes": "[D] 8B parameters in BF16 = 16 GB (reliability.md 4)",
     "weights.bandwidth_bytes_per_s": "[D] 25 GB/s point to point (reliability.md 4: 0.64 s for 16 GB)",
     "weights.overhead_s": "[P] NeMo-RL nccl_reshard Qwen3-4B 0.21-0.34 s; 1 s including bookkeeping",
+    "weights.sender_efficiency": f"[M] fitted at load from rlctl's measured striped pull ({STRIPED_PULL.command}: "
+                                 f"{', '.join(f'{s:g} s' for s in STRIPED_PULL.seconds)} from "
+                                 f"{', '.join(map(str, STRIPED_PULL.holders))} holders of 1 GB at 1 Gbit/s each): "
+                                 "seconds = overhead + per_holder / N, efficiency = (bytes / link) / per_holder",
     "init.trainer_s": "[P/S] NVSentinel reschedule 5-7 min; FlashRecovery restores in 150 s; 4 min cold trainer init",
     "init.rollout_s": "[D] vLLM engine load + CUDA graph capture for an 8B model, ~2 min",
     "init.reward_s": "[D] verifier process start",
@@ -171,6 +193,9 @@ SOURCES: dict[str, str] = {
     "recovery.requeue_s": "[P/D] AReaL full relaunch: 10 s sleep + resubmit + reload; 60 s to requeue",
     "recovery.worker_stop_s": "[P] rlctl stop_worker grace 1 s (core/recovery.py)",
 }
+
+
+LAYOUT_KEYS = frozenset({"senders", "pullers"})  # WeightsCost's, from the simulated layout (layout.layout_costs)
 
 
 class CostModelError(ValueError):
@@ -196,9 +221,11 @@ def cost_model_from_dict(data: dict[str, Any], source: str = "<dict>", base: Cos
 
 
 def _overlay(section: Any, table: dict[str, Any], where: str) -> Any:
-    known = {f.name: f for f in fields(section)}
+    known = {f.name: f for f in fields(section) if f.name not in LAYOUT_KEYS}
     values: dict[str, Any] = {}
     for key, value in table.items():
+        if key in LAYOUT_KEYS:
+            raise CostModelError(f"{where}.{key}: set from the simulated layout, not from a cost-model file")
         if key not in known:
             raise CostModelError(f"{where}.{key}: unknown key; expected one of {', '.join(known)}")
         current = getattr(section, key)
@@ -233,6 +260,8 @@ def cost_model_to_toml(model: CostModel, comments: bool = True) -> str:
     for section, values in model.as_dict().items():
         lines.append(f"[{section}]")
         for key, value in values.items():
+            if key in LAYOUT_KEYS:
+                continue
             note = SOURCES.get(f"{section}.{key}", "")
             rendered = repr(value) if isinstance(value, int) else f"{float(value)!r}"
             lines.append(f"{key} = {rendered}" + (f"  # {note}" if comments and note else ""))

@@ -31,7 +31,7 @@ from rlctl.sim import effects, inject
 from rlctl.sim.clock import EventQueue
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.faults import FailureModel, SimFault
-from rlctl.sim.layout import Layout, colocated_costs, layout_for, node_name
+from rlctl.sim.layout import Layout, layout_costs, layout_for, node_name
 from rlctl.sim.observe import detector_for
 from rlctl.sim.pipeline import Pipeline
 from rlctl.sim.report import compare, summarize
@@ -51,7 +51,7 @@ class Simulation:
     def __init__(self, spec: JobSpec, cost: CostModel, failures: FailureModel, config: SimConfig) -> None:
         self.spec = spec
         self.layout: Layout = layout_for(spec, cost.cluster, config.gpus)
-        self.cost = colocated_costs(cost, self.layout)
+        self.cost = layout_costs(cost, self.layout, spec.roles["rollout"].tensor_parallel_size)
         self.failures = failures
         self.config = config
         self.rng = random.Random(f"sim/{config.seed}")

@@ -63,6 +63,14 @@ def colocated_costs(cost: CostModel, layout: Layout) -> CostModel:
     return replace(cost, step=replace(cost.step, train_s=train_s + cost.step.colocation_switch_s))
 
 
+def layout_costs(cost: CostModel, layout: Layout, rollout_tensor_parallel: int) -> CostModel:
+    """The cost model for ``layout``: its colocated step costs, and a weight version served by
+    every trainer GPU's rank and pulled by every rollout engine at once."""
+    engines = max(1, layout.nodes["rollout"] * layout.gpus_per_node // max(1, rollout_tensor_parallel))
+    weights = replace(cost.weights, senders=max(1, layout.nodes["trainer"] * layout.gpus_per_node), pullers=engines)
+    return replace(colocated_costs(cost, layout), weights=weights)
+
+
 def node_name(index: int) -> str:
     return f"n{index:05d}"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +87,15 @@ def test_calibration_fits_the_weight_sync_line_and_the_checkpoint_read_from_the_
     def pull(at: float, nbytes: float, seconds: float) -> object:
         return event(EventKind.WEIGHTS_HELD, at, version=1, slot="rollout-0", source={}, bytes=nbytes, seconds=seconds)
 
-    line = weights_from_pulls([pull(1, 1e6, 1.0), pull(2, 2e6, 1.5), pull(3, 4e6, 2.5), pull(4, 4e6, 2.5)])
-    assert line.bandwidth_bytes_per_s == pytest.approx(2e6) and line.overhead_s == pytest.approx(0.5)
+    pulls = [pull(1, 1e6, 1.0), pull(2, 2e6, 1.5), pull(3, 4e6, 2.5), pull(4, 4e6, 2.5)]
+    line = weights_from_pulls(pulls)
+    assert line.overhead_s == pytest.approx(0.5) and line.pull_s(1e6, 1) == pytest.approx(1.0)
     assert line.bytes == pytest.approx(3e6) and line.sync_s == pytest.approx(2.0)
+    # Pulled by 4 engines from one trainer at once: the same pulls give the same times back in that
+    # layout, and the link under them is faster than what one pull got (it was shared).
+    shared = weights_from_pulls(pulls, senders=1, pullers=4)
+    assert shared.sync_s == pytest.approx(2.0) and shared.bandwidth_bytes_per_s > 4 * 2e6
+    assert replace(shared, senders=4).sync_s < 1.2, "four serving ranks take the contention away"
     one_size = weights_from_pulls([pull(1, 8e6, 2.0), pull(2, 8e6, 4.0), pull(3, 8e6, 3.0)])
     assert one_size.overhead_s == 0.0 and one_size.sync_s == pytest.approx(3.0)
     assert weights_from_pulls([]).sync_s == pytest.approx(FALLBACK_SYNC_S), "an old journal keeps the constant"
@@ -101,3 +108,30 @@ def test_calibration_fits_the_weight_sync_line_and_the_checkpoint_read_from_the_
               event(EventKind.TRAINER_RESTORED, 21.0, slot="trainer-0", checkpoint_step=5, replayed_steps=[],
                     state_step=7)]
     assert _checkpoint_loads(events, model) == [pytest.approx(3.0)], "a restore from the replica read no checkpoint"
+
+
+def test_weight_sync_is_priced_from_the_measured_striped_pull_and_the_layout() -> None:
+    """The default sender efficiency is fitted from rlctl's measured curve (not a constant), and a
+    version's sync is bound by the senders' links once many engines pull from few ranks."""
+    from rlctl.sim.layout import Layout, layout_costs
+    from rlctl.sim.measured import STRIPED_PULL, PullCurve, sender_efficiency
+
+    overhead, efficiency = STRIPED_PULL.fit()
+    assert 0.9 < efficiency < 1.0 and 0.0 <= overhead < 0.5
+    assert CostModel().weights.sender_efficiency == pytest.approx(efficiency)
+    ideal = PullCurve("-", "-", 1e9, 125e6, (1, 2, 4), (8.0, 4.0, 2.0))
+    assert ideal.fit() == pytest.approx((0.0, 1.0)) and sender_efficiency(ideal) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="two holder counts"):
+        PullCurve("-", "-", 1e9, 125e6, (2,), (4.0,)).fit()
+
+    layout = Layout(gpus_per_node=8, nodes={"trainer": 8, "rollout": 23, "reward": 1, "env": 0}, spares=2, warm_spares=True)
+    priced = layout_costs(CostModel(), layout, rollout_tensor_parallel=2).weights
+    assert (priced.senders, priced.pullers) == (64, 92)
+    weights = CostModel().weights
+    receiver_bound = weights.overhead_s + weights.bytes / weights.bandwidth_bytes_per_s
+    assert priced.sync_s == pytest.approx(weights.overhead_s + weights.bytes * 92 / (64 * 25e9 * efficiency))
+    assert priced.sync_s > receiver_bound  # 92 engines on 64 ranks' links
+    assert replace(priced, pullers=8).sync_s == pytest.approx(receiver_bound)
+    assert priced.state_copy_s == pytest.approx(weights.overhead_s + 7 * weights.bytes / 25e9)  # one puller: its own link
+    with pytest.raises(CostModelError, match=r"weights.senders: set from the simulated layout"):
+        cost_model_from_dict({"weights": {"senders": 4}}, "my.toml")
