@@ -16,6 +16,7 @@ from pathlib import Path
 from rlctl_agent.protocol import GPUS_ENV
 
 from rlctl.controller.seam import Workload
+from rlctl.core.elastic import starts_parked
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.spec import JobSpec
 
@@ -45,8 +46,8 @@ class WorkerLauncher:
             "steps": spec.steps,
             "checkpoint_every": spec.checkpoint_every,
             "replicate_trainer_state": spec.trainer_state_replicated(),
-            "stream": bool(spec.raw["trainer"]["stream"]),
-            "stream_parts": int(spec.raw["trainer"]["stream_parts"]),
+            "stream": bool(spec.trainer["stream"]),
+            "stream_parts": int(spec.trainer["stream_parts"]),
             "group_size": spec.rollout.group_size,
             "batch_prompts": spec.rollout.batch_prompts,
             "max_new_tokens": spec.rollout.max_new_tokens,
@@ -58,6 +59,7 @@ class WorkerLauncher:
             "multi_turn": spec.multi_turn,
             "tensor_parallel_size": role.tensor_parallel_size if slot.role == "rollout" else 1,
             "colocated": spec.colocated and slot.role in ("trainer", "rollout"),
+            "start_parked": slot.role == "rollout" and not slot.standby and self._group_runs_wide(slot),
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
         if self.on_this_machine:
@@ -78,6 +80,15 @@ class WorkerLauncher:
             # The agent maps these onto the node's CUDA_VISIBLE_DEVICES and attributes the GPUs' signals to the worker.
             env[GPUS_ENV] = ",".join(str(gpu) for gpu in slot.gpus)
         return argv, env
+
+    def _group_runs_wide(self, slot: SlotRecord) -> bool:
+        """Elastic rollout: the open round runs this engine's group wide, its leader on its GPUs."""
+        scheduler = self.model.scheduler
+        elastic = scheduler.config.elastic if scheduler is not None else None
+        rnd = scheduler.round if scheduler is not None else None
+        if elastic is None or rnd is None or rnd.closed or slot.node is None:
+            return False
+        return starts_parked(self.model.slots_on_node(slot.node), slot, rnd.tensor_parallel or elastic.base_tp, elastic)
 
     def _weights_host(self, slot: SlotRecord) -> str:
         """Where the worker's weight server listens and what it advertises.

@@ -198,6 +198,14 @@ def current_degree(engine: SlotRecord, base_tp: int) -> int:
     return base_tp if engine.tensor_parallel is None else engine.tensor_parallel
 
 
+def starts_parked(on_node: list[SlotRecord], engine: SlotRecord, round_tp: int, config: ElasticConfig) -> bool:
+    """Whether a worker started now for ``engine`` must not load an engine: its group runs wide for
+    the round and it is a follower, whose GPUs the leader holds (it is built when the group
+    shrinks back). A restarted leader loads at its base degree on its own GPUs, then grows."""
+    members = node_group(on_node, engine, config.group)
+    return round_tp == config.wide_tp and bool(members) and engine is not members[0]
+
+
 def layout_change(on_node: list[SlotRecord], engine: SlotRecord, round_tp: int,
                   config: ElasticConfig) -> LayoutChange | None:
     """What ``engine`` must change before it generates for a round at ``round_tp`` (``on_node``:

@@ -650,6 +650,11 @@ class JobSpec:
         return dict(self.raw["data"])
 
     @property
+    def trainer(self) -> dict[str, Any]:
+        """`[trainer]`: stream-based training (``stream``, ``stream_parts``)."""
+        return dict(self.raw["trainer"])
+
+    @property
     def reward(self) -> dict[str, Any]:
         return dict(self.raw["reward"])
 

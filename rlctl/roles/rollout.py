@@ -91,10 +91,12 @@ class Rollout:
 
         self.w = w
         self.settings = settings
-        device = setup_torch(settings)
-        sampling = sampling_config(settings)
+        self._device = setup_torch(settings)
         self.step = 0
-        self.engine = self._make_engine(sampling, device)
+        # Elastic rollout: a follower started while its group runs wide has no GPU of its own to load
+        # onto (the wide leader holds them); it starts parked and builds its engine when resized.
+        self.parked = bool(settings.get("start_parked", False))
+        self.engine: Any = None if self.parked else self._make_engine(sampling_config(settings), self._device)
         self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
         self.server.start()
         self.held_version = -1
@@ -104,7 +106,6 @@ class Rollout:
         self.tokens_generated = 0
         self.scorer: tuple[Any, Any] | None = None  # the reward function's sandbox, made when first asked to help
         self.episodes: Any = None  # the multi-turn episode runner, made for the first episodes
-        self.parked = False  # elastic rollout: its GPUs serve a wider engine on this node for a long round
         self.env_client: ControllerEnvClient
 
     def _make_engine(self, sampling: Any, device: str) -> Any:
@@ -263,13 +264,19 @@ class Rollout:
         gpus = [int(g) for g in layout.get("gpus", [])]
         degree = 0
         if layout["action"] == "park":
-            self.engine.sleep()
+            if self.engine is not None:
+                self.engine.sleep()
             self.parked = True
         else:
             degree = int(layout["tensor_parallel"])
             self.w.phase("regrouping", self.step)
             devices = worker.node_devices(gpus) if gpus else ""
-            self.engine.resize(degree, devices)
+            if self.engine is not None:
+                self.engine.resize(degree, devices)
+            else:  # started parked: built now, on its own GPUs, which its leader gave back
+                self.engine = self._make_engine(sampling_config(self.settings), self._device)
+                if degree != int(self.settings.get("tensor_parallel_size", 1)):
+                    self.engine.resize(degree, devices)
             self.parked = False
             if self.held_bundle is not None:
                 self.load_held(self.held_version)
@@ -278,12 +285,14 @@ class Rollout:
 
     def release_engine(self) -> None:
         """Colocated: free the engine's memory for the trainer beside it (``sleeping``)."""
-        if self.colocated and not self.engine.asleep:
+        if self.colocated and self.engine is not None and not self.engine.asleep:
             self.engine.sleep()
             self.w.phase("sleeping", self.step)
 
     def run(self) -> int:
         capacity = int(self.settings.get("worker_batch", 16))
+        if self.engine is None:  # started parked: the controller learns it before it hands out any work
+            self.w.request("rollout.resized", tensor_parallel=0, gpus=[], seconds=0.0)
         while True:
             idle = "parked" if self.parked else "sleeping" if self.engine.asleep else "waiting-for-work"
             self.w.phase(idle, self.step)

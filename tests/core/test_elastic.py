@@ -17,6 +17,7 @@ from rlctl.core.elastic import (
     curve_from_json,
     fit_curve,
     layout_change,
+    starts_parked,
 )
 from rlctl.core.events import event
 from rlctl.core.model import JobModel
@@ -134,6 +135,18 @@ def test_engines_regroup_in_order_leader_after_its_followers_park_and_back() -> 
     assert change(follower, 1) == ("resize", 1, (1,)), "its leader is gone: nothing holds GPU 1"
     model.apply(event("WorkerStarting", 4.0, slot="rollout-1", wid=model.next_wid("rollout-1"), node="node01", role="rollout"))
     assert current_degree(model.slots["rollout-1"], 1) == 1
+
+
+def test_a_worker_started_for_a_follower_of_a_wide_group_starts_parked() -> None:
+    """Its GPU is the leader's for the round: the launcher tells it to load no engine. A restarted
+    leader, an engine with no group, and any engine in a base round load as usual."""
+    model = rollout_node(engines=3)
+    cfg = config(regroup_s=0.0)
+    on_node = model.slots_on_node("node01")
+    leader, follower, odd = (model.slots[f"rollout-{i}"] for i in range(3))
+    assert starts_parked(on_node, follower, 2, cfg)
+    assert not starts_parked(on_node, leader, 2, cfg) and not starts_parked(on_node, odd, 2, cfg)
+    assert not any(starts_parked(on_node, slot, 1, cfg) for slot in (leader, follower, odd))
 
 
 JOB = """

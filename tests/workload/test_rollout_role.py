@@ -3,6 +3,7 @@ controller cancels; what its batch still holds at the end goes in the final subm
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rlctl.roles.rollout import CHUNK_TOKENS, Rollout
@@ -110,3 +111,56 @@ def test_an_engine_whose_workers_pull_takes_the_held_version_from_the_rollouts_o
     assert rollout.held_version == 4 and rollout.engine.pulled[0][0] == 4
     for name, tensor in weights.items():
         assert torch.equal(rollout.engine.pulled[0][1][name], tensor)
+
+
+class LayoutWorker(RecordingWorker):
+    """Answers ``rollout.get_work`` with the layouts of ``replies`` in turn, then says stop."""
+
+    def __init__(self, replies: list[dict[str, Any]]) -> None:
+        super().__init__(set())
+        self.replies = replies
+
+    def request(self, op: str, **args: Any) -> dict[str, Any]:
+        self.requests.append((op, args))
+        if op == "rollout.get_work":
+            return self.replies.pop(0) if self.replies else {"stop": True}
+        return {}
+
+
+def test_a_follower_started_while_its_group_runs_wide_loads_no_engine_until_it_is_resized(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Elastic rollout: its GPU is the wide leader's, so the restarted follower says it is parked
+    before taking any work, stays without an engine through a park, and builds its engine when the
+    group shrinks back (at the base degree: no second rebuild)."""
+    from rlctl.roles import rollout as rollout_module
+    from rlctl.roles.common import RoleSettings
+
+    built: list[TorchEngine] = []
+
+    def make_engine(sampling: Any, device: str) -> TorchEngine:
+        built.append(TorchEngine(small_model(6), sampling))
+        return built[-1]
+
+    monkeypatch.setattr(rollout_module, "sampling_config", lambda settings: SamplingConfig(eos_id=20))
+    monkeypatch.setattr(rollout_module, "setup_torch", lambda settings: "cpu")
+    monkeypatch.setattr(Rollout, "_make_engine", lambda self, sampling, device: make_engine(sampling, device))
+
+    class NoServer:
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+        def start(self) -> None: ...
+        def close(self) -> None: ...
+
+    monkeypatch.setattr("rlctl.weights.WeightServerThread", NoServer)
+    worker = LayoutWorker([{"layout": {"action": "park", "tensor_parallel": 0, "gpus": []}},
+                           {"layout": {"action": "resize", "tensor_parallel": 1, "gpus": [1]}}])
+    settings = RoleSettings(raw={"start_parked": True, "tensor_parallel_size": 1}, checkpoint_dir=Path("."),
+                            weights_transport="tcp", weights_host="127.0.0.1", standby=False)
+    rollout = Rollout(worker, settings)  # type: ignore[arg-type]
+    assert rollout.engine is None and rollout.parked and not built
+    assert rollout.run() == 0
+    resized = [args for op, args in worker.requests if op == "rollout.resized"]
+    assert [r["tensor_parallel"] for r in resized] == [0, 0, 1], "parked at start, parked again, then built at base"
+    assert worker.requests[0][0] == "rollout.resized", "the controller knows before it hands out work"
+    assert len(built) == 1 and rollout.engine is built[0] and not rollout.parked and not built[0].asleep
+    started = Rollout(LayoutWorker([]), RoleSettings(raw={}, checkpoint_dir=Path("."), weights_transport="tcp",
+                                                     weights_host="127.0.0.1", standby=False))  # type: ignore[arg-type]
+    assert started.engine is built[1] and not started.parked, "a worker not told to park loads its engine at once"
