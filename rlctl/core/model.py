@@ -90,12 +90,8 @@ class JobModel(FaultLedger, WeightsRegistry):
                 if slot.node is not None:
                     index.setdefault(slot.node, []).append(slot.slot)
             self._node_slots = index
-        found = []
-        for name in self._node_slots.get(node, ()):
-            record = self.slots.get(name)
-            if record is not None and record.node == node:
-                found.append(record)
-        return found
+        records = (self.slots.get(name) for name in self._node_slots.get(node, ()))
+        return [record for record in records if record is not None and record.node == node]
 
     def slot_on_node(self, node: str) -> SlotRecord | None:
         for slot in self.slots_on_node(node):
@@ -289,6 +285,8 @@ class JobModel(FaultLedger, WeightsRegistry):
         slot = self._slot_for(ev)
         if slot is not None:
             slot.tensor_parallel = int(ev.data["tensor_parallel"])
+            if slot.tensor_parallel == 0:  # a restarted follower is back in its wide group's place: recovered
+                self._recover_slot(slot, ev.at)
 
     def _on_WorkerStarted(self, ev: Event) -> None:
         slot = self._slot_for(ev)

@@ -149,6 +149,19 @@ def test_a_worker_started_for_a_follower_of_a_wide_group_starts_parked() -> None
     assert not any(starts_parked(on_node, slot, 1, cfg) for slot in (leader, follower, odd))
 
 
+def test_a_restarted_follower_that_reports_itself_parked_is_recovered() -> None:
+    """Parked is where a healthy follower is while its group runs wide: its restart is over when
+    it says so, not when it next holds weights (that waits for the group to shrink back)."""
+    model = rollout_node(engines=2)
+    model.apply(event("Verdict", 3.0, node="node01", slot="rollout-1", verdict="failed", fault="f1",
+                      fault_kind="worker-crash", action="restart-worker", reason="died", evidence_since=3.0))
+    model.apply(event("WorkerStarting", 3.5, slot="rollout-1", wid=model.next_wid("rollout-1"), node="node01", role="rollout"))
+    assert model.faults["f1"].recovered_at is None
+    model.apply(event("EngineResized", 4.0, slot="rollout-1", wid=model.slots["rollout-1"].wid, tensor_parallel=0,
+                      gpus=[], seconds=0.0))
+    assert model.faults["f1"].recovered_at == 4.0
+
+
 JOB = """
 [job]
 name = "elastic"
