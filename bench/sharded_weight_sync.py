@@ -14,6 +14,12 @@ hold the whole model, verified:
   (dropped from the page cache with ``posix_fadvise``) and warm.
 
     python bench/sharded_weight_sync.py [--ranks 1,2,4] [--transport tcp] [--repeats 2]
+    python bench/sharded_weight_sync.py --link-mbit 1000   # as root: each rank behind its own link
+
+On one loopback the N ranks and both rollouts copy every byte through the same two cores, so the
+time cannot fall as 1/N. ``--link-mbit`` puts each trainer rank on its own lab node behind a link
+of that rate (``lablinks.ShapedNodes``; the ranks' gloo group runs over the lab bridge), the
+rollouts on the bridge: what a cluster gives, one NIC per trainer node. TCP only.
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -29,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +70,31 @@ def load_shard(path: str, rank: int, ranks: int) -> dict[str, Any]:
 def rank_main(rank: int, ranks: int, mode: str, path: str, port: int, transport: str, out: Any, go: Any,
               done: Any) -> None:
     set_env(transport)
+    rank_sync(rank, ranks, mode, path, f"tcp://127.0.0.1:{port}", "127.0.0.1", transport,
+              go.wait, lambda started, source: out.put((started, source)), done.wait)
+
+
+def lab_rank_main(rank: int, ranks: int, mode: str, path: str, master: str, host: str) -> None:
+    """One rank on a lab node (``--link-mbit``): talks to the bench over its stdin and stdout."""
+    set_env("tcp")
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+
+    def report(started: float, source: dict[str, Any]) -> None:
+        print(json.dumps({"started": started, "source": source}), flush=True)
+
+    def ready() -> None:
+        print("ready", flush=True)
+        sys.stdin.readline()  # go
+
+    rank_sync(rank, ranks, mode, path, f"tcp://{master}", host, "tcp", ready, report, sys.stdin.read)
+
+
+def rank_sync(rank: int, ranks: int, mode: str, path: str, init_method: str, host: str, transport: str,
+              wait_go: Callable[[], Any], report: Callable[[float, dict[str, Any]], None],
+              wait_done: Callable[[], Any]) -> None:
+    """Hold this rank's shard, then (timed from a barrier after ``wait_go``) publish the version:
+    every rank serves its shard, or the shards go to rank 0, which serves the whole. Rank 0
+    ``report``s when the clock started and the source the rollouts pull."""
     import torch
     import torch.distributed as dist
 
@@ -70,12 +102,12 @@ def rank_main(rank: int, ranks: int, mode: str, path: str, port: int, transport:
     from rlctl.weights.shards import combine
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=ranks)
     shard = load_shard(path, rank, ranks)
-    server = WeightServerThread(transport, host="127.0.0.1") if mode == "sharded" or rank == 0 else None
+    server = WeightServerThread(transport, host=host) if mode == "sharded" or rank == 0 else None
     if server is not None:
         server.start()
-    go.wait()  # the rollouts are up and waiting
+    wait_go()  # the rollouts are up and waiting
     dist.barrier()
     started = time.time()
     if mode == "sharded":
@@ -83,7 +115,7 @@ def rank_main(rank: int, ranks: int, mode: str, path: str, port: int, transport:
         descriptors: list[Any] = [None] * ranks
         dist.all_gather_object(descriptors, server.publish(VERSION, shard))
         if rank == 0:
-            out.put((started, combine(descriptors, VERSION)))
+            report(started, combine(descriptors, VERSION))
     else:
         names = list(shard)
         if rank == 0:
@@ -96,12 +128,12 @@ def rank_main(rank: int, ranks: int, mode: str, path: str, port: int, transport:
                     dist.recv(received.view(torch.int16), src=peer)
                     parts[name].append(received)
             assert server is not None
-            out.put((started, server.publish(VERSION, {name: torch.cat(parts[name]) for name in names})))
+            report(started, server.publish(VERSION, {name: torch.cat(parts[name]) for name in names}))
         else:
             dist.send_object_list([[list(shard[name].shape) for name in names]], dst=0)
             for name in names:
                 dist.send(shard[name].view(torch.int16), dst=0)
-    done.wait()
+    wait_done()
     if server is not None:
         server.close()
     dist.destroy_process_group()
@@ -167,6 +199,41 @@ def sync_once(path: str, ranks: int, mode: str, transport: str) -> float:
                 proc.kill()
 
 
+def lab_sync_once(nodes: Any, path: str, ranks: int, mode: str) -> float:
+    """``sync_once`` with every rank on its own lab node behind its own link, the rollouts on the bridge."""
+    source_queues, rollout_out = [CTX.Queue() for _ in range(ROLLOUTS)], CTX.Queue()
+    master = f"{nodes.ip(0)}:{_free_port()}"
+    children = [nodes.spawn(r, [__file__, "--lab-rank", str(r), "--ranks", str(ranks), "--mode", mode, "--path", path,
+                                "--master", master, "--host", nodes.ip(r)]) for r in range(ranks)]
+    rollouts = [CTX.Process(target=rollout_main, args=(q, rollout_out, "tcp")) for q in source_queues]
+    for proc in rollouts:
+        proc.start()
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        for _ in range(ROLLOUTS):
+            assert rollout_out.get(timeout=300) == "ready"
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        assert children[0].stdout is not None
+        published = json.loads(children[0].stdout.readline())
+        for queue in source_queues:
+            queue.put(published["source"])
+        ends = [rollout_out.get(timeout=900) for _ in range(ROLLOUTS)]
+        return max(end for end, _, _ in ends) - float(published["started"])
+    finally:
+        for child in children:
+            if child.stdin is not None:
+                child.stdin.close()
+            child.wait(120)
+        for proc in rollouts:
+            proc.join(120)
+            if proc.is_alive():
+                proc.kill()
+
+
 def disk_once(path: str, cold: bool) -> float:
     out = CTX.Queue()
     procs = [CTX.Process(target=disk_main, args=(path, out, cold)) for _ in range(ROLLOUTS)]
@@ -190,22 +257,16 @@ def make_model(folder: Path, size: str) -> tuple[str, int]:
     return str(path), sum(v.numel() * v.element_size() for v in state.values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", default="1,2,4")
-    parser.add_argument("--transport", default="tcp", choices=("tcp", "ucx"))
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--size", default="0.5b")
-    args = parser.parse_args()
-    set_env(args.transport)
-    rank_counts = [int(n) for n in args.ranks.split(",")]
+def measure(args: argparse.Namespace, rank_counts: list[int], nodes: Any) -> tuple[list[dict[str, Any]], int, dict[str, list[float]]]:
+    """Every (ranks, mode) arm ``args.repeats`` times, then the disk baselines."""
     with tempfile.TemporaryDirectory(prefix="rlctl-sharded-sync-") as tmp:
         path, nbytes = make_model(Path(tmp), args.size)
         print(f"[sharded_weight_sync] model {nbytes / 1e9:.2f} GB bf16", file=sys.stderr, flush=True)
         rows: list[dict[str, Any]] = []
         for ranks in rank_counts:
             for mode in ("sharded", "gathered"):
-                times = [sync_once(path, ranks, mode, args.transport) for _ in range(args.repeats)]
+                times = [lab_sync_once(nodes, path, ranks, mode) if nodes is not None
+                         else sync_once(path, ranks, mode, args.transport) for _ in range(args.repeats)]
                 row = {"ranks": ranks, "mode": mode, "seconds": round(statistics.median(times), 3),
                        "runs": [round(t, 3) for t in times]}
                 print(f"[sharded_weight_sync] {row}", file=sys.stderr, flush=True)
@@ -213,12 +274,43 @@ def main() -> None:
         disk = {"cold": [disk_once(path, True) for _ in range(args.repeats)],
                 "warm": [disk_once(path, False) for _ in range(args.repeats)]}
         print(f"[sharded_weight_sync] disk {disk}", file=sys.stderr, flush=True)
+    return rows, nbytes, disk
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--transport", default="tcp", choices=("tcp", "ucx"))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--size", default="0.5b")
+    parser.add_argument("--link-mbit", type=int, default=0,
+                        help="each trainer rank on its own lab node behind a link of this rate (root; TCP)")
+    for hidden in ("--lab-rank", "--mode", "--path", "--master", "--host"):
+        parser.add_argument(hidden, default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.lab_rank:
+        lab_rank_main(int(args.lab_rank), int(args.ranks), args.mode, args.path, args.master, args.host)
+        return
+    set_env(args.transport)
+    rank_counts = [int(n) for n in args.ranks.split(",")]
+    nodes = None
+    if args.link_mbit:
+        from lablinks import ShapedNodes
+
+        nodes = ShapedNodes(max(rank_counts), args.link_mbit)
+    try:
+        rows, nbytes, disk = measure(args, rank_counts, nodes)
+    finally:
+        if nodes is not None:
+            nodes.close()
+
     sharded = {r["ranks"]: r["seconds"] for r in rows if r["mode"] == "sharded"}
     gathered = {r["ranks"]: r["seconds"] for r in rows if r["mode"] == "gathered"}
     disk_cold = statistics.median(disk["cold"])
     best = min(sharded.values())
     print(json.dumps({
-        "model_bytes": nbytes, "rollouts": ROLLOUTS, "transport": args.transport, "results": rows,
+        "model_bytes": nbytes, "rollouts": ROLLOUTS, "transport": args.transport, "link_mbit": args.link_mbit,
+        "results": rows,
         "disk_cold_s": round(disk_cold, 3), "disk_warm_s": round(statistics.median(disk["warm"]), 3),
         "sharded_over_1_rank": {n: round(s / sharded[rank_counts[0]], 3) for n, s in sharded.items()},
         "gathered_over_sharded": {n: round(gathered[n] / sharded[n], 3) for n in sharded},

@@ -30,7 +30,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,33 +83,18 @@ class LabLinks:
     """Holders on lab nodes behind rate-limited links (see the module docstring)."""
 
     def __init__(self, holders: int, link_mbit: int, gb: float) -> None:
-        from rlctl.lab import config, network
-        from rlctl.lab.shell import run
+        from lablinks import ShapedNodes
 
-        if network.link_exists(config.BRIDGE):
-            raise SystemExit("the lab network is up (rlctl lab down first): this bench makes and deletes its own")
-        self.network, self.processes = network, []
-        network.ensure_bridge()
+        self.nodes = ShapedNodes(holders, link_mbit)
+        processes = [self.nodes.spawn(index, [__file__, "--serve", self.nodes.ip(index), "--gb", str(gb)])
+                     for index in range(holders)]
         self.sources = []
-        for index in range(holders):
-            node = f"node{index + 1:02d}"
-            network.ensure_node_netns(node)
-            run(["ip", "netns", "exec", config.netns(node), "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-                 "rate", f"{link_mbit}mbit", "burst", "1mb", "latency", "100ms"])
-            process = subprocess.Popen(["ip", "netns", "exec", config.netns(node), sys.executable, __file__, "--serve",
-                                        config.node_ip(node), "--gb", str(gb)], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True)
-            self.processes.append(process)
-        for process in self.processes:
+        for process in processes:
             assert process.stdout is not None
             self.sources.append(json.loads(process.stdout.readline()))
 
     def close(self) -> None:
-        for process in self.processes:
-            if process.stdin is not None:
-                process.stdin.close()
-            process.wait(30)
-        self.network.delete_network()
+        self.nodes.close()
 
 
 def joiner_main(sources: list[dict[str, Any]], counts: list[int], repeats: int, out: Any) -> None:
