@@ -58,6 +58,8 @@ async def fetch_sharded(source: dict[str, Any], timeout: float = 60.0,
                         max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
     """Every shard of ``source`` at once, verified, assembled into one bundle of the whole model."""
     bundles = await fetch_parts(source, timeout, max_nbytes)
+    if len(bundles) == 1:  # one part is the whole model, verified: nothing to put together
+        return bundles[0]
     return await asyncio.to_thread(assemble, bundles, int(source["version"]))
 
 

@@ -63,6 +63,12 @@ def test_three_ranks_shards_are_pulled_at_once_and_put_together_exactly() -> Non
     assert list(got) == list(state)
     for name, tensor in state.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    with serving(split(state, 1), version=6) as (source, _):  # one rank's part is the whole: taken as it came
+        whole = fetch_sharded_sync(source, timeout=30)
+        assert whole.manifest.version == 6 and whole.manifest.checksum == source["shards"][0]["checksum"]
+        assert whole.manifest.checksum == bundle.manifest.checksum, "the same bytes as three parts put together"
+    got = unflatten(whole.manifest, whole.buffer)
+    assert all(torch.equal(got[name], tensor) for name, tensor in state.items())
 
 
 def test_a_gone_rank_fails_the_pull_with_a_weight_error() -> None:
