@@ -43,6 +43,8 @@ class GenerationCost:
     overhead_s: float = 5.0
     wide_per_token_ratio: float = 0.65  # per-token latency of a regrouped (twice as wide) engine, relative
     regroup_s: float = 15.0  # an engine rebuilt at another degree from the weights it holds
+    env_call_s: float = 0.5  # multi-turn: one environment call, rollout -> controller -> env worker and back
+    env_turns: int = 0  # multi-turn: turns of a round's longest episode (the simulated job sets it: [env] max_turns)
 
 
 @dataclass(frozen=True)
@@ -92,12 +94,13 @@ class InitCost:
     trainer_s: float = 240.0
     rollout_s: float = 120.0
     reward_s: float = 20.0
+    env_s: float = 20.0
     standby_s: float = 240.0  # a warm standby loads every role's environment (trainer and rollout)
     agent_start_s: float = 10.0
     allocate_s: float = 60.0
 
     def for_role(self, role: str) -> float:
-        return {"trainer": self.trainer_s, "rollout": self.rollout_s, "reward": self.reward_s}[role]
+        return {"trainer": self.trainer_s, "rollout": self.rollout_s, "reward": self.reward_s, "env": self.env_s}[role]
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,10 @@ SOURCES: dict[str, str] = {
     "generation.regroup_s": "[D] a vLLM engine restarted at another TP degree from host-held weights: 16 GB in "
                             "(<1 s), KV cache allocated and CUDA graphs captured (~10 s); 15 s, an assumption "
                             "(rlctl's torch engine measures its own: bench/elastic_rollout.py)",
+    "generation.env_call_s": "[D] multi-turn (ROLL environment workers): one tool call relayed through the controller "
+                             "to an env worker and back; a calculator answers in milliseconds, a sandboxed code run "
+                             "in about a second; 0.5 s assumed. A round's longest episode pays it once a turn "
+                             "([env] max_turns), its turns one after another",
     "step.reward_s": "[D] rule-based math verifier, seconds per batch",
     "step.train_s": "[P/D] verl 7B DAPO step 356-790 s of which 150-357 s generation; the rest on H100 ~120 s",
     "step.jitter": "[D] 5% step-to-step variation",
@@ -177,6 +184,7 @@ SOURCES: dict[str, str] = {
     "init.trainer_s": "[P/S] NVSentinel reschedule 5-7 min; FlashRecovery restores in 150 s; 4 min cold trainer init",
     "init.rollout_s": "[D] vLLM engine load + CUDA graph capture for an 8B model, ~2 min",
     "init.reward_s": "[D] verifier process start",
+    "init.env_s": "[D] environment worker process start (the user's class imported and built), like a verifier",
     "init.standby_s": "[D] a warm standby loads trainer and rollout environments in parallel: max of the two",
     "init.agent_start_s": "[D] agent zipapp ship + start over SSH/srun",
     "init.allocate_s": "[D] initial Slurm allocation with idle nodes",
@@ -195,7 +203,8 @@ SOURCES: dict[str, str] = {
 }
 
 
-LAYOUT_KEYS = frozenset({"senders", "pullers"})  # WeightsCost's, from the simulated layout (layout.layout_costs)
+# Set from the simulated job and layout (layout.layout_costs), never from a file.
+LAYOUT_KEYS = frozenset({"senders", "pullers", "env_turns"})
 
 
 class CostModelError(ValueError):
@@ -225,7 +234,7 @@ def _overlay(section: Any, table: dict[str, Any], where: str) -> Any:
     values: dict[str, Any] = {}
     for key, value in table.items():
         if key in LAYOUT_KEYS:
-            raise CostModelError(f"{where}.{key}: set from the simulated layout, not from a cost-model file")
+            raise CostModelError(f"{where}.{key}: set from the simulated job and layout, not from a cost-model file")
         if key not in known:
             raise CostModelError(f"{where}.{key}: unknown key; expected one of {', '.join(known)}")
         current = getattr(section, key)

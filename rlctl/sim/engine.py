@@ -51,7 +51,7 @@ class Simulation:
     def __init__(self, spec: JobSpec, cost: CostModel, failures: FailureModel, config: SimConfig) -> None:
         self.spec = spec
         self.layout: Layout = layout_for(spec, cost.cluster, config.gpus)
-        self.cost = layout_costs(cost, self.layout, spec.roles["rollout"].tensor_parallel_size)
+        self.cost = layout_costs(cost, self.layout, spec)
         self.failures = failures
         self.config = config
         self.rng = random.Random(f"sim/{config.seed}")

@@ -63,12 +63,14 @@ def colocated_costs(cost: CostModel, layout: Layout) -> CostModel:
     return replace(cost, step=replace(cost.step, train_s=train_s + cost.step.colocation_switch_s))
 
 
-def layout_costs(cost: CostModel, layout: Layout, rollout_tensor_parallel: int) -> CostModel:
-    """The cost model for ``layout``: its colocated step costs, and a weight version served by
-    every trainer GPU's rank and pulled by every rollout engine at once."""
-    engines = max(1, layout.nodes["rollout"] * layout.gpus_per_node // max(1, rollout_tensor_parallel))
+def layout_costs(cost: CostModel, layout: Layout, spec: JobSpec) -> CostModel:
+    """The cost model for ``spec`` on ``layout``: its colocated step costs; a weight version served
+    by every trainer GPU's rank and pulled by every rollout engine at once; and, for a multi-turn
+    job, a round's longest episode taking every turn ``[env] max_turns`` allows."""
+    engines = max(1, layout.nodes["rollout"] * layout.gpus_per_node // max(1, spec.roles["rollout"].tensor_parallel_size))
     weights = replace(cost.weights, senders=max(1, layout.nodes["trainer"] * layout.gpus_per_node), pullers=engines)
-    return replace(colocated_costs(cost, layout), weights=weights)
+    generation = replace(cost.generation, env_turns=spec.env.max_turns if spec.multi_turn else 0)
+    return replace(colocated_costs(cost, layout), weights=weights, generation=generation)
 
 
 def node_name(index: int) -> str:

@@ -72,7 +72,8 @@ class RoundTiming:
     """Generation time of one round for the real batch."""
 
     tokens: float  # the critical-path response length
-    seconds: float
+    seconds: float  # generation plus the longest episode's environment calls (``env_s``)
+    env_s: float = 0.0
 
 
 def _max_of(gen: GenerationCost, samples: int, rng: random.Random) -> float:
@@ -94,7 +95,8 @@ def round_timing(cost: CostModel, kind: str, cap: int, overprovision: float, rng
         tokens = min(float(cap), response_quantile(gen, quantile))
     else:
         tokens = min(float(cap), _max_of(gen, real_samples, rng))
-    return RoundTiming(tokens, gen.overhead_s + gen.per_token_s * tokens)
+    env_s = gen.env_turns * gen.env_call_s
+    return RoundTiming(tokens, gen.overhead_s + gen.per_token_s * tokens + env_s, env_s)
 
 
 def elastic_round_s(cost: CostModel, timing: RoundTiming, regrouped: bool) -> float:
@@ -103,7 +105,7 @@ def elastic_round_s(cost: CostModel, timing: RoundTiming, regrouped: bool) -> fl
     if not regrouped:
         return timing.seconds
     gen = cost.generation
-    return gen.overhead_s + gen.per_token_s * gen.wide_per_token_ratio * timing.tokens + 2.0 * gen.regroup_s
+    return gen.overhead_s + gen.per_token_s * gen.wide_per_token_ratio * timing.tokens + 2.0 * gen.regroup_s + timing.env_s
 
 
 def expected_step_s(cost: CostModel, tail: bool, overprovision: float) -> float:

@@ -125,7 +125,9 @@ def test_weight_sync_is_priced_from_the_measured_striped_pull_and_the_layout() -
         PullCurve("-", "-", 1e9, 125e6, (2,), (4.0,)).fit()
 
     layout = Layout(gpus_per_node=8, nodes={"trainer": 8, "rollout": 23, "reward": 1, "env": 0}, spares=2, warm_spares=True)
-    priced = layout_costs(CostModel(), layout, rollout_tensor_parallel=2).weights
+    spec = load_job_file(ROOT / "examples" / "quickstart.toml")
+    spec = replace(spec, roles={**spec.roles, "rollout": replace(spec.roles["rollout"], tensor_parallel_size=2)})
+    priced = layout_costs(CostModel(), layout, spec).weights
     assert (priced.senders, priced.pullers) == (64, 92)
     weights = CostModel().weights
     receiver_bound = weights.overhead_s + weights.bytes / weights.bandwidth_bytes_per_s
@@ -133,5 +135,44 @@ def test_weight_sync_is_priced_from_the_measured_striped_pull_and_the_layout() -
     assert priced.sync_s > receiver_bound  # 92 engines on 64 ranks' links
     assert replace(priced, pullers=8).sync_s == pytest.approx(receiver_bound)
     assert priced.state_copy_s == pytest.approx(weights.overhead_s + 7 * weights.bytes / 25e9)  # one puller: its own link
-    with pytest.raises(CostModelError, match=r"weights.senders: set from the simulated layout"):
+    with pytest.raises(CostModelError, match=r"weights.senders: set from the simulated job and layout"):
         cost_model_from_dict({"weights": {"senders": 4}}, "my.toml")
+
+
+def test_a_multi_turn_round_pays_its_longest_episodes_environment_calls() -> None:
+    """``[env] max_turns`` calls of ``generation.env_call_s``, one after another, on a round's critical
+    path (a regrouped round too); a single-turn job pays none, and a file cannot set the turns."""
+    import random
+
+    from rlctl.core.spec import EnvSpec
+    from rlctl.sim.layout import layout_costs, layout_for
+    from rlctl.sim.workload import elastic_round_s, round_timing
+
+    spec = load_job_file(ROOT / "examples" / "quickstart.toml")
+    multi = replace(spec, roles={**spec.roles, "env": replace(spec.roles["env"], nodes=1)}, env=EnvSpec(max_turns=5))
+    cost = cost_model_from_dict({"generation": {"env_call_s": 2.0}})
+    single, episodes = (layout_costs(cost, layout_for(s, cost.cluster, 256), s) for s in (spec, multi))
+    assert (single.generation.env_turns, episodes.generation.env_turns) == (0, 5)
+    plain, played = (round_timing(c, "sync", 8192, 0.0, random.Random(1)) for c in (single, episodes))
+    assert plain.tokens == played.tokens and played.env_s == 10.0 and played.seconds == pytest.approx(plain.seconds + 10.0)
+    assert elastic_round_s(episodes, played, True) == pytest.approx(elastic_round_s(single, plain, True) + 10.0)
+    with pytest.raises(CostModelError, match="env_turns: set from the simulated job and layout"):
+        cost_model_from_dict({"generation": {"env_turns": 3}}, "my.toml")
+
+
+def test_a_multi_turn_job_simulates_with_its_env_workers_and_longer_rounds() -> None:
+    """The env role starts, fails and recovers in the simulator like reward; each round is longer by
+    the calls (before, a job with env nodes could not be simulated at all)."""
+    from rlctl.core.spec import EnvSpec
+    from rlctl.sim.engine import SimConfig, simulate
+    from rlctl.sim.faults import StepFailures
+
+    spec = load_job_file(ROOT / "examples" / "quickstart.toml")
+    multi = replace(spec, roles={**spec.roles, "env": replace(spec.roles["env"], nodes=1)}, env=EnvSpec(max_turns=4))
+    cost = cost_model_from_dict({"generation": {"env_call_s": 5.0}})
+    runs = {name: simulate(job, cost, StepFailures(p=rate, seed=2), SimConfig(policy="role", steps=30, duration_s=30 * 86400,
+                                                                               seed=2, gpus=64))
+            for name, job, rate in (("single", spec, 0.0), ("multi", multi, 0.0), ("faulty", multi, 0.2))}
+    assert all(r["steps_done"] == 30 for r in runs.values())
+    assert runs["multi"]["mean_step_s"] > runs["single"]["mean_step_s"] + 10.0  # 4 calls of 5 s, less any overlap
+    assert runs["faulty"]["faults_injected"] > 0
