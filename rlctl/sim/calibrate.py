@@ -143,8 +143,9 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
     detection = [f.detected_at - f.occurred_at for f in model.faults.values() if f.detected_at is not None]
     return replace(
         base,
-        generation=replace(GenerationCost(), max_new_tokens=0, short_max_tokens=0, per_token_s=0.0,
-                           overhead_s=_median(gen_s, base.generation.overhead_s), **_length_fit(lengths)),
+        # The measured generation time already holds a multi-turn job's environment calls: env_call_s 0.
+        generation=_length_fit(lengths, replace(GenerationCost(), max_new_tokens=0, short_max_tokens=0, per_token_s=0.0,
+                                                env_call_s=0.0, overhead_s=_median(gen_s, base.generation.overhead_s))),
         step=replace(StepCost(), reward_s=reward_median, train_s=train_median, jitter=0.0,
                      checkpoint_s=_median(checkpoint_s, 0.0),
                      checkpoint_load_s=_median(_checkpoint_loads(events, model), FALLBACK_CHECKPOINT_LOAD_S)),
@@ -198,13 +199,13 @@ def _checkpoint_loads(events: list[Event], model: JobModel) -> list[float]:
     return found
 
 
-def _length_fit(lengths: list[int]) -> dict[str, float]:
-    """Lognormal fit (median, sigma of the log) of the journal's response lengths."""
+def _length_fit(lengths: list[int], base: GenerationCost) -> GenerationCost:
+    """``base`` with a lognormal fit (median, sigma of the log) of the journal's response lengths."""
     if len(lengths) < 2:
-        return {}
+        return base
     logs = [math.log(n) for n in lengths]
-    return {"response_median_tokens": math.exp(statistics.median(logs)),
-            "response_sigma": max(0.05, statistics.pstdev(logs))}
+    return replace(base, response_median_tokens=math.exp(statistics.median(logs)),
+                   response_sigma=max(0.05, statistics.pstdev(logs)))
 
 
 def _fault_free_cycle(events: list[Event], model: JobModel) -> float | None:
