@@ -61,6 +61,12 @@ def overlaps(events: list[Any]) -> list[str]:
     return found
 
 
+def copied_step(jobdir: JobDir) -> int:
+    """The newest step whose trainer state a warm standby holds (``TrainerStateHeld``), -1 for none."""
+    held = [int(e.data["step"]) for e in Journal(jobdir.journal, readonly=True).read() if e.type == "TrainerStateHeld"]
+    return max(held, default=-1)
+
+
 def test_a_colocated_job_takes_turns_and_survives_an_engine_crash_and_losing_its_node(tmp_path: Path, state_dir: Path) -> None:
     job_file = write_job(tmp_path, name="colocated", steps=STEPS, rollouts=1, spares=1, max_restarts=20, colocated=True)
     launched = rlctl_json(state_dir, "launch", str(job_file))
@@ -73,6 +79,13 @@ def test_a_colocated_job_takes_turns_and_survives_an_engine_crash_and_losing_its
     assert found["verdict"] == "worker-crash" and found["action"] == "restart-worker", found
     wait_for(lambda: status(state_dir, job)["job"]["step"] >= snap["job"]["step"] + 1, 120, "training to go on")
 
+    # The node goes down when the standby's copy (made in the background after every step, so about a
+    # step behind) is at least as new as the last checkpoint, and the next checkpoint is two steps off.
+    def copy_usable() -> bool:
+        job_now = status(state_dir, job)["job"]
+        return copied_step(jobdir) >= job_now["checkpoint_step"] >= 0 and job_now["step"] <= job_now["checkpoint_step"] + 1
+
+    wait_for(copy_usable, 120, "the warm standby's copy to be as new as the last checkpoint")
     node, snap = colocated_node(state_dir, job)
     lost = rlctl_json(state_dir, "inject-fault", node, "--job", job, "--kind", "node-down")
     found = wait_for(lambda: recovered(state_dir, job, lost["fault_id"]), 180, "the colocated node to be recovered")
@@ -87,7 +100,14 @@ def test_a_colocated_job_takes_turns_and_survives_an_engine_crash_and_losing_its
                and lost["fault_id"] in e.data.get("fault_ids", [])]
     assert ("activate-standby", "trainer-0") in actions and ("move-slot", "rollout-0") in actions, actions
     restored = [e.data for e in events if e.type == "TrainerRestored"]
-    assert restored and restored[-1]["state_step"] is not None, "the standby did not resume from its copy of the state"
+    before_loss = [e for e in events if e.seq < next(x.seq for x in events if x.type == "FaultInjected"
+                                                      and x.data["fault_id"] == lost["fault_id"])]
+    copy_at_loss = max((int(e.data["step"]) for e in before_loss if e.type == "TrainerStateHeld"), default=-1)
+    checkpoint_at_loss = max((int(e.data["step"]) for e in before_loss if e.type == "Checkpointed"), default=-1)
+    if copy_at_loss >= checkpoint_at_loss:  # the usual case (waited for above); else a checkpoint landed in between
+        assert restored and restored[-1]["state_step"] is not None, "the standby did not resume from its copy of the state"
+    else:
+        assert restored and restored[-1]["checkpoint_step"] == checkpoint_at_loss, restored[-1]
     final = status(state_dir, job)
     placed = {n["name"]: n for n in final["nodes"]}
     homes = {slot: e.data["node"] for e in events if e.type == "ActionTaken" and e.data["action"] == "move-slot"
