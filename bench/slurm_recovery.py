@@ -42,6 +42,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from jobrun import wait_until
+
 from rlctl import lab
 from rlctl.backends.slurm_commands import parse_scontrol_record
 from rlctl.controller.jobdir import JobDir
@@ -76,16 +78,6 @@ def cli(home: Path, *args: str, timeout: float = 120.0) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"rlctl {' '.join(args)} exited {proc.returncode}: {proc.stdout} {proc.stderr}")
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
-def wait_until(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def events(jobdir: JobDir) -> list[Event]:
@@ -126,7 +118,7 @@ def running_rollout(home: Path, job_id: str) -> tuple[str, str]:
         live = [n for n in nodes if n["role"] == "rollout" and n["worker_state"] == "running" and n["state"] == "active"]
         return (live[0]["name"], live[0]["slot"]) if live else None
 
-    return wait_until(find, 120, "a running rollout")
+    return wait_until("a running rollout", find, 120)
 
 
 def measure_one(home: Path, job_id: str, jobdir: JobDir, status: lab.LabStatus) -> FaultFigures:
@@ -134,8 +126,8 @@ def measure_one(home: Path, job_id: str, jobdir: JobDir, status: lab.LabStatus) 
     watch = SlurmNodeWatch(node, Path(str(status.slurm_conf)))
     watch.start()
     fault_id = cli(home, "inject-fault", node, "--job", job_id, "--kind", "node-down")["fault_id"]
-    injected = wait_until(lambda: next((e for e in events(jobdir) if e.type == "FaultInjected"
-                                        and e.data["fault_id"] == fault_id), None), 30, "the injection")
+    injected = wait_until("the injection", lambda: next((e for e in events(jobdir) if e.type == "FaultInjected"
+                                                         and e.data["fault_id"] == fault_id), None), 30)
     t0 = injected.at
 
     def rejoined() -> tuple[Event, Event, Event] | None:
@@ -151,9 +143,9 @@ def measure_one(home: Path, job_id: str, jobdir: JobDir, status: lab.LabStatus) 
                      and e.data["source"]["host"] == alloc.data["host"] and e.data["version"] > 0), None)
         return (verdict, registered, held) if verdict and registered and held else None
 
-    verdict, registered, held = wait_until(rejoined, 240, f"a replacement for {node} with weights")
+    verdict, registered, held = wait_until(f"a replacement for {node} with weights", rejoined, 240)
     assert held.data["source"]["transport"] == "ucx", held.data
-    wait_until(lambda: "DOWN" in watch.first_seen or not watch.is_alive(), SLURM_WATCH_S + 5, f"Slurm to mark {node} DOWN")
+    wait_until(f"Slurm to mark {node} DOWN", lambda: "DOWN" in watch.first_seen or not watch.is_alive(), SLURM_WATCH_S + 5)
     watch.stop()
     detect = verdict.at - t0
     rejoin = held.at - t0
@@ -208,7 +200,7 @@ def main() -> None:
         launched = cli(home, "launch", str(job_file))
         job_id, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
         try:
-            wait_until(lambda: cli(home, "status", job_id)["job"]["step"] >= 2, 240, "training")
+            wait_until("training", lambda: cli(home, "status", job_id)["job"]["step"] >= 2, 240)
             for _ in range(repeats):
                 runs.append(measure_one(home, job_id, jobdir, status))
                 print(f"  {runs[-1]}", flush=True)
