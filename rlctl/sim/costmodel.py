@@ -68,6 +68,7 @@ class WeightsCost:
     bandwidth_bytes_per_s: float = 25e9  # one link, a sender's or a receiver's
     overhead_s: float = 1.0
     sender_efficiency: float = field(default_factory=sender_efficiency)
+    state_serve_bytes_per_s: float = 2.6e9  # a rank's part of the trainer state copied and checksummed for its standby
     senders: int = 1  # trainer ranks that serve a version (the simulated layout sets it: one per trainer GPU)
     pullers: int = 1  # rollout engines that pull each version at once (the layout: rollout GPUs over TP)
 
@@ -81,6 +82,12 @@ class WeightsCost:
     def sync_s(self) -> float:
         """A version to every rollout engine."""
         return self.pull_s(self.bytes, self.pullers)
+
+    @property
+    def state_serve_s(self) -> float:
+        """What serving its part of the trainer state to the standby adds to each rank's step: a
+        copy and a checksum of 1/N of the 7x-weight-bytes state (``rlctl.workload.rank_state``)."""
+        return 7 * self.bytes / max(1, self.senders) / self.state_serve_bytes_per_s
 
     @property
     def state_copy_s(self) -> float:
@@ -181,6 +188,9 @@ SOURCES: dict[str, str] = {
                                  f"{', '.join(f'{s:g} s' for s in STRIPED_PULL.seconds)} from "
                                  f"{', '.join(map(str, STRIPED_PULL.holders))} holders of 1 GB at 1 Gbit/s each): "
                                  "seconds = overhead + per_holder / N, efficiency = (bytes / link) / per_holder",
+    "weights.state_serve_bytes_per_s": "[M] rlctl's own: a 139 MB trainer state built and served in 0.054 s "
+                                       "in-process on this CPU (one copy, one checksum; docs/figures.md, FSDP recovery); "
+                                       "a GPU host adds a device-to-host copy at PCIe rates, faster than this",
     "init.trainer_s": "[P/S] NVSentinel reschedule 5-7 min; FlashRecovery restores in 150 s; 4 min cold trainer init",
     "init.rollout_s": "[D] vLLM engine load + CUDA graph capture for an 8B model, ~2 min",
     "init.reward_s": "[D] verifier process start",

@@ -65,12 +65,16 @@ def colocated_costs(cost: CostModel, layout: Layout) -> CostModel:
 
 def layout_costs(cost: CostModel, layout: Layout, spec: JobSpec) -> CostModel:
     """The cost model for ``spec`` on ``layout``: its colocated step costs; a weight version served
-    by every trainer GPU's rank and pulled by every rollout engine at once; and, for a multi-turn
-    job, a round's longest episode taking every turn ``[env] max_turns`` allows."""
+    by every trainer GPU's rank and pulled by every rollout engine at once; with a trainer-state
+    replica, each rank's step longer by serving its part; and, for a multi-turn job, a round's
+    longest episode taking every turn ``[env] max_turns`` allows."""
     engines = max(1, layout.nodes["rollout"] * layout.gpus_per_node // max(1, spec.roles["rollout"].tensor_parallel_size))
     weights = replace(cost.weights, senders=max(1, layout.nodes["trainer"] * layout.gpus_per_node), pullers=engines)
     generation = replace(cost.generation, env_turns=spec.env.max_turns if spec.multi_turn else 0)
-    return replace(colocated_costs(cost, layout), weights=weights, generation=generation)
+    priced = colocated_costs(cost, layout)
+    if spec.trainer_state_replicated(weights.senders):  # each rank serves its part to the standby after every step
+        priced = replace(priced, step=replace(priced.step, train_s=priced.step.train_s + weights.state_serve_s))
+    return replace(priced, weights=weights, generation=generation)
 
 
 def node_name(index: int) -> str:

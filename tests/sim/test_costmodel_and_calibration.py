@@ -176,3 +176,19 @@ def test_a_multi_turn_job_simulates_with_its_env_workers_and_longer_rounds() -> 
     assert all(r["steps_done"] == 30 for r in runs.values())
     assert runs["multi"]["mean_step_s"] > runs["single"]["mean_step_s"] + 10.0  # 4 calls of 5 s, less any overlap
     assert runs["faulty"]["faults_injected"] > 0
+
+
+def test_a_replicated_trainer_state_lengthens_each_step_by_serving_the_parts() -> None:
+    """Each of the 64 ranks copies and checksums its 1/64 of the 7x-weights state after every step."""
+    from rlctl.sim.layout import Layout, layout_costs
+
+    layout = Layout(gpus_per_node=8, nodes={"trainer": 8, "rollout": 23, "reward": 1, "env": 0}, spares=2, warm_spares=True)
+    spec = load_job_file(ROOT / "examples" / "quickstart.toml")
+    sharded = {**spec.raw, "workload": {**spec.raw["workload"], "sharding": "fsdp"}}
+    plain = replace(spec, replicate_trainer_state=False, raw=sharded)
+    replicated = replace(spec, replicate_trainer_state=True, warm_spares=True, raw=sharded)
+    assert replicated.trainer_state_replicated(64) and not plain.trainer_state_replicated(64)
+    base, with_replica = (layout_costs(CostModel(), layout, s) for s in (plain, replicated))
+    serve_s = 7 * 16e9 / 64 / CostModel().weights.state_serve_bytes_per_s
+    assert with_replica.weights.state_serve_s == pytest.approx(serve_s) and 0.5 < serve_s < 1.0
+    assert with_replica.step.train_s == pytest.approx(base.step.train_s + serve_s)
