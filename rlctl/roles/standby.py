@@ -47,6 +47,7 @@ class TrainerStateReplica:
         self._lock = threading.Lock()
         self._wanted: dict[str, Any] | None = None  # the newest offer not yet fetched
         self._copier: threading.Thread | None = None
+        self._copying = False  # a copier thread runs (set and cleared under the lock)
         self._closed = False
 
     def offer(self, offer: dict[str, Any]) -> None:
@@ -55,7 +56,8 @@ class TrainerStateReplica:
             if self._closed or not self._worth_copying(offer):
                 return
             self._wanted = offer
-            if self._copier is None or not self._copier.is_alive():
+            if not self._copying:  # the copier takes the offer under this lock, or decides under it to end
+                self._copying = True
                 self._copier = threading.Thread(target=self._copy_wanted, name="trainer-state-copy", daemon=True)
                 self._copier.start()
 
@@ -77,6 +79,7 @@ class TrainerStateReplica:
             with self._lock:
                 offer, self._wanted = self._wanted, None
                 if offer is None or self._closed:
+                    self._copying = False
                     return
             self.copy(offer)
 
