@@ -15,7 +15,6 @@ A fault kind says how the fault *looks* to the controller; the simulator then le
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -181,12 +180,3 @@ def fault_from_record(record: dict[str, Any]) -> SimFault:
     params = {k: v for k, v in record.items() if k not in ("at", "kind", "node", "role", "cause")}
     return SimFault(at=parse_duration(record["at"]), kind=kind, node=record.get("node"), role=record.get("role"),
                     cause=str(record.get("cause", kind)), params=params)
-
-
-def expected_faults_per_day(rate_per_gpu_hour: float, gpus: int) -> float:
-    return rate_per_gpu_hour * gpus * 24.0
-
-
-def mtbf_hours(rate_per_gpu_hour: float, gpus: int) -> float:
-    per_hour = rate_per_gpu_hour * gpus
-    return math.inf if per_hour <= 0 else 1.0 / per_hour

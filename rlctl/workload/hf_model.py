@@ -207,8 +207,3 @@ def load_hf_policy(path: str | Path, device: str | torch.device = "cpu", dtype: 
         hf_model.gradient_checkpointing_enable()
         hf_model.config.use_cache = False
     return HFPolicy(cast(Any, hf_model).to(device), folder)
-
-
-def is_hf_dir(path: str | Path) -> bool:
-    folder = Path(path)
-    return folder.is_dir() and (folder / "config.json").is_file()
