@@ -26,6 +26,7 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,12 +76,10 @@ def fit_curve(points: list[dict[str, Any]], regroup_s: float) -> EngineCurve:
         raise CurveError(f"regroup_s: expected a value >= 0, got {regroup_s}")
     lines: dict[int, tuple[float, float]] = {}
     for degree, measured in by_degree.items():
-        mean_x = sum(b for b, _ in measured) / len(measured)
-        mean_y = sum(s for _, s in measured) / len(measured)
-        spread = sum((b - mean_x) ** 2 for b, _ in measured)
-        slope = sum((b - mean_x) * (s - mean_y) for b, s in measured) / spread if spread > 0 else 0.0
+        batches, step_times = [b for b, _ in measured], [s for _, s in measured]
+        slope = statistics.linear_regression(batches, step_times).slope if len(set(batches)) > 1 else 0.0
         slope = max(slope, 0.0)  # noise must not make a bigger batch look faster
-        lines[degree] = (mean_y - slope * mean_x, slope)
+        lines[degree] = (statistics.fmean(step_times) - slope * statistics.fmean(batches), slope)
     return EngineCurve(lines, float(regroup_s))
 
 

@@ -173,12 +173,9 @@ def weights_from_pulls(events: list[Event], senders: int = 1, pullers: int = 1) 
     size = statistics.median(b for b, _ in pulls)
     rate, overhead = size / statistics.median(t for _, t in pulls), 0.0
     if len({b for b, _ in pulls}) >= 2:
-        mean_b = statistics.fmean(b for b, _ in pulls)
-        mean_s = statistics.fmean(t for _, t in pulls)
-        spread = sum((b - mean_b) ** 2 for b, _ in pulls)
-        slope = sum((b - mean_b) * (t - mean_s) for b, t in pulls) / spread
+        slope, intercept = statistics.linear_regression([b for b, _ in pulls], [t for _, t in pulls])
         if slope > 0:
-            rate, overhead = 1.0 / slope, max(0.0, mean_s - slope * mean_b)
+            rate, overhead = 1.0 / slope, max(0.0, intercept)
     shape = WeightsCost(bytes=size, overhead_s=overhead, senders=max(1, senders), pullers=max(1, pullers))
     contention = max(1.0, shape.pullers / (shape.senders * shape.sender_efficiency))
     return replace(shape, bandwidth_bytes_per_s=rate * contention)

@@ -8,6 +8,7 @@ from the bench's JSON line (also in docs/figures.md under the same command).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 
@@ -27,13 +28,9 @@ class PullCurve:
         """Least squares of ``seconds = overhead + per_holder / N``; returns ``(overhead_s,
         efficiency)``, where efficiency is the share of its link each holder achieved
         (``nbytes / link`` over the fitted ``per_holder`` seconds)."""
-        xs = [1.0 / n for n in self.holders]
-        mean_x, mean_y = sum(xs) / len(xs), sum(self.seconds) / len(self.seconds)
-        spread = sum((x - mean_x) ** 2 for x in xs)
-        if len(xs) < 2 or spread == 0.0:
+        if len(set(self.holders)) < 2:
             raise ValueError("a pull curve needs at least two holder counts")
-        per_holder = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, self.seconds)) / spread
-        overhead = mean_y - per_holder * mean_x
+        per_holder, overhead = statistics.linear_regression([1.0 / n for n in self.holders], self.seconds)
         return overhead, (self.nbytes / self.link_bytes_per_s) / per_holder
 
 
