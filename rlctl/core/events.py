@@ -60,6 +60,7 @@ class EventKind(StrEnum):
     HELD_OUT_SCORED = "HeldOutScored"
     HEARTBEAT = "Heartbeat"
     ENGINE_RESIZED = "EngineResized"
+    JOB_STALLED = "JobStalled"
 
 
 # Every event type the journal may hold, with the data keys it must carry.
@@ -106,6 +107,7 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.HELD_OUT_SCORED: ("version", "prompts", "reward_mean", "reward_std_err", "accuracy"),
     EventKind.HEARTBEAT: ("node",),
     EventKind.ENGINE_RESIZED: ("slot", "wid", "tensor_parallel", "gpus", "seconds"),
+    EventKind.JOB_STALLED: ("since_version", "seconds"),
 }
 # Applied to the model but never journaled: one per node per second is too many to keep. What they
 # changed is journaled in summary (HeartbeatSummary); a resumed controller starts their clocks anew.

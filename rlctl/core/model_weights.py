@@ -190,10 +190,17 @@ class WeightsRegistry:
                 self._recover_slot(rank, ev.at)
         self.trainer_restored_at = ev.at
 
-    def _on_SchedulerRolledBack(self, ev: Event) -> None:
-        to_step = int(ev.data["to_step"])
-        since = self.productive_at_version.get(to_step)
+    def _lose_productive_since(self, version: int) -> None:
+        """What the ledger counted productive since ``version`` was published produced nothing kept."""
+        since = self.productive_at_version.get(version)
         if since is not None:
             self.ledger.reclassify(self.ledger.seconds["productive"] - since, "productive", "lost")
+
+    def _on_JobStalled(self, ev: Event) -> None:
+        self._lose_productive_since(int(ev.data["since_version"]))
+
+    def _on_SchedulerRolledBack(self, ev: Event) -> None:
+        to_step = int(ev.data["to_step"])
+        self._lose_productive_since(to_step)
         self.published_version = to_step
         self.weights_holders = {v: h for v, h in self.weights_holders.items() if v <= to_step}

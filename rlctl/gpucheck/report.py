@@ -42,15 +42,17 @@ def _parts() -> dict[str, Callable[[], Figures]]:
         "torch_rollout": torch_parts.rollout,
         "torch_train_step": torch_parts.train_step,
         "ucx_cuda": ucx_part.cuda_transfer,
+        "ucx_cuda_shards": ucx_part.cuda_shards,
         "nccl_watchdog": nccl_part.stalled_collective,
         "nccl_data_parallel": dp_part.data_parallel,
         "nccl_fsdp": dp_part.fsdp,
         "vllm_engine": vllm_part.engine,
+        "vllm_resize": vllm_part.resize,
     }
 
 
-PART_NAMES = ("nvml", "nvml_sample_cost", "torch_rollout", "torch_train_step", "ucx_cuda", "nccl_watchdog",
-              "nccl_data_parallel", "nccl_fsdp", "vllm_engine")
+PART_NAMES = ("nvml", "nvml_sample_cost", "torch_rollout", "torch_train_step", "ucx_cuda", "ucx_cuda_shards",
+              "nccl_watchdog", "nccl_data_parallel", "nccl_fsdp", "vllm_engine", "vllm_resize")
 
 
 def environment() -> dict[str, Any]:

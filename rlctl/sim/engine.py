@@ -147,6 +147,7 @@ class Simulation:
         for fault in self.failures.initial(self.config.duration_s, self.layout.role_gpus):
             self.q.schedule(fault.at, self.inject, fault)
         self.q.schedule(self.config.duration_s, self.finish, "time limit reached", False)
+        self.q.after(self.config.stall_s / 4, self._watch_progress, self.model.published_version, self.now)
         self.q.run(until=self.config.duration_s, stop=lambda: self.model.life.state.terminal)
         return summarize(self, wall_clock_s=time.perf_counter() - started)
 
@@ -165,6 +166,20 @@ class Simulation:
         for name in names:
             self.nodes[name] = NodeTruth(name, beat_offset=self.rng.random() * self.interval)
             self.start_agent(name, self.cost.init.agent_start_s)
+
+    def _watch_progress(self, version: int, since: float) -> None:
+        """End a job that has trained no step for ``stall_s`` (a scheduling deadlock, not a fault: every
+        worker waits, so no detector fires): that time produced nothing and is ``lost``, never productive."""
+        if self.model.life.state.terminal:
+            return
+        if self.model.published_version != version:
+            version, since = self.model.published_version, self.now
+        elif self.now - since >= self.config.stall_s:
+            self.stats.stalled_s = self.now - since
+            self.emit(EventKind.JOB_STALLED, since_version=version, seconds=round(self.now - since, 3))
+            self.finish(f"failed: stalled, no step trained for {self.now - since:.0f} s after v{version}", False)
+            return
+        self.q.after(self.config.stall_s / 4, self._watch_progress, version, since)
 
     def finish(self, reason: str, succeeded: bool) -> None:
         """The job ends now (its workers need no stopping: nothing runs after the clock stops)."""

@@ -30,6 +30,7 @@ def summarize(sim: SimSite, wall_clock_s: float) -> dict[str, Any]:
         "gpus": sim.layout.total_gpus,
         "nodes": dict(sim.layout.nodes, spare=sim.layout.spares),
         "state": model.life.state.value,
+        "stalled_s": round(sim.stats.stalled_s, 3),
         "steps_done": model.published_version,
         "steps_target": model.total_steps,
         "end_to_end_s": sim.end_to_end_s,

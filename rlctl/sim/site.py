@@ -30,6 +30,7 @@ class SimConfig:
     policy: str = "role"
     steps: int | None = None  # None: the job file's steps
     duration_s: float = 7 * 86400.0
+    stall_s: float = 86400.0  # a running job that trains no step for this long has stalled: it ends, failed
     seed: int = 0
     gpus: int | None = None
     record_events: bool = False
@@ -43,6 +44,7 @@ class SimStats:
     events: int = 0
     rounds: dict[str, int] = field(default_factory=dict)
     steps_trained: int = 0
+    stalled_s: float = 0.0  # how long the job had trained no step when the simulator ended it
 
 
 @dataclass

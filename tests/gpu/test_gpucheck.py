@@ -141,3 +141,19 @@ def test_the_fsdp_part_compares_a_real_sharded_group_with_a_single_run_on_cpu() 
     figures = compare_group_with_single("cpu", "fsdp")
     assert figures["worst_gap_vs_single"] <= 0.05, figures
     assert [len(pair) for pair in figures["losses_group_vs_single"]] == [2, 2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_the_sharded_transfer_part_assembles_two_ranks_shards_bit_exact_on_cpu(transport: str) -> None:
+    import torch
+
+    from rlctl.gpucheck.ucx_part import sharded_round_trip
+    from rlctl.weights.transport_ucx import ucxx_importable
+
+    if transport == "ucx" and not ucxx_importable():
+        pytest.skip("ucxx is not importable (the 'ucx' extra)")
+    # The GPU check's ucx_cuda_shards part with its tensors on the CPU: two row shards, one source, one whole.
+    figures = sharded_round_trip(torch, "cpu", transport, 8 * 2**20)
+    assert figures["bit_exact"] and figures["ranks"] == 2 and figures["transport"] == transport
+    assert figures["bytes"] >= 8 * 2**20 and figures["sharded_fetch_gbps"] > 0

@@ -273,3 +273,15 @@ def test_sleep_frees_the_engine_and_loading_weights_wakes_it(engine: Any, policy
     engine.load_state_dict(policy.state_dict(), 8)  # what a colocated rollout does with the next version
     assert not engine.asleep and engine.version == 8
     assert [r.response_tokens for r in engine.generate(requests(2), 6)] == before
+
+
+@pytest.mark.vllm
+def test_the_gpu_checks_regroup_rebuilds_the_engine_and_samples_as_before(engine: Any, policy: Any) -> None:
+    """The GPU check's ``vllm_resize`` part, here at degree 1 on the CPU build (which runs one degree):
+    each resize shuts the engine down, the held weights start it again, and the seeded samples hold."""
+    from rlctl.gpucheck.vllm_part import regroup
+
+    figures = regroup(engine, policy.state_dict(), wide=1)
+    assert figures["back_same_samples"] == figures["widen_same_samples"] == figures["samples"] == 16
+    assert figures["widen_s"] > 0 and figures["back_s"] > 0
+    assert not engine.asleep and engine.options.tensor_parallel_size == 1
