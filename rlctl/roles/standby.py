@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 class TrainerStateReplica:
     """The newest copy of the trainer's state this standby fetched: one part per rank (one for a lone
     trainer), kept in memory and served again from here, so that a trainer group that restarts can
-    take its parts back (each rank its own, from its own server) without reading a checkpoint.
+    take its parts back (each rank its own) without reading a checkpoint. One server serves every
+    part, each at its own index: a 64-rank group costs the standby one listener and one thread.
 
     Copies are fetched by one background thread, so the standby keeps polling the controller while
     a copy is in flight: a source that stops answering (a hung or paused trainer) costs that copy
@@ -42,7 +43,7 @@ class TrainerStateReplica:
         self.step = -1
         self.source: dict[str, Any] | None = None  # what this standby serves: a sharded source, one part per rank
         self._parts: list[Bundle] = []
-        self._servers: list[WeightServerThread] = []
+        self._server: WeightServerThread | None = None
         self._failed_step = -1
         self._lock = threading.Lock()
         self._wanted: dict[str, Any] | None = None  # the newest offer not yet fetched
@@ -99,20 +100,20 @@ class TrainerStateReplica:
             with self._lock:
                 if self._closed:
                     return
-                descriptors = [self._server(rank).publish_bundle(part) for rank, part in enumerate(parts)]
+                descriptors = self._serving(len(parts)).publish_parts(parts)
                 self._parts, self.step, self.source = parts, step, combine(descriptors, step)
         except (WeightError, OSError, KeyError, TypeError, ValueError) as exc:
             self._failed_step = step
             print(f"rlctl standby: could not copy the trainer state of step {step}: {exc}", file=sys.stderr, flush=True)
 
-    def _server(self, rank: int) -> WeightServerThread:
+    def _serving(self, parts: int) -> WeightServerThread:
+        """The replica's server, started on first use, taking every rank's pull of its part at once."""
         from rlctl.weights import WeightServerThread
 
-        while len(self._servers) <= rank:
-            server = WeightServerThread(self.transport, host=self.host)
-            server.start()
-            self._servers.append(server)
-        return self._servers[rank]
+        if self._server is None:
+            self._server = WeightServerThread(self.transport, host=self.host, max_concurrent=max(16, parts))
+            self._server.start()
+        return self._server
 
     def held(self) -> tuple[int, dict[str, Any]] | None:
         """A lone trainer's whole state (``rlctl.workload.rank_state``), for this standby to resume
@@ -133,9 +134,9 @@ class TrainerStateReplica:
         """Stop serving; a copy still in flight is dropped when it lands."""
         with self._lock:
             self._closed = True
-            for server in self._servers:
-                server.close()
-            self._servers, self._parts, self.source = [], [], None
+            if self._server is not None:
+                self._server.close()
+            self._server, self._parts, self.source = None, [], None
 
 
 def main() -> int:

@@ -12,6 +12,8 @@ Contract:
   bundle they started with; the previous buffer is freed when they are done.
 * `publish_bundle(bundle)` serves an already flat bundle (what `fetch_bundle` returns) without
   copying: a rollout re-serves exactly the bytes it received.
+* `publish_parts(bundles)` serves several bundles at once from this one server, each at its own
+  `index` in its descriptor (a warm standby's copy of every trainer rank's part of the state).
 * A joiner is served whatever version the holder has now; the joiner checks it against the
   descriptor it was given (`WeightIntegrityError` on mismatch), so a stale descriptor never
   yields silently wrong weights.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, Self
 
 from rlctl.weights.auth import job_token
@@ -96,11 +98,11 @@ class WeightServer:
         self._checksum_algorithm = checksum_algorithm
         self._holder: Holder | None = None
         self._endpoint_fields: dict[str, Any] = {}
-        self._bundle: Bundle | None = None
+        self._bundles: tuple[Bundle, ...] = ()
 
-    def current_bundle(self) -> Bundle | None:
-        """The bundle served right now (None before the first publish)."""
-        return self._bundle
+    def current_bundle(self, index: int = 0) -> Bundle | None:
+        """The bundle served right now at ``index`` (None before the first publish, or past the last part)."""
+        return self._bundles[index] if 0 <= index < len(self._bundles) else None
 
     async def start(self) -> None:
         """Bind and start serving (joiners get a refusal until the first publish)."""
@@ -118,12 +120,20 @@ class WeightServer:
 
     async def publish_bundle(self, bundle: Bundle) -> dict[str, Any]:
         """Serve an already flat bundle (not copied, must not be mutated) and return its descriptor."""
-        if self._holder is None:
-            raise RuntimeError("WeightServer.start() must be awaited before publishing")
-        self._bundle = bundle
+        self._serve((bundle,))
         descriptor = self.descriptor()
         assert descriptor is not None
         return descriptor
+
+    async def publish_parts(self, bundles: Sequence[Bundle]) -> list[dict[str, Any]]:
+        """Serve every bundle of ``bundles`` at once (not copied), each at its index; their descriptors in order."""
+        self._serve(tuple(bundles))
+        return [self._describe(index) for index in range(len(bundles))]
+
+    def _serve(self, bundles: tuple[Bundle, ...]) -> None:
+        if self._holder is None:
+            raise RuntimeError("WeightServer.start() must be awaited before publishing")
+        self._bundles = bundles
 
     @property
     def endpoint(self) -> dict[str, Any]:
@@ -134,17 +144,19 @@ class WeightServer:
 
     def descriptor(self) -> dict[str, Any] | None:
         """The source descriptor of the version served now, or None before the first publish."""
-        if self._bundle is None:
-            return None
-        manifest = self._bundle.manifest
-        return {**self.endpoint, "version": manifest.version, "nbytes": manifest.nbytes, "checksum": manifest.checksum}
+        return self._describe(0) if len(self._bundles) == 1 else None
+
+    def _describe(self, index: int) -> dict[str, Any]:
+        manifest = self._bundles[index].manifest
+        return {**self.endpoint, **({"index": index} if len(self._bundles) > 1 else {}), "version": manifest.version,
+                "nbytes": manifest.nbytes, "checksum": manifest.checksum}
 
     async def close(self) -> None:
         """Stop accepting and abort transfers in flight. Idempotent."""
         holder, self._holder = self._holder, None
         if holder is not None:
             await holder.close()
-        self._bundle = None
+        self._bundles = ()
 
 
 class WeightServerThread:
@@ -182,6 +194,10 @@ class WeightServerThread:
     def publish_bundle(self, bundle: Bundle) -> dict[str, Any]:
         """See `WeightServer.publish_bundle`."""
         return self._call(self.server.publish_bundle(bundle))
+
+    def publish_parts(self, bundles: Sequence[Bundle]) -> list[dict[str, Any]]:
+        """See `WeightServer.publish_parts`."""
+        return self._call(self.server.publish_parts(bundles))
 
     def descriptor(self) -> dict[str, Any] | None:
         return self.server.descriptor()

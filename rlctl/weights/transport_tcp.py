@@ -6,12 +6,14 @@ side (`tcp_receive`) reads the header, checks the announced size against its bou
 body straight into a preallocated buffer (`sock_recv_into` on memoryview slices).
 
 Wire (one connection per transfer):
-    joiner → holder  frame {"v":1, "op":"fetch", "version": int|null, "token": hex}
-    holder → joiner  frame {"v":1, "ok":true, "manifest":{...}}  or  {"v":1, "ok":false, "error":str}
+    joiner → holder  frame {"v":1, "op":"fetch", "version": int|null, "token": hex, "index"?: int, "range"?: [o, n]}
+    holder → joiner  frame {"v":1, "ok":true, "manifest":{...}, "range": [o, n]}  or  {"v":1, "ok":false, "error":str}
+    holder → joiner  the n raw bytes of the flat buffer from offset o (all of it without a range)
 
+``index`` picks one of the bundles a holder serving several publishes (``WeightServer.publish_parts``:
+a warm standby serves every rank's part of the trainer state from one server); 0 by default.
 A holder made with a token (every job's) answers a request without that token with a refusal
 and sends nothing else (``rlctl.weights.auth``).
-    holder → joiner  manifest.nbytes raw bytes
 
 `SocketServer` (the accept loop with bounded concurrency) is reused by the UCX shared-memory
 transport for its control channel.
@@ -23,6 +25,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,7 +42,7 @@ DEFAULT_HOLDER_IO_TIMEOUT_S = 600.0
 
 NOTHING_PUBLISHED = "this holder has not published weights yet"
 
-BundleGetter = Callable[[], Bundle | None]
+BundleGetter = Callable[[int], Bundle | None]  # the bundle served at an index (None: nothing there)
 ConnectionHandler = Callable[[socket.socket], Awaitable[None]]
 
 
@@ -124,22 +127,47 @@ class TcpHolder:
     async def _serve(self, conn: socket.socket) -> None:
         deadline = asyncio.get_running_loop().time() + self._io_timeout
         request = await framing.recv_frame(conn, deadline)
-        if not authorized(self._token, request.get("token")):
-            log.warning("refused a weights pull without this job's token from %s", _peer(conn))
-            await framing.send_frame(conn, {"ok": False, "error": REFUSED}, deadline)
-            return
-        bundle = self._current()
-        if bundle is None:
-            await framing.send_frame(conn, {"ok": False, "error": NOTHING_PUBLISHED}, deadline)
-            return
-        try:
-            offset, length = byte_range(request.get("range"), bundle.manifest.nbytes)
-        except ValueError as exc:
-            await framing.send_frame(conn, {"ok": False, "error": str(exc)}, deadline)
-            return
-        await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json(), "range": [offset, length]},
-                                 deadline)
-        await framing.send_all(conn, bundle.buffer.data[offset:offset + length], deadline)
+        answer = answer_fetch(request, self._token, self._current, _peer(conn))
+        await framing.send_frame(conn, answer.reply, deadline)
+        if answer.bundle is not None:
+            await framing.send_all(conn, answer.bundle.buffer.data[answer.offset:answer.offset + answer.length], deadline)
+
+
+@dataclass(frozen=True)
+class FetchAnswer:
+    """A holder's answer to a joiner's fetch frame: the header ``reply`` and, when it is served, what follows it."""
+
+    reply: dict[str, Any]
+    bundle: Bundle | None = None
+    offset: int = 0
+    length: int = 0
+
+
+def answer_fetch(request: dict[str, Any], token: bytes | None, current: BundleGetter, peer: str) -> FetchAnswer:
+    """What a framed holder (TCP, and UCX shared memory's control channel) answers ``request``: a
+    refusal without the job's token, an error for no bundle at its ``index`` or a bad ``range``,
+    else the manifest and the byte range it sends."""
+    if not authorized(token, request.get("token")):
+        log.warning("refused a weights pull without this job's token from %s", peer)
+        return FetchAnswer({"ok": False, "error": REFUSED})
+    index = request.get("index", 0)
+    bundle = current(index) if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
+    if bundle is None:
+        return FetchAnswer({"ok": False, "error": NOTHING_PUBLISHED if index == 0 else f"no bundle at index {index!r}"})
+    try:
+        offset, length = byte_range(request.get("range"), bundle.manifest.nbytes)
+    except ValueError as exc:
+        return FetchAnswer({"ok": False, "error": str(exc)})
+    return FetchAnswer({"ok": True, "manifest": bundle.manifest.to_json(), "range": [offset, length]}, bundle, offset,
+                       length)
+
+
+def request_fields(source: dict[str, Any]) -> dict[str, Any]:
+    """What a fetch frame carries besides its op and tag: the version, the bundle's index and the
+    byte range when the source names them, and the job's token."""
+    return {"version": source.get("version"),
+            **({"index": int(source["index"])} if source.get("index") is not None else {}),
+            **({"range": list(source["range"])} if source.get("range") is not None else {}), **token_field()}
 
 
 def token_field() -> dict[str, str]:
@@ -191,9 +219,7 @@ async def tcp_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
     ``source["range"]`` only that part, into its place in ``out`` (``rlctl.weights.striping``)."""
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
     try:
-        part = {"range": list(source["range"])} if source.get("range") is not None else {}
-        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version"), **part, **token_field()},
-                                 deadline)
+        await framing.send_frame(sock, {"op": "fetch", **request_fields(source)}, deadline)
         reply = await framing.recv_frame(sock, deadline)
         manifest = manifest_from_reply(reply, max_nbytes)
         offset, length = part_of(source, reply, manifest)

@@ -51,10 +51,11 @@ from rlctl.weights.transport_tcp import (
     NOTHING_PUBLISHED,
     BundleGetter,
     SocketServer,
+    answer_fetch,
     manifest_from_reply,
     part_of,
     receive_buffer,
-    token_field,
+    request_fields,
 )
 
 log = logging.getLogger(__name__)
@@ -265,19 +266,22 @@ async def _close_endpoint(endpoint: Any) -> None:
 # ucx: listener + create_endpoint, endpoints kept open and reused across fetches
 
 REQUEST = 0x5EED
-# The request word, the byte range (offset, then length + 1; 0: the whole buffer), then the job's
-# token (zeros without one).
-REQUEST_WORDS = 3 + TOKEN_BYTES // 8
+# The request word, the byte range (offset, then length + 1; 0: the whole buffer), the index of the
+# bundle on a holder serving several, then the job's token (zeros without one).
+TOKEN_AT = 4
+REQUEST_WORDS = TOKEN_AT + TOKEN_BYTES // 8
 
 
-def _request_words(part: Any = None) -> np.ndarray:
+def _request_words(source: dict[str, Any]) -> np.ndarray:
     words = np.zeros(REQUEST_WORDS, dtype=np.uint64)
     words[0] = REQUEST
+    part = source.get("range")
     if part is not None:
         words[1], words[2] = int(part[0]), int(part[1]) + 1
+    words[3] = int(source.get("index") or 0)
     token = job_token()
     if token is not None:
-        words[3:] = np.frombuffer(token, dtype=np.uint64)
+        words[TOKEN_AT:] = np.frombuffer(token, dtype=np.uint64)
     return words
 
 
@@ -332,7 +336,7 @@ class UcxHolder:
         try:
             while (request := await self._next_request(endpoint)) is not None:
                 deadline = asyncio.get_running_loop().time() + self._io_timeout
-                await self._runtime.hot(self._send_bundle(endpoint, self._current(), deadline,
+                await self._runtime.hot(self._send_bundle(endpoint, self._current(int(request[3])), deadline,
                                                           _requested_range(request)))
         except WeightTransferError as exc:
             log.info("UCX weight transfer to a joiner ended: %s", exc)
@@ -354,7 +358,7 @@ class UcxHolder:
             return None
         if int(request[0]) != REQUEST:
             raise WeightTransferError(f"unexpected request word {int(request[0]):#x}")
-        if not authorized(self._token, request[3:].tobytes()):
+        if not authorized(self._token, request[TOKEN_AT:].tobytes()):
             log.warning("refused a UCX weights pull without this job's token")
             raise WeightTransferError(REFUSED)
         return request
@@ -470,7 +474,7 @@ async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer
                     source: dict[str, Any]) -> tuple[Manifest, Buffer]:
     sizes = np.zeros(2, dtype=np.uint64)
     try:
-        await _bounded(endpoint.send(_request_words(source.get("range"))), deadline, "sending the request")
+        await _bounded(endpoint.send(_request_words(source)), deadline, "sending the request")
         await _bounded(endpoint.recv(sizes), deadline, "receiving sizes")
     except WeightTimeoutError:
         raise
@@ -526,27 +530,17 @@ class UcxSmHolder:
     async def _serve(self, conn: socket.socket) -> None:
         deadline = asyncio.get_running_loop().time() + self._io_timeout
         request = await framing.recv_frame(conn, deadline)
-        if not authorized(self._token, request.get("token")):
-            log.warning("refused a ucx-sm weights pull without this job's token")
-            await framing.send_frame(conn, {"ok": False, "error": REFUSED}, deadline)
+        answer = answer_fetch(request, self._token, self._current, "a ucx-sm joiner")
+        if answer.bundle is None:
+            await framing.send_frame(conn, answer.reply, deadline)
             return
         peer_address, tag = _parse_sm_request(request)
-        bundle = self._current()
-        if bundle is None:
-            await framing.send_frame(conn, {"ok": False, "error": NOTHING_PUBLISHED}, deadline)
-            return
-        try:
-            offset, length = byte_range(request.get("range"), bundle.manifest.nbytes)
-        except ValueError as exc:
-            await framing.send_frame(conn, {"ok": False, "error": str(exc)}, deadline)
-            return
-        await framing.send_frame(conn, {"ok": True, "manifest": bundle.manifest.to_json(), "range": [offset, length],
-                                        "worker_address_hex": self.worker_address_hex}, deadline)
-        if length == 0:
+        await framing.send_frame(conn, {**answer.reply, "worker_address_hex": self.worker_address_hex}, deadline)
+        if answer.length == 0:
             await framing.recv_frame(conn, deadline)
             return
         endpoint = await self._runtime.run(self._endpoint_to(peer_address))
-        part = bundle.buffer[offset:offset + length]
+        part = answer.bundle.buffer[answer.offset:answer.offset + answer.length]
         try:
             await _first_failure_or_all(
                 self._runtime.run(_bounded(endpoint.send(part, tag=tag, force_tag=True), deadline,
@@ -620,9 +614,8 @@ async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = 
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
     try:
         tag = secrets.randbits(64)
-        part = {"range": list(source["range"])} if source.get("range") is not None else {}
-        await framing.send_frame(sock, {"op": "fetch", "version": source.get("version"), "tag": tag, **part,
-                                        "worker_address_hex": runtime.worker_address.hex(), **token_field()}, deadline)
+        await framing.send_frame(sock, {"op": "fetch", "tag": tag, "worker_address_hex": runtime.worker_address.hex(),
+                                        **request_fields(source)}, deadline)
         reply = await framing.recv_frame(sock, deadline)
         manifest = manifest_from_reply(reply, max_nbytes)
         _check_holder_address(source, reply)

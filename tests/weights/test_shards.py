@@ -4,6 +4,7 @@ rank fails the pull cleanly, shards that do not fit are refused."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -105,3 +106,33 @@ def test_alignment_gaps_are_zero_so_the_same_weights_have_one_checksum() -> None
         assert any(len(gap) for gap in gaps) and all(not gap.any() for gap in gaps)
     assert assemble([flatten(s, 1) for s in split(state, 3)], 1).manifest.checksum == \
         assemble([flatten(s, 1) for s in split(state, 2)], 1).manifest.checksum
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx", "ucx-sm"])
+def test_one_server_serves_every_part_at_its_index_over_each_transport(transport: str) -> None:
+    """A warm standby's copy of a 3-rank group's state: every part from one server, each descriptor
+    naming its index; the parts pulled one by one and as one sharded source come back exactly."""
+    from rlctl.weights import WeightTransferError, fetch_bundle_sync, flatten
+    from rlctl.weights.shards import fetch_parts
+    from rlctl.weights.transport_ucx import ucxx_importable
+
+    if transport != "tcp" and not ucxx_importable():
+        pytest.skip("ucxx is not importable (the 'ucx' extra)")
+    state = model_state()
+    parts = [flatten(shard, 6) for shard in split(state, 3)]
+    with WeightServerThread(transport, host="127.0.0.1") as server:
+        descriptors = server.publish_parts(parts)
+        assert [d["index"] for d in descriptors] == [0, 1, 2] and len({d["port"] for d in descriptors}) == 1
+        assert server.descriptor() is None, "several parts: no one descriptor stands for them"
+        for part, descriptor in zip(parts, descriptors):
+            fetched = fetch_bundle_sync(descriptor, timeout=30)
+            assert fetched.manifest.checksum == part.manifest.checksum
+            assert np.array_equal(fetched.buffer, part.buffer)
+        pulled = asyncio.run(fetch_parts(combine(descriptors, 6), timeout=30))
+        assert [p.manifest.checksum for p in pulled] == [p.manifest.checksum for p in parts]
+        assembled = fetch_sharded_sync(combine(descriptors, 6), timeout=30)
+        whole = unflatten(assembled.manifest, assembled.buffer)
+        assert all(torch.equal(whole[name], tensor) for name, tensor in state.items())
+        with pytest.raises(WeightTransferError):
+            fetch_bundle_sync({**descriptors[2], "index": 3}, timeout=10)
+        assert fetch_bundle_sync(server.publish_bundle(parts[1]), timeout=30).manifest.checksum == parts[1].manifest.checksum
