@@ -16,6 +16,7 @@ import asyncio
 import sys
 import threading
 import time
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from rlctl import worker
@@ -49,6 +50,7 @@ class TrainerStateReplica:
         self._wanted: dict[str, Any] | None = None  # the newest offer not yet fetched
         self._copier: threading.Thread | None = None
         self._copying = False  # a copier thread runs (set and cleared under the lock)
+        self._fetch: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None  # the pull in flight
         self._closed = False
 
     def offer(self, offer: dict[str, Any]) -> None:
@@ -94,7 +96,7 @@ class TrainerStateReplica:
             return
         step, source = int(offer["step"]), dict(offer["source"])
         try:
-            parts = asyncio.run(fetch_parts(source, timeout=self.FETCH_TIMEOUT_S))
+            parts = asyncio.run(self._fetch_cancellable(fetch_parts(source, timeout=self.FETCH_TIMEOUT_S)))
             if any(part.manifest.version != step for part in parts):
                 raise WeightError(f"a part is not of step {step}")
             with self._lock:
@@ -102,9 +104,24 @@ class TrainerStateReplica:
                     return
                 descriptors = self._serving(len(parts)).publish_parts(parts)
                 self._parts, self.step, self.source = parts, step, combine(descriptors, step)
+        except asyncio.CancelledError:
+            return  # closed while pulling: the standby took a role, the copy's memory goes with it
         except (WeightError, OSError, KeyError, TypeError, ValueError) as exc:
             self._failed_step = step
             print(f"rlctl standby: could not copy the trainer state of step {step}: {exc}", file=sys.stderr, flush=True)
+
+    async def _fetch_cancellable(self, pull: Coroutine[Any, Any, list[Bundle]]) -> list[Bundle]:
+        """Run ``pull`` where ``close`` can cancel it."""
+        task = asyncio.ensure_future(pull)
+        with self._lock:
+            if self._closed:
+                task.cancel()
+            self._fetch = (asyncio.get_running_loop(), task)
+        try:
+            return await task
+        finally:
+            with self._lock:
+                self._fetch = None
 
     def _serving(self, parts: int) -> WeightServerThread:
         """The replica's server, started on first use, taking every rank's pull of its part at once."""
@@ -131,9 +148,12 @@ class TrainerStateReplica:
             return {"trainer_state_step": self.step, **({"trainer_state_source": self.source} if self.source else {})}
 
     def close(self) -> None:
-        """Stop serving; a copy still in flight is dropped when it lands."""
+        """Stop serving, and cancel a copy still in flight (its pull and what it received so far)."""
         with self._lock:
             self._closed = True
+            if self._fetch is not None:
+                loop, task = self._fetch
+                loop.call_soon_threadsafe(task.cancel)
             if self._server is not None:
                 self._server.close()
             self._server, self._parts, self.source = None, [], None

@@ -202,6 +202,29 @@ def test_a_source_that_stops_answering_never_blocks_the_standby() -> None:
     assert replica.wait_idle(1.0) and replica.step == 4
 
 
+def test_closing_the_replica_cancels_a_copy_in_flight() -> None:
+    """The standby takes a role: a pull still waiting on a silent source ends at once (it held
+    the copy's memory for up to its 60 s timeout before), and nothing lands afterwards."""
+    from rlctl.roles.standby import TrainerStateReplica
+    from rlctl.weights.shards import combine
+
+    replica = TrainerStateReplica("tcp", "127.0.0.1")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        stalled = {"transport": "tcp", "host": "127.0.0.1", "port": port, "version": 3, "nbytes": 10, "checksum": "x"}
+        replica.offer({"step": 3, "source": combine([stalled], 3)})
+        deadline = time.monotonic() + 10.0
+        while replica._fetch is None and time.monotonic() < deadline:  # the pull is in flight
+            time.sleep(0.01)
+        assert replica._fetch is not None
+        started = time.monotonic()
+        replica.close()
+        assert replica.wait_idle(5.0) and time.monotonic() - started < 2.0
+    assert replica.step == -1 and replica._failed_step == -1 and replica.held() is None
+
+
 def _model_only_bytes() -> bytes:
     import io
 
