@@ -419,8 +419,9 @@ JOB_SCHEMA: dict[str, Field] = {
                                     minimum=0.1),
             "on_error": Field("choice", "An environment call that raises, times out or kills its process (always "
                               "journaled as `EnvFailed`): `retry` runs it again on an env worker (the episode is "
-                              "rebuilt by replaying its actions) up to `retries` times, then ends the episode; "
-                              "`score` ends the episode at once. An ended episode is scored as it stands.",
+                              "rebuilt by replaying its actions, which must give back the observations the model was shown) up to "
+                              "`retries` times, then ends the episode; `score` ends the episode at once. An ended "
+                              "episode is scored as it stands.",
                               "retry", choices=ENV_ON_ERROR),
             "retries": Field("int", "Retries of a failed call with `on_error = \"retry\"`.", 2, minimum=0),
             "reward": Field("choice", "The sample's score: `sum` is the reward function's score plus the "

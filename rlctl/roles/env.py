@@ -25,7 +25,7 @@ def serve(w: worker.Worker, calls: list[dict[str, Any]], host: Any, done: int) -
     from rlctl.workload.envs import EnvCall
 
     for call in calls:
-        outcome = host.call(EnvCall(str(call["episode"]), dict(call.get("sample") or {}), [str(a) for a in call["actions"]]))
+        outcome = host.call(EnvCall.from_request(call))
         done += 1
         w.progress(done)
         w.request("env.submit", answers=[{"episode": call["episode"], "turn": call["turn"], **outcome.to_dict()}])

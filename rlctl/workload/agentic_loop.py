@@ -33,7 +33,7 @@ class SandboxEnvClient:
     def call(self, calls: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], set[str]]:
         answers = {}
         for request in calls:
-            outcome = self.host.call(EnvCall(str(request["episode"]), dict(request["sample"]), list(request["actions"])))
+            outcome = self.host.call(EnvCall.from_request(request))
             answers[str(request["episode"])] = outcome.to_dict()
         return answers, set()
 

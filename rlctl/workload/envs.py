@@ -16,8 +16,12 @@ is wrong: the launch checks this before any node starts).
 limit. A call carries the episode's whole action history, so the host is stateless from the
 outside: an instance it does not hold (another env worker started the episode, or the child was
 killed by a timeout or died) is rebuilt by ``reset`` plus a replay of the earlier actions. That
-is what lets a crashed or hung environment be restarted alone while its episodes go on elsewhere;
-it assumes that an environment replays the same way (the built-ins do).
+is what lets a crashed or hung environment be restarted alone while its episodes go on elsewhere.
+A replay is only right for an environment that answers the same actions the same way (the
+built-ins do; a random one must seed itself from the sample): the call also carries the
+observations the model was shown, and a replay that answers differently fails the call with
+``EnvReplayError`` (retried or scored per ``on_error``), so a trajectory never continues from an
+environment state the model did not see.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ BUILTIN_ENVS = {"calculator": "rlctl.workload.calculator_env:CalculatorEnv"}
 
 class EnvError(ValueError):
     """The environment class cannot be found, imported or used; the message names it."""
+
+
+class EnvReplayError(RuntimeError):
+    """Rebuilding an episode by replay gave another observation than the model was shown."""
 
 
 def env_target(spec: EnvSpec) -> str:
@@ -69,11 +77,20 @@ def load_env_class(spec: EnvSpec) -> type:
 @dataclass(frozen=True)
 class EnvCall:
     """One turn of one episode: ``actions`` is the whole history, its last entry the new action
-    (empty: a reset)."""
+    (empty: a reset); ``observations`` what the model was shown so far (the reset's, then one per
+    earlier action), which a replay must give again (None: not checked)."""
 
     episode: str
     sample: dict[str, Any]
     actions: list[str]
+    observations: list[str] | None = None
+
+    @classmethod
+    def from_request(cls, request: Mapping[str, Any]) -> EnvCall:
+        """The call as a rollout sends it (``episode``, ``sample``, ``actions``, ``observations``)."""
+        seen = request.get("observations")
+        return cls(str(request["episode"]), dict(request.get("sample") or {}), [str(a) for a in request["actions"]],
+                   None if seen is None else [str(o) for o in seen])
 
 
 @dataclass(frozen=True)
@@ -144,9 +161,9 @@ class _Episodes:
         replayed = 0
         if held is None or held[1] != history:
             env = self.env_class()
-            env.reset(dict(request.sample))
-            for earlier in history:
-                env.step(earlier)
+            _same_as_seen(request, 0, _text(env.reset(dict(request.sample))))
+            for turn, earlier in enumerate(history, 1):
+                _same_as_seen(request, turn, _normalize_step(env.step(earlier))[0])
             held, replayed = (env, list(history)), len(history)
         env, _ = held
         observation, reward, done, info = _normalize_step(env.step(action))
@@ -161,6 +178,14 @@ class _Episodes:
         if len(self.live) >= self.LIMIT:
             self.live.pop(next(iter(self.live)))
         self.live[episode] = (env, actions)
+
+
+def _same_as_seen(request: EnvCall, turn: int, observation: str) -> None:
+    seen = request.observations
+    if seen is not None and turn < len(seen) and seen[turn] != observation:
+        raise EnvReplayError(f"replaying episode {request.episode} gave another observation at turn {turn} than the "
+                             f"model was shown ({observation[:60]!r}, not {seen[turn][:60]!r}): a replay needs an "
+                             "environment that answers the same actions the same way (seed its randomness from the sample)")
 
 
 def _child_main(conn: Any, spec_data: dict[str, Any]) -> None:

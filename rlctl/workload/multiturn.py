@@ -81,6 +81,7 @@ class Episode:
     response: list[int] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)  # what the environment showed: the reset's, then one per action
     env_reward: float = 0.0
     turns: int = 0
     truncated: bool = False
@@ -164,8 +165,8 @@ class EpisodeRunner:
     def _ask(self, turns: list[tuple[Episode, list[str]]]) -> dict[str, dict[str, Any]]:
         if not turns:
             return {}
-        answers, cancelled = self.env.call([{"episode": e.item_id, "sample": e.sample, "actions": list(actions)}
-                                            for e, actions in turns])
+        answers, cancelled = self.env.call([{"episode": e.item_id, "sample": e.sample, "actions": list(actions),
+                                             "observations": list(e.observations)} for e, actions in turns])
         for item_id in cancelled:
             self.live.pop(item_id, None)
         return answers
@@ -185,6 +186,7 @@ class EpisodeRunner:
                 episode.done = True
                 continue
             observation = str(answer.get("observation") or "")
+            episode.observations.append(observation)
             if not observation:
                 continue
             tokens = self.observations.opening(observation) if opening else self.observations.tokens(observation)

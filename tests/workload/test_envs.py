@@ -31,6 +31,13 @@ USER_ENV = textwrap.dedent('''
             self.steps += 1
             return f"step {self.steps}: {action}", 0.5, action == "stop", {"steps": self.steps, "pid": os.getpid()}
 
+    class DiceEnv:
+        """Answers at random: a replay cannot give back what the model was shown."""
+        def reset(self, sample):
+            return "roll"
+        def step(self, action):
+            return f"rolled {int.from_bytes(os.urandom(4), 'little')}", 0.0, False, {}
+
     class NoStep:
         def reset(self, sample):
             return ""
@@ -79,6 +86,30 @@ def test_the_sandbox_answers_replays_and_survives_raise_hang_and_death(env_file:
         assert host.restarts == 2  # after the hang and after the death
     finally:
         host.close()
+
+
+def test_a_replay_must_show_the_observations_the_model_was_shown(env_file: Path) -> None:
+    """An episode rebuilt by replay (another env worker, a restarted child) is checked against what
+    the model saw: a deterministic environment passes, a random one fails the call with a message
+    that says why, so the trajectory never goes on from a state the model did not see."""
+    sample = {"ground_truth": "7"}
+    counting = EnvHost(EnvSpec(class_ref=f"{env_file}:CountingEnv"))
+    dice, elsewhere = (EnvHost(EnvSpec(class_ref=f"{env_file}:DiceEnv")) for _ in range(2))
+    try:
+        seen = ["start 7", "step 1: a"]
+        replayed = counting.call(EnvCall.from_request({"episode": "e", "sample": sample, "actions": ["a", "b"],
+                                                       "observations": seen}))
+        assert (replayed.observation, replayed.replayed, replayed.error) == ("step 2: b", 1, None)
+        wrong = counting.call(EnvCall("f", sample, ["a", "b"], ["start 7", "step 1: not a"]))
+        assert wrong.error is not None and "EnvReplayError" in wrong.error and "turn 1" in wrong.error
+        shown = [dice.call(EnvCall("d", sample, [])).observation, dice.call(EnvCall("d", sample, ["go"])).observation]
+        assert dice.call(EnvCall("d", sample, ["go", "again"], shown)).replayed == 0, "held: nothing replayed"
+        moved = elsewhere.call(EnvCall("d", sample, ["go", "again"], shown))  # the episode on another worker
+        assert moved.error is not None and "seed its randomness from the sample" in moved.error
+        assert elsewhere.call(EnvCall("d", sample, ["go", "again"])).error is None, "no observations: not checked"
+    finally:
+        for host in (counting, dice, elsewhere):
+            host.close()
 
 
 def test_the_calculator_computes_arithmetic_only() -> None:

@@ -108,6 +108,9 @@ def test_episodes_keep_their_observations_apart_from_the_models_turns(small_refe
         if not episode.truncated:
             assert episode.turns == 3 and episode.env_reward == pytest.approx(0.75)
             assert [c["actions"] for c in envs.calls if c["episode"] == episode.item_id][-1] == episode.actions
+        for call in (c for c in envs.calls if c["episode"] == episode.item_id):
+            # Each call carries what the model was shown before its actions, for a replay to be checked against.
+            assert call["observations"] == observations[:len(call["actions"])]
     assert any(not e.truncated for e in played), "no episode played its three turns"
 
     sample = TrainSample("e0", "p", 0, played[0].prompt, played[0].response, 1.0,
