@@ -7,6 +7,7 @@ broken part never hides the others.
 
 from __future__ import annotations
 
+import importlib
 import platform
 import time
 import traceback
@@ -33,26 +34,26 @@ def run_part(name: str, part: Callable[[], Figures]) -> dict[str, Any]:
     return result
 
 
-def _parts() -> dict[str, Callable[[], Figures]]:
-    from rlctl.gpucheck import dp_part, nccl_part, nvml_part, torch_parts, ucx_part, vllm_part
+# Each part, in the order it runs: the module (in rlctl.gpucheck, imported only when the check runs) and its function.
+PARTS = {
+    "nvml": "nvml_part:check_provider",
+    "nvml_sample_cost": "nvml_part:sample_cost",
+    "torch_rollout": "torch_parts:rollout",
+    "torch_train_step": "torch_parts:train_step",
+    "ucx_cuda": "ucx_part:cuda_transfer",
+    "ucx_cuda_shards": "ucx_part:cuda_shards",
+    "nccl_watchdog": "nccl_part:stalled_collective",
+    "nccl_data_parallel": "dp_part:data_parallel",
+    "nccl_fsdp": "dp_part:fsdp",
+    "vllm_engine": "vllm_part:engine",
+    "vllm_resize": "vllm_part:resize",
+}
+PART_NAMES = tuple(PARTS)
 
-    return {
-        "nvml": nvml_part.check_provider,
-        "nvml_sample_cost": nvml_part.sample_cost,
-        "torch_rollout": torch_parts.rollout,
-        "torch_train_step": torch_parts.train_step,
-        "ucx_cuda": ucx_part.cuda_transfer,
-        "ucx_cuda_shards": ucx_part.cuda_shards,
-        "nccl_watchdog": nccl_part.stalled_collective,
-        "nccl_data_parallel": dp_part.data_parallel,
-        "nccl_fsdp": dp_part.fsdp,
-        "vllm_engine": vllm_part.engine,
-        "vllm_resize": vllm_part.resize,
-    }
 
-
-PART_NAMES = ("nvml", "nvml_sample_cost", "torch_rollout", "torch_train_step", "ucx_cuda", "ucx_cuda_shards",
-              "nccl_watchdog", "nccl_data_parallel", "nccl_fsdp", "vllm_engine", "vllm_resize")
+def _part(name: str) -> Callable[[], Figures]:
+    module, function = PARTS[name].split(":")
+    return getattr(importlib.import_module(f"rlctl.gpucheck.{module}"), function)  # type: ignore[no-any-return]
 
 
 def environment() -> dict[str, Any]:
@@ -70,12 +71,11 @@ def environment() -> dict[str, Any]:
 
 def run_all(only: list[str] | None = None) -> dict[str, Any]:
     """Run the selected parts (all by default) in order; return the report."""
-    parts = _parts()
     selected = only or list(PART_NAMES)
-    unknown = sorted(set(selected) - set(parts))
+    unknown = sorted(set(selected) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown parts {unknown}; known: {list(PART_NAMES)}")
-    results = {name: run_part(name, parts[name]) for name in selected}
+    results = {name: run_part(name, _part(name)) for name in selected}
     counts = {status: sum(1 for r in results.values() if r["status"] == status)
               for status in ("ok", "skipped", "failed")}
     return {"gpucheck": REPORT_FORMAT, "environment": environment(), "parts": results,

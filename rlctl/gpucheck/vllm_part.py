@@ -77,10 +77,9 @@ def regroup(eng: Any, held: Mapping[str, Any], wide: int) -> Figures:
     requests = make_requests(16)
     base = eng.generate(requests, ROLLOUT_NEW_TOKENS)
     figures: Figures = {"wide_tensor_parallel": wide}
-    devices = {wide: ",".join(str(i) for i in range(wide)) if wide > 1 else "", 1: ""}
     for label, degree in (("widen", wide), ("back", 1)):
         started = time.perf_counter()
-        eng.resize(degree, devices[degree])
+        eng.resize(degree, ",".join(map(str, range(degree))) if degree > 1 else "")
         eng.load_state_dict(held, 1)  # wakes the engine at its new degree with the locally held weights
         figures[f"{label}_s"] = round(time.perf_counter() - started, 2)
         after = eng.generate(requests, ROLLOUT_NEW_TOKENS)

@@ -174,10 +174,10 @@ class Simulation:
             return
         if self.model.published_version != version:
             version, since = self.model.published_version, self.now
-        elif self.now - since >= self.config.stall_s:
-            self.stats.stalled_s = self.now - since
-            self.emit(EventKind.JOB_STALLED, since_version=version, seconds=round(self.now - since, 3))
-            self.finish(f"failed: stalled, no step trained for {self.now - since:.0f} s after v{version}", False)
+        elif (stalled := self.now - since) >= self.config.stall_s:
+            self.stats.stalled_s = stalled
+            self.emit(EventKind.JOB_STALLED, since_version=version, seconds=round(stalled, 3))
+            self.finish(f"failed: stalled, no step trained for {stalled:.0f} s after v{version}", False)
             return
         self.q.after(self.config.stall_s / 4, self._watch_progress, version, since)
 
