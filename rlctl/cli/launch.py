@@ -178,7 +178,11 @@ def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes], allocated: boo
                 snap = None
             if snap is not None:
                 answered = True
-                if not allocated or snap["job"]["state"] not in ("pending", "starting") or _agents_up(snap):
+                state = snap["job"]["state"]
+                if state == "failed":  # journaled before the process is gone: its reason is the message
+                    _wait_exit(process)
+                    fail(_why_it_ended(jobdir, process.returncode))
+                if not allocated or state not in ("pending", "starting") or _agents_up(snap):
                     return
         time.sleep(0.1)
     if answered:
@@ -187,11 +191,20 @@ def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes], allocated: boo
 
 
 def _agents_up(snap: dict[str, object]) -> bool:
-    """Every node has its agent (or has failed): a backend that hands out nodes at once (an SSH
-    inventory) refuses only when their agents start, which is what launch waits to report."""
+    """Every node has its agent: a backend that hands out nodes at once (an SSH inventory) refuses
+    only when their agents start, which is what launch waits to report. A node that failed to start
+    is not up: the controller either replaces it (and the job goes on to run) or fails the job."""
     nodes = snap["nodes"]
     return isinstance(nodes, list) and bool(nodes) and all(
-        n["state"] not in ("allocating", "starting") for n in nodes)
+        n["state"] not in ("allocating", "starting", "failed") for n in nodes)
+
+
+def _wait_exit(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Give a controller that journaled its failure the time to release its nodes and exit."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _why_it_ended(jobdir: JobDir, code: int | None) -> str:
