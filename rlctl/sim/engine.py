@@ -147,7 +147,7 @@ class Simulation:
         for fault in self.failures.initial(self.config.duration_s, self.layout.role_gpus):
             self.q.schedule(fault.at, self.inject, fault)
         self.q.schedule(self.config.duration_s, self.finish, "time limit reached", False)
-        self.q.after(self.config.stall_s / 4, self._watch_progress, self.model.published_version, self.now)
+        self.q.after(self.config.stall_s / 4, self._watch_progress, self._progress_mark(), self.now)
         self.q.run(until=self.config.duration_s, stop=lambda: self.model.life.state.terminal)
         return summarize(self, wall_clock_s=time.perf_counter() - started)
 
@@ -167,19 +167,25 @@ class Simulation:
             self.nodes[name] = NodeTruth(name, beat_offset=self.rng.random() * self.interval)
             self.start_agent(name, self.cost.init.agent_start_s)
 
-    def _watch_progress(self, version: int, since: float) -> None:
-        """End a job that has trained no step for ``stall_s`` (a scheduling deadlock, not a fault: every
-        worker waits, so no detector fires): that time produced nothing and is ``lost``, never productive."""
+    def _progress_mark(self) -> tuple[int, int]:
+        """What moves while a job is not deadlocked: the published version, and the faults that hit it
+        (a job thrashing through faults is recovering, its time already counted as such, not stalled)."""
+        return self.model.published_version, self.stats.faults_injected
+
+    def _watch_progress(self, mark: tuple[int, int], since: float) -> None:
+        """End a job that has trained no step and met no fault for ``stall_s`` (a scheduling deadlock:
+        every worker waits, so no detector fires): the time since its last version produced nothing and
+        is ``lost``, never productive."""
         if self.model.life.state.terminal:
             return
-        if self.model.published_version != version:
-            version, since = self.model.published_version, self.now
+        if self._progress_mark() != mark:
+            mark, since = self._progress_mark(), self.now
         elif (stalled := self.now - since) >= self.config.stall_s:
             self.stats.stalled_s = stalled
-            self.emit(EventKind.JOB_STALLED, since_version=version, seconds=round(stalled, 3))
-            self.finish(f"failed: stalled, no step trained for {stalled:.0f} s after v{version}", False)
+            self.emit(EventKind.JOB_STALLED, since_version=mark[0], seconds=round(stalled, 3))
+            self.finish(f"failed: stalled, no step trained for {stalled:.0f} s after v{mark[0]}", False)
             return
-        self.q.after(self.config.stall_s / 4, self._watch_progress, version, since)
+        self.q.after(self.config.stall_s / 4, self._watch_progress, mark, since)
 
     def finish(self, reason: str, succeeded: bool) -> None:
         """The job ends now (its workers need no stopping: nothing runs after the clock stops)."""

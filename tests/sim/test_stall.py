@@ -45,3 +45,16 @@ def test_a_job_that_trains_no_step_for_stall_s_ends_failed_and_its_stall_is_lost
     # A healthy run of the same job is never taken for a stall.
     healthy = simulate(spec, cost, StepFailures(p=0.0, seed=1), config)
     assert healthy["state"] == "succeeded" and healthy["stalled_s"] == 0.0 and healthy["ledger_s"]["lost"] == 0.0
+
+
+def test_a_job_thrashing_through_faults_is_recovering_not_stalled() -> None:
+    """A full restart at a 60% per-step fault rate trains a step only every few days: no day passes
+    without a fault, so the watchdog leaves it to finish (hypothesis found this: it used to be ended
+    as stalled after its first day without a new version)."""
+    spec = load_job_file(ROOT / "examples" / "quickstart.toml")
+    config = SimConfig(policy="full-restart", steps=25, seed=84, gpus=None, record_events=True)
+    sim = Simulation(spec, load_cost_model(None), StepFailures(p=0.599609375, seed=84), config)
+    run = sim.run()
+    assert run["state"] == "succeeded" and run["stalled_s"] == 0.0, run["state"]
+    assert run["wall_s"] > 2 * config.stall_s, "the case stopped exercising the watchdog"
+    assert not [ev for ev in sim.events if ev.type == EventKind.JOB_STALLED]
