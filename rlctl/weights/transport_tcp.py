@@ -42,6 +42,11 @@ DEFAULT_HOLDER_IO_TIMEOUT_S = 600.0
 
 NOTHING_PUBLISHED = "this holder has not published weights yet"
 
+
+def no_bundle(index: int) -> str:
+    """The refusal for a pull of a bundle this holder does not serve."""
+    return NOTHING_PUBLISHED if index == 0 else f"no bundle at index {index!r}"
+
 BundleGetter = Callable[[int], Bundle | None]  # the bundle served at an index (None: nothing there)
 ConnectionHandler = Callable[[socket.socket], Awaitable[None]]
 
@@ -153,7 +158,7 @@ def answer_fetch(request: dict[str, Any], token: bytes | None, current: BundleGe
     index = request.get("index", 0)
     bundle = current(index) if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
     if bundle is None:
-        return FetchAnswer({"ok": False, "error": NOTHING_PUBLISHED if index == 0 else f"no bundle at index {index!r}"})
+        return FetchAnswer({"ok": False, "error": no_bundle(index)})
     try:
         offset, length = byte_range(request.get("range"), bundle.manifest.nbytes)
     except ValueError as exc:

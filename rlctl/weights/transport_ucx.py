@@ -48,11 +48,11 @@ from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, 
 from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
     DEFAULT_MAX_NBYTES,
-    NOTHING_PUBLISHED,
     BundleGetter,
     SocketServer,
     answer_fetch,
     manifest_from_reply,
+    no_bundle,
     part_of,
     receive_buffer,
     request_fields,
@@ -336,7 +336,8 @@ class UcxHolder:
         try:
             while (request := await self._next_request(endpoint)) is not None:
                 deadline = asyncio.get_running_loop().time() + self._io_timeout
-                await self._runtime.hot(self._send_bundle(endpoint, self._current(int(request[3])), deadline,
+                index = int(request[3])
+                await self._runtime.hot(self._send_bundle(endpoint, index, self._current(index), deadline,
                                                           _requested_range(request)))
         except WeightTransferError as exc:
             log.info("UCX weight transfer to a joiner ended: %s", exc)
@@ -363,11 +364,11 @@ class UcxHolder:
             raise WeightTransferError(REFUSED)
         return request
 
-    async def _send_bundle(self, endpoint: Any, bundle: Bundle | None, deadline: float,
+    async def _send_bundle(self, endpoint: Any, index: int, bundle: Bundle | None, deadline: float,
                            requested: list[int] | None = None) -> None:
         offset = nbytes = 0
         if bundle is None:
-            reply: dict[str, Any] = {"ok": False, "error": NOTHING_PUBLISHED}
+            reply: dict[str, Any] = {"ok": False, "error": no_bundle(index)}
         else:
             try:
                 offset, nbytes = byte_range(requested, bundle.manifest.nbytes)

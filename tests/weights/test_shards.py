@@ -133,6 +133,6 @@ def test_one_server_serves_every_part_at_its_index_over_each_transport(transport
         assembled = fetch_sharded_sync(combine(descriptors, 6), timeout=30)
         whole = unflatten(assembled.manifest, assembled.buffer)
         assert all(torch.equal(whole[name], tensor) for name, tensor in state.items())
-        with pytest.raises(WeightTransferError):
+        with pytest.raises(WeightTransferError, match="no bundle at index 3"):
             fetch_bundle_sync({**descriptors[2], "index": 3}, timeout=10)
         assert fetch_bundle_sync(server.publish_bundle(parts[1]), timeout=30).manifest.checksum == parts[1].manifest.checksum
