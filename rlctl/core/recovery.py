@@ -235,9 +235,12 @@ class Recovery:
         elif step.kind == "start-all":
             yield Requeue()
             # Nodes whose agent is not connected start their workers when it registers (agent_registered).
+            # A slot with a live worker got it from another full restart that finished first: a second
+            # worker there would orphan the first one's prompts.
             for slot in list(model.slots.values()):
                 if slot.node is not None and model.nodes[slot.node].life.state not in GONE_NODE \
-                        and self.shell.connected(slot.node):
+                        and self.shell.connected(slot.node) \
+                        and not (slot.life is not None and slot.life.state in LIVE_WORKER):
                     yield from some(self.workers.start_worker(slot))
         else:
             raise ValueError(f"unknown recovery step {step.kind!r}")

@@ -119,3 +119,31 @@ def test_a_worker_on_a_retired_node_is_not_marked_stopping_so_a_move_can_start_i
     orc.model.apply(event(EventKind.ACTION_TAKEN, 4.0, action="move-slot", node="node04", slot="rollout-0", reason="replacement node", fault_ids=[]))
     slot.life.move(WorkerState.EXITED, 4.0, "node failed")  # what fail-node journaled for it
     assert orc.wants_worker(slot)
+
+
+def test_two_full_restarts_that_overlap_leave_each_slot_one_worker() -> None:
+    """A full restart's start-all can run late (its requeue waits), after a second full restart has
+    stopped everything. The second one's start-all then finds every slot already started and starts
+    none again: a second worker in a slot would strand the prompts dispatched to the first (the
+    simulator found this as a job that never trained again)."""
+    core, shell = orchestrator(policy="full-restart")
+    core.handle(verdict("node02", "rollout-0", "worker-crash", "restart-worker"))
+    first = shell.pending.pop()
+    result: Any = None
+    effects: list[fx.Effect] = []
+    while not isinstance(effect := first.send(result), fx.Requeue):
+        effects.append(effect)
+        result = None
+    for stop in next(e for e in effects if isinstance(e, fx.StopEverything)).stops:
+        core.worker_exited(stop.wid, 0, None)
+    core.handle(verdict("node01", "trainer-0", "worker-crash", "restart-worker"))
+    second = shell.pending.pop()
+    while not isinstance(effect := second.send(None), fx.StopEverything):
+        pass
+    assert effect.stops == ()  # the first restart stopped them all already
+    started_first = [e for e in step_through(shell, first) if isinstance(e, fx.StartWorker)]
+    assert {e.slot for e in started_first} == set(core.model.slots)
+    started_second = [e for e in step_through(shell, second) if isinstance(e, fx.StartWorker)]
+    assert started_second == []
+    assert {s.slot: s.wid for s in core.model.slots.values()} == {e.slot: e.wid for e in started_first}
+    assert all(s.life is not None and s.life.state == WorkerState.STARTING for s in core.model.slots.values())

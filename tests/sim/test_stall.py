@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from rlctl.core.events import EventKind
 from rlctl.sim.costmodel import load_cost_model
 from rlctl.sim.engine import SimConfig, Simulation, simulate
@@ -47,14 +49,17 @@ def test_a_job_that_trains_no_step_for_stall_s_ends_failed_and_its_stall_is_lost
     assert healthy["state"] == "succeeded" and healthy["stalled_s"] == 0.0 and healthy["ledger_s"]["lost"] == 0.0
 
 
-def test_a_job_thrashing_through_faults_is_recovering_not_stalled() -> None:
-    """A full restart at a 60% per-step fault rate trains a step only every few days: no day passes
-    without a fault, so the watchdog leaves it to finish (hypothesis found this: it used to be ended
-    as stalled after its first day without a new version)."""
+@pytest.mark.parametrize(("rate", "seed", "gpus"), [(0.599609375, 84, None), (0.5654417441567643, 75, 64)])
+def test_a_job_thrashing_through_faults_is_recovering_not_stalled(rate: float, seed: int, gpus: int | None) -> None:
+    """A full restart at a ~60% per-step fault rate trains a step only every few days; both cases
+    came from hypothesis. The first used to be ended as stalled after a day with no new version
+    (the guard now waits for a day with no fault either). The second was a real deadlock: two full
+    restarts overlapped and the later one started a second worker in every slot, stranding the
+    prompts dispatched to the first (start-all now skips a slot that already has a live worker)."""
     spec = load_job_file(ROOT / "examples" / "quickstart.toml")
-    config = SimConfig(policy="full-restart", steps=25, seed=84, gpus=None, record_events=True)
-    sim = Simulation(spec, load_cost_model(None), StepFailures(p=0.599609375, seed=84), config)
+    config = SimConfig(policy="full-restart", steps=25, seed=seed, gpus=gpus, record_events=True)
+    sim = Simulation(spec, load_cost_model(None), StepFailures(p=rate, seed=seed), config)
     run = sim.run()
     assert run["state"] == "succeeded" and run["stalled_s"] == 0.0, run["state"]
-    assert run["wall_s"] > 2 * config.stall_s, "the case stopped exercising the watchdog"
+    assert run["wall_s"] > config.stall_s, "the case stopped exercising the watchdog"
     assert not [ev for ev in sim.events if ev.type == EventKind.JOB_STALLED]
