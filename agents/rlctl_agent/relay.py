@@ -76,9 +76,6 @@ class WorkerRelay:
             await asyncio.wait(self._connections, timeout=1.0)
         self._path.unlink(missing_ok=True)
 
-    def is_connected(self, wid: str) -> bool:
-        return wid in self._writers
-
     def send(self, wid: str, message: dict[str, Any]) -> bool:
         """Deliver to worker ``wid`` now (True) or keep it for its next hello (False)."""
         line = encode_line(message)

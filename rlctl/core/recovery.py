@@ -79,8 +79,9 @@ class Recovery:
         self.shell = shell
         self.workers = workers
         self.tally = Tally()
-        self._handled: set[tuple[str, str, str]] = set()
+        self._handled: dict[tuple[str, str, str], str | None] = {}  # verdict key -> the slot's worker then
         self._busy_slots: set[str] = set()
+        self._deferred: dict[str, tuple[det.Verdict, str | None]] = {}  # slot -> verdict met while a plan restored it
         self._whole_job_plans = 0
 
     def record(self, kind: EventKind, /, **data: Any) -> list[Event]:
@@ -97,10 +98,11 @@ class Recovery:
         return self._whole_job_plans > 0
 
     def handled_recently(self, slot: SlotRecord) -> bool:
-        """The slot's worker already exited and a verdict about the slot is being handled (its exit
-        report is the same fault seen again)."""
+        """The slot's worker already exited and a verdict about that same worker is being handled (its
+        exit report is the same fault seen again). A worker the recovery started since is not covered:
+        its failure is a new fault."""
         return (slot.life is not None and slot.life.state == WorkerState.EXITED and slot.slot not in self._busy_slots
-                and any(key[1] == slot.slot for key in self._handled))
+                and any(key[1] == slot.slot and wid == slot.wid for key, wid in self._handled.items()))
 
     def handle(self, verdict: det.Verdict) -> None:
         """Journal the verdict and start its recovery plan, once per (node, slot, fault)."""
@@ -111,19 +113,24 @@ class Recovery:
             return
         if verdict.slot and verdict.slot in self._busy_slots and verdict.action == "restart-worker":
             # The plan under way restores this slot. A fault nobody had seen yet is seen now (its
-            # verdict is journaled, so it is detected and recovered with the slot), but not acted on twice.
-            if any(f.node == verdict.node and f.detected_at is None for f in self.model.open_faults()):
-                self._journal(verdict)
+            # verdict is journaled, so it is detected), but not acted on twice. The plan may have
+            # restored the slot before this worker failed: its end takes the verdict up then.
+            seen = any(f.node == verdict.node and f.detected_at is None for f in self.model.open_faults())
+            self._deferred[verdict.slot] = (verdict, self._journal(verdict) if seen else None)
             return
         node = self.model.nodes.get(verdict.node)
         if node is not None and node.life.state in (*GONE_NODE, NodeState.DRAINING):
             return
-        self._handled.add(key)
-        fault_id = self._journal(verdict)
+        self._act(verdict, key, self._journal(verdict))
+
+    def _act(self, verdict: det.Verdict, key: tuple[str, str, str], fault_id: str) -> None:
+        """Plan the recovery of a journaled verdict and start carrying it out."""
+        slot = self.model.slots.get(verdict.slot) if verdict.slot else None
+        self._handled[key] = slot.wid if slot is not None else None
         steps = policy.plan(self.model, verdict, self.spec.fault_tolerance.max_restarts_per_slot)
         self.tally.plans.append((verdict, steps))
         if not steps:
-            self._handled.discard(key)
+            self._handled.pop(key, None)
             return
         if self.model.life.can_move(JobState.RECOVERING):
             self.record(EventKind.JOB_STATE_CHANGED, state=JobState.RECOVERING.value, reason=verdict.reason[:120])
@@ -165,8 +172,26 @@ class Recovery:
             self._busy_slots.difference_update(slots)
             self._whole_job_plans -= restarting
         self.workers.update_job_state()
+        self._take_up_deferred(slots)
         yield from self._cool_down(fault_id)
-        self._handled.discard(key)
+        self._handled.pop(key, None)
+
+    def _take_up_deferred(self, slots: set[str]) -> None:
+        """Act on a verdict that came in while a plan restored one of ``slots`` when the plan left that
+        slot without a live worker: the worker the plan gave it failed after the plan restored it (a
+        plan can go on for minutes, waiting for a spare node, after the slot itself is restored)."""
+        for name in sorted(slots & self._deferred.keys()):
+            if name in self._busy_slots:
+                continue  # another plan restores it now: that plan's end takes it up
+            verdict, fault_id = self._deferred.pop(name)
+            slot = self.model.slots.get(name)
+            if slot is None or slot.node != verdict.node or slot.life is None \
+                    or slot.life.state not in (WorkerState.EXITED, WorkerState.FAILED) \
+                    or self.model.nodes[verdict.node].life.state in (*GONE_NODE, NodeState.DRAINING):
+                continue
+            key = (verdict.node, name, verdict.fault)
+            if key not in self._handled and not self.workers.closed():
+                self._act(verdict, key, fault_id or self._journal(verdict))
 
     def _cool_down(self, fault_id: str) -> Plan:
         """Do not judge the same thing again until its recovery had the time to finish."""

@@ -12,9 +12,9 @@ Prompts are ``PromptRef``s, tokenized through the folder's chat template by
 ``rlctl.workload.prompts`` exactly as a job's are (``task_prompts`` makes the reference task's).
 
 Batching is a hook: ``Batcher(engine, requests, max_new_tokens) -> results`` decides how the
-step's requests are cut into ``generate`` calls (``one_batch``, ``micro_batches(n)``,
-``length_sorted_batches(n)``). Since a generate call lasts as long as its longest row, the hook
-is where the effect of long-tail responses on step time shows.
+step's requests are cut into ``generate`` calls (``one_batch``, ``micro_batches(n)``). Since a
+generate call lasts as long as its longest row, the hook is where the effect of long-tail
+responses on step time shows.
 """
 
 from __future__ import annotations
@@ -47,15 +47,6 @@ def micro_batches(size: int) -> Batcher:
         for start in range(0, len(requests), size):
             results.extend(engine.generate(requests[start:start + size], max_new_tokens))
         return results
-    return run
-
-
-def length_sorted_batches(size: int, expected_len: Callable[[GenRequest], int]) -> Batcher:
-    """Requests sorted by an expected response length, ``size`` per call (long ones together)."""
-    def run(engine: GenerationEngine, requests: list[GenRequest], max_new_tokens: int) -> list[GenResult]:
-        ordered = sorted(requests, key=expected_len)
-        by_id = {r.item_id: r for r in micro_batches(size)(engine, ordered, max_new_tokens)}
-        return [by_id[r.item_id] for r in requests if r.item_id in by_id]
     return run
 
 

@@ -25,10 +25,6 @@ class OptimizerOffload:
     moved_bytes: int = 0
     _offloaded: list[tuple[dict[str, Any], str]] = field(default_factory=list)
 
-    @property
-    def offloaded(self) -> bool:
-        return bool(self._offloaded)
-
     def offload(self) -> int:
         """State on the compute device to host memory; returns the bytes moved (0 on a CPU trainer)."""
         if self._offloaded or self.compute_device.type == "cpu":

@@ -147,3 +147,28 @@ def test_two_full_restarts_that_overlap_leave_each_slot_one_worker() -> None:
     assert started_second == []
     assert {s.slot: s.wid for s in core.model.slots.values()} == {e.slot: e.wid for e in started_first}
     assert all(s.life is not None and s.life.state == WorkerState.STARTING for s in core.model.slots.values())
+
+
+def test_a_worker_that_fails_after_its_plan_restored_the_slot_is_restarted_when_the_plan_ends() -> None:
+    """A plan restores a slot (the warm standby takes the lost node's role) and then waits for a
+    spare node. The standby's worker crashes meanwhile: the verdict is journaled, and when the plan
+    ends the slot, still without a live worker, is restarted. Before, the crash was never acted on
+    and the job waited forever (the simulator found it). A crash of the worker that restart started
+    is a new fault too, not the old one seen again."""
+    core, shell = orchestrator(spares=1)
+    core.handle(verdict("node02", "rollout-0", "gpu-ecc-dbe", "drain-replace"))
+    plan = shell.pending.pop()
+    while not isinstance(plan.send(None), fx.ReplaceNode):
+        pass
+    slot = core.model.slots["rollout-0"]
+    assert slot.node == "node05" and slot.wid == "standby-0.5"
+    shell.commit([event(EventKind.FAULT_INJECTED, 11.0, fault_id="inj-1", node="node05", kind="crash", params={})])
+    core.worker_exited("standby-0.5", 1, None)
+    assert not shell.pending and kinds(shell)[-1] == "Verdict:restart-worker"
+    step_through(shell, plan)  # no spare node: the plan ends
+    restart = step_through(shell, shell.pending.pop())
+    started = [e for e in restart if isinstance(e, fx.StartWorker)]
+    assert [(e.slot, e.node) for e in started] == [("rollout-0", "node05")]
+    assert "ActionTaken:restart-worker" in kinds(shell) and core.model.faults["inj-1"].detected_at is not None
+    core.worker_exited(started[0].wid, 1, None)
+    assert shell.pending, "the restarted worker's crash was taken for the old fault"
