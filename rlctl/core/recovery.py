@@ -215,6 +215,9 @@ class Recovery:
             yield WorkReturned()
         if step.kind == "restart-worker":
             slot = model.slots[args["slot"]]
+            if slot.node is not None and not self.shell.connected(slot.node) \
+                    and (slot.life is None or slot.life.state in (WorkerState.EXITED, WorkerState.FAILED)):
+                return  # nothing runs there: a node another plan brought in starts it when its agent registers
             yield from some(self.workers.stop_worker(slot, grace_s=1.0))
             if slot.node is not None and model.nodes[slot.node].life.state not in GONE_NODE:
                 yield from some(self.workers.start_worker(slot))

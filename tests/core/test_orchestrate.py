@@ -172,3 +172,22 @@ def test_a_worker_that_fails_after_its_plan_restored_the_slot_is_restarted_when_
     assert "ActionTaken:restart-worker" in kinds(shell) and core.model.faults["inj-1"].detected_at is not None
     core.worker_exited(started[0].wid, 1, None)
     assert shell.pending, "the restarted worker's crash was taken for the old fault"
+
+
+def test_a_restart_on_a_node_without_its_agent_is_left_to_the_agents_registration() -> None:
+    """A plan that restarts a slot whose worker is gone, on a node whose agent is not up (a node
+    another plan brought in, still registering), sends nothing there: the start would be lost and the
+    slot left 'starting' forever (the simulator found a trainer group that never stepped again). The
+    agent's registration starts it."""
+    core, shell = orchestrator()
+    slot = core.model.slots["rollout-0"]
+    core.worker_exited(slot.wid or "", 1, None)
+    shell.agents_connected = False
+    effects = step_through(shell, shell.pending.pop())
+    assert not [e for e in effects if isinstance(e, (fx.StartWorker, fx.StopWorker))]
+    assert "ActionTaken:restart-worker" in kinds(shell) and slot.life is not None
+    assert slot.life.state == WorkerState.FAILED
+    shell.agents_connected = True
+    core.agent_registered("node02", 2, {}, set())
+    started = [e for e in step_through(shell, shell.pending.pop()) if isinstance(e, fx.StartWorker)]
+    assert [(e.slot, e.node) for e in started] == [("rollout-0", "node02")]
