@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ RECOVERY_TIMEOUT_S = 120.0
 # seen on the lab, reported). Training must resume within that bound plus a few steps.
 TRAINING_RESUMES_S = 170.0
 LIVE_SLURM_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED")
+SLURM_ENDS_ALLOCATIONS_S = 120.0  # after every process of the job is gone
 
 # --- the lab ------------------------------------------------------------------------------------
 def _skip_reason() -> str | None:
@@ -214,7 +216,12 @@ def live_slurm_jobs(job_id: str, slurm_conf: Path) -> list[str]:
 def assert_nothing_left(job: LabJob, slurm_conf: Path | None) -> None:
     wait_for(lambda: not job_processes(job.job_id), 45, f"every process of {job.job_id} to exit", interval=0.5)
     if slurm_conf is not None:
-        wait_for(lambda: not live_slurm_jobs(job.job_id, slurm_conf), 45, "Slurm to end every allocation", interval=0.5)
+        # An allocation on a node that was partitioned ends once slurmctld's kill reaches its slurmd
+        # again (MessageTimeout, then its retries): on 2 loaded cores that once took more than 45 s.
+        deadline = time.monotonic() + SLURM_ENDS_ALLOCATIONS_S
+        while (left := live_slurm_jobs(job.job_id, slurm_conf)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"Slurm still holds allocations of {job.job_id} after {SLURM_ENDS_ALLOCATIONS_S:.0f} s: {left}"
 
 
 def kill_leftovers(job_id: str) -> None:
