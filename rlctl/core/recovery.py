@@ -42,6 +42,7 @@ COOL_DOWN_FIRST_S = 1.0
 COOL_DOWN_POLL_S = 0.5
 LIVE_WORKER = (WorkerState.RUNNING, WorkerState.STARTING, WorkerState.SUSPECT)
 GONE_NODE = (NodeState.FAILED, NodeState.RELEASED)
+NOT_RECOVERABLE_NODE = (*GONE_NODE, NodeState.DRAINING)  # a verdict about such a node is not acted on
 
 
 class WorkerControl(Protocol):
@@ -119,7 +120,7 @@ class Recovery:
             self._deferred[verdict.slot] = (verdict, self._journal(verdict) if seen else None)
             return
         node = self.model.nodes.get(verdict.node)
-        if node is not None and node.life.state in (*GONE_NODE, NodeState.DRAINING):
+        if node is not None and node.life.state in NOT_RECOVERABLE_NODE:
             return
         self._act(verdict, key, self._journal(verdict))
 
@@ -187,7 +188,7 @@ class Recovery:
             slot = self.model.slots.get(name)
             if slot is None or slot.node != verdict.node or slot.life is None \
                     or slot.life.state not in (WorkerState.EXITED, WorkerState.FAILED) \
-                    or self.model.nodes[verdict.node].life.state in (*GONE_NODE, NodeState.DRAINING):
+                    or self.model.nodes[verdict.node].life.state in NOT_RECOVERABLE_NODE:
                 continue
             key = (verdict.node, name, verdict.fault)
             if key not in self._handled and not self.workers.closed():

@@ -178,8 +178,8 @@ class Simulation:
         is ``lost``, never productive."""
         if self.model.life.state.terminal:
             return
-        if self._progress_mark() != mark:
-            mark, since = self._progress_mark(), self.now
+        if (now_mark := self._progress_mark()) != mark:
+            mark, since = now_mark, self.now
         elif (stalled := self.now - since) >= self.config.stall_s:
             self.stats.stalled_s = stalled
             self.emit(EventKind.JOB_STALLED, since_version=mark[0], seconds=round(stalled, 3))

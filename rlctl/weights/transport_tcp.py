@@ -47,6 +47,7 @@ def no_bundle(index: int) -> str:
     """The refusal for a pull of a bundle this holder does not serve."""
     return NOTHING_PUBLISHED if index == 0 else f"no bundle at index {index!r}"
 
+
 BundleGetter = Callable[[int], Bundle | None]  # the bundle served at an index (None: nothing there)
 ConnectionHandler = Callable[[socket.socket], Awaitable[None]]
 
