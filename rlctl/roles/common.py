@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,23 @@ def sampling_config(settings: RoleSettings) -> Any:
     pad = ChatTokenizer(folder).pad_id
     return SamplingConfig(temperature=float(settings.get("temperature", 1.0)), eos_id=stops[0],
                           pad_id=pad if pad is not None else stops[0], stop_ids=tuple(stops))
+
+
+def serve_work(w: Any, op: str, key: str, phase: str, capacity: int,
+               handle: Callable[[list[dict[str, Any]], int], int]) -> int:
+    """A stateless worker's life: ask ``op`` for up to ``capacity`` items until the controller says
+    stop; each reply's ``key`` list goes to ``handle(items, done)`` in ``phase``, which returns the
+    running count (the worker's progress). Returns the exit code, 0."""
+    done = 0
+    while True:
+        w.phase("waiting-for-work")
+        reply = w.request(op, capacity=capacity)
+        if not reply or key not in reply:
+            if wait_or_stop(reply):
+                return 0
+            continue
+        w.phase(phase)
+        done = handle(reply[key], done)
 
 
 def wait_or_stop(reply: dict[str, Any] | None) -> bool:

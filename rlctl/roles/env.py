@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from rlctl import worker
-from rlctl.roles.common import RoleSettings, wait_or_stop
+from rlctl.roles.common import RoleSettings, serve_work
 
 CAPACITY = 8
 
@@ -39,17 +39,9 @@ def main(w: worker.Worker | None = None) -> int:
     w.phase("loading")
     settings = RoleSettings.from_env()
     host = EnvHost(EnvSpec.from_table(settings.get("env", {})))
-    done = 0
     try:
-        while True:
-            w.phase("waiting-for-work")
-            reply = w.request("env.get_work", capacity=CAPACITY)
-            if not reply or "calls" not in reply:
-                if wait_or_stop(reply):
-                    return 0
-                continue
-            w.phase("stepping")
-            done = serve(w, reply["calls"], host, done)
+        return serve_work(w, "env.get_work", "calls", "stepping", CAPACITY,
+                          lambda calls, done: serve(w, calls, host, done))
     finally:
         host.close()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl import worker
-from rlctl.roles.common import RoleSettings, model_path, wait_or_stop
+from rlctl.roles.common import RoleSettings, model_path, serve_work
 
 CAPACITY = 64
 SUBMIT_EVERY_S = 0.1
@@ -82,17 +82,9 @@ def main(w: worker.Worker | None = None) -> int:
     w.phase("loading")
     settings = RoleSettings.from_env()
     score_item, close = function_scorer(settings, model_path(settings))
-    scored = 0
     try:
-        while True:
-            w.phase("waiting-for-work")
-            reply = w.request("reward.get_work", capacity=CAPACITY)
-            if not reply or "items" not in reply:
-                if wait_or_stop(reply):
-                    return 0
-                continue
-            w.phase("scoring")
-            scored = score_and_submit(w, reply["items"], score_item, scored)
+        return serve_work(w, "reward.get_work", "items", "scoring", CAPACITY,
+                          lambda items, scored: score_and_submit(w, items, score_item, scored))
     finally:
         close()
 

@@ -300,8 +300,6 @@ class VllmEngine:
             return [GenResult(r.item_id, [], max_new_tokens <= 0) for r in requests]
         if len({r.item_id for r in requests}) != len(requests):
             raise ValueError("item_id values must be unique within a generate call")
-        if self._asleep:
-            raise RuntimeError("the engine is asleep: call wake_up() first")
         self._phase("generating")
         finished = self._run(requests, max_new_tokens, should_cancel, max(1, chunk_tokens), on_finished)
         self.last_stats.seconds = time.perf_counter() - started
