@@ -271,7 +271,7 @@ class Simulation:
         if not worker.loaded:
             return  # it takes the role when it finishes loading (_worker_loaded)
         if slot.role == "trainer":
-            self.pipeline.trainer_restore(worker.wid, recovering=True)
+            self.pipeline.trainer_restore(worker.wid)
         elif slot.role == "rollout":
             self.pipeline.rollout_sync(worker.wid)
         else:

@@ -316,7 +316,7 @@ class Pipeline:
         worker.ready = True
         self.sim.update_capacity()
 
-    def trainer_restore(self, wid: str, recovering: bool | None = None) -> None:
+    def trainer_restore(self, wid: str) -> None:
         """TrainerRole.restore + DataOps.op_trainer_init (``JobModel.restore_plan``): the held state, the
         standby's replica or the checkpoint, then retrain retained batches."""
         current = self.sim.current(wid)
@@ -325,7 +325,6 @@ class Pipeline:
         worker, slot = current
         plan = self.sim.model.restore_plan(lambda step: self.sim.scheduler.batch_for(step) is not None)
         checkpoint_step, target, replay = plan.checkpoint_step, plan.target, plan.replay
-        recovering = self.sim.model.productive_since is not None if recovering is None else recovering
         seconds, state_step = 0.0, None
         if state_not_older(worker.state_step, checkpoint_step) and worker.state_step <= target:
             # TrainerRole.restore_held_state: the standby took the trainer over with its own copy
@@ -339,24 +338,22 @@ class Pipeline:
             self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="loading", step=loaded)
         worker.state_step = -1
         seconds += sum(jittered(self.sim.cost.step.train_s, self.sim.cost.step.jitter, self.sim.rng) for _ in replay)
-        self.sim.q.after(seconds, self._trainer_restored, wid, target, checkpoint_step, replay, recovering, state_step)
+        self.sim.q.after(seconds, self._trainer_restored, wid, target, checkpoint_step, replay, state_step)
 
     def _trainer_restored(self, wid: str, target: int, checkpoint_step: int | None, replay: list[int],
-                          recovering: bool, state_step: int | None = None) -> None:
+                          state_step: int | None = None) -> None:
         current = self.sim.current(wid)
         if current is None or current[0].hung_at is not None:
             return
         worker, slot = current
         self.sim.emit(EventKind.WEIGHTS_PUBLISHED, version=target, slot=slot.slot, source={"transport": "sim", "checksum": f"v{target}"})
-        if recovering:
-            # Workaround (see docs/sim.md): the live trainer reports `trainer.restored` only when it
-            # loaded a checkpoint or replayed batches; a restart before the first checkpoint would
-            # then leave its fault open forever.
-            # Several trainer ranks restored for the same replay report those steps once: the model
-            # re-classifies a replayed step's training time as lost per report (docs/sim.md).
-            fresh = [s for s in replay if s not in self._replay_reported]
-            self._replay_reported.update(fresh)
-            self.sim.emit(EventKind.TRAINER_RESTORED, slot=slot.slot, checkpoint_step=checkpoint_step, replayed_steps=fresh,
+        # Every start reports, the first included, as the live trainer's restore does: a trainer that
+        # failed before the first weights existed is recovered by its next start's report.
+        # Several trainer ranks restored for the same replay report those steps once: the model
+        # re-classifies a replayed step's training time as lost per report (docs/sim.md).
+        fresh = [s for s in replay if s not in self._replay_reported]
+        self._replay_reported.update(fresh)
+        self.sim.emit(EventKind.TRAINER_RESTORED, slot=slot.slot, checkpoint_step=checkpoint_step, replayed_steps=fresh,
                       state_step=state_step)
         self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="waiting-for-batch", step=target)
         worker.ready = True

@@ -8,6 +8,7 @@ import json
 import statistics
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +32,7 @@ def run(spec: Any, policy: str, rate: float, seed: int, steps: int = 40, gpus: i
 def test_ledger_categories_sum_to_wall_time(quickstart: Any, policy: str, rate: float, seed: int, gpus: int | None) -> None:
     result, sim = run(quickstart, policy, rate, seed, steps=25, gpus=gpus)
     ledger = sim.model.ledger
-    assert sum(ledger.seconds[c] for c in CATEGORIES) == __import__("pytest").approx(ledger.wall, rel=1e-9, abs=1e-6)
+    assert sum(ledger.seconds[c] for c in CATEGORIES) == pytest.approx(ledger.wall, rel=1e-9, abs=1e-6)
     assert all(ledger.seconds[c] >= -1e-9 for c in CATEGORIES)
     assert 0.0 <= result["ettr"] <= 1.0
     assert result["state"] in ("succeeded", "stopped")
@@ -50,7 +51,7 @@ def test_every_fault_kind_is_recovered_and_the_ledger_conserved(quickstart: Any,
     assert result["state"] == "succeeded", result
     assert result["faults_open_at_end"] == 0
     ledger = sim.model.ledger
-    assert sum(ledger.seconds.values()) == __import__("pytest").approx(ledger.wall, rel=1e-9, abs=1e-6)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.wall, rel=1e-9, abs=1e-6)
 
 
 def digest(sim: Simulation) -> str:
@@ -97,3 +98,18 @@ def test_without_faults_the_policies_are_identical(quickstart: Any) -> None:
     full, _ = run(quickstart, "full-restart", 0.0, seed=5)
     assert role["end_to_end_s"] == full["end_to_end_s"]
     assert role["ledger_s"] == full["ledger_s"]
+
+
+@pytest.mark.parametrize("kind", ["crash", "node-down", "xid", "ecc", "network"])
+def test_a_trainer_fault_before_the_first_weights_is_recovered(quickstart: Any, kind: str) -> None:
+    """The trainer fails while it loads (71 s: the agents are up, no weights exist yet). Its restart
+    reports the restore as the live trainer's first start does, which closes the fault; before, the
+    fault stayed open and the job said `recovering` to its end."""
+    params = {"code": 79} if kind == "xid" else {}
+    sim = Simulation(quickstart, CostModel(), TraceFailures([SimFault(at=71.0, kind=kind, role="trainer", params=params)]),
+                     SimConfig(policy="role", steps=10, seed=0, record_events=True))
+    result = sim.run()
+    assert result["state"] == "succeeded" and result["faults_injected"] == 1
+    assert result["faults_open_at_end"] == 0, [f for f in sim.model.faults.values() if f.open]
+    states = [ev.data["state"] for ev in sim.events if ev.type == "JobStateChanged"]
+    assert "recovering" in states and states[states.index("recovering") + 1] == "running", states
