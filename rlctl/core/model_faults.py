@@ -16,6 +16,7 @@ from rlctl.core.states import WorkerState
 
 # Faults of one worker process (injected kinds): a restart of that process ends them.
 PROCESS_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
+RETIRING_ACTIONS = frozenset({"replace-node", "drain-replace"})  # a verdict whose plan retires the node
 
 
 class FaultLedger:
@@ -40,12 +41,13 @@ class FaultLedger:
         """How the current instant is split between ETTR categories (sums to 1)."""
         if self.productive_since is None:
             return {"init": 1.0}
-        undetected = detected = 0.0
+        # One failure injected twice (twins, below) takes the job's progress away once.
+        impacts: dict[tuple[str, str, str | None, bool], float] = {}
         for fault in self.open_faults():
-            if fault.detected_at is None:
-                undetected += fault.impact
-            else:
-                detected += fault.impact
+            key = (fault.kind, fault.node, fault.slot, fault.detected_at is None)
+            impacts[key] = max(impacts.get(key, 0.0), fault.impact)
+        undetected = sum(impact for key, impact in impacts.items() if key[3])
+        detected = sum(impact for key, impact in impacts.items() if not key[3])
         impaired = min(1.0, undetected + detected)
         if impaired <= 0:
             return {"productive": 1.0}
@@ -110,14 +112,20 @@ class FaultLedger:
             )
             self.faults[fault.fault_id] = fault
         if fault.detected_at is None:
-            fault.detected_at = ev.at
-            fault.verdict = d.get("fault_kind", d["fault"])
-            fault.reason = d["reason"]
-            fault.action = d.get("action", "")
+            twins = self._twins(fault, ev.at)
+            if d.get("action") in RETIRING_ACTIONS:  # the node goes: whatever else failed on it is seen too
+                twins += [f for f in self.open_faults() if f.node == fault.node and f.detected_at is None
+                          and f is not fault and f not in twins]
+            for seen in (fault, *twins):
+                seen.detected_at = ev.at
+                seen.verdict = d.get("fault_kind", d["fault"])
+                seen.reason = d["reason"]
+                seen.action = d.get("action", "")
             failed = self.slots.get(d.get("slot") or "")
             if failed is not None and failed.slot != fault.slot:
                 # The worker that failed: an injection's guess may have named its neighbour.
-                fault.slot, fault.impact = failed.slot, self.fault_impact(failed)
+                for seen in (fault, *twins):
+                    seen.slot, seen.impact = failed.slot, self.fault_impact(failed)
         slot = self.slots.get(d["slot"]) if d.get("slot") else None
         if slot is not None and slot.life is not None and slot.life.can_move(WorkerState.FAILED):
             slot.life.move(WorkerState.FAILED, ev.at, d["reason"][:80])
@@ -126,9 +134,7 @@ class FaultLedger:
         for fault_id in ev.data["fault_ids"]:
             fault = self.faults.get(fault_id)
             if fault is not None and fault.recovered_at is None:
-                fault.recovered_at = ev.at
-                if fault.detected_at is None:
-                    fault.detected_at = ev.at
+                self._recover_fault(fault, ev.at)
 
     def _open_fault_for(self, node: str, slot: str | None) -> FaultRecord | None:
         for fault in self.open_faults():
@@ -156,8 +162,19 @@ class FaultLedger:
             if fault.node == node and fault.verdict == kind:
                 self._recover_fault(fault, at)
 
-    @staticmethod
-    def _recover_fault(fault: FaultRecord, at: float) -> None:
-        fault.recovered_at = at
+    def _twins(self, fault: FaultRecord, seen_at: float) -> list[FaultRecord]:
+        """The same failure injected again before ``fault`` was seen at ``seen_at``: open, of the same
+        kind and node and, for a process fault, the same worker slot, unseen or seen with it. One
+        verdict sees them all and one recovery ends them all; left open, a twin would count as an
+        undetected fault, taking the job's time from ``productive``, to the end."""
+        return [twin for twin in self.open_faults()
+                if twin is not fault and twin.kind == fault.kind and twin.node == fault.node
+                and twin.occurred_at <= seen_at and twin.detected_at in (None, fault.detected_at)
+                and (twin.slot == fault.slot or fault.kind not in PROCESS_FAULTS)]
+
+    def _recover_fault(self, fault: FaultRecord, at: float) -> None:
         if fault.detected_at is None:
             fault.detected_at = at
+        for ended in (fault, *self._twins(fault, fault.detected_at)):
+            ended.recovered_at = at
+            ended.detected_at = fault.detected_at if ended.detected_at is None else ended.detected_at

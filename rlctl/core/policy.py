@@ -23,12 +23,27 @@ class Step:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[Step]:
-    """The recovery steps for ``verdict`` under the job's policy."""
+@dataclass(frozen=True)
+class Claims:
+    """What the recovery plans under way use: the slots they restore or whose warm standby they
+    activate, and the spare nodes they move slots onto. A new plan leaves them to those plans."""
+
+    slots: frozenset[str] = frozenset()
+    nodes: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, steps: list[Step]) -> Claims:
+        slots = {str(s.args[key]) for s in steps for key in ("slot", "standby_slot") if s.args.get(key)}
+        slots |= {str(name) for s in steps for name in s.args.get("slots", ())}
+        return cls(frozenset(slots), frozenset(str(s.args["node"]) for s in steps if s.kind == "move-slot"))
+
+
+def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int, claims: Claims = Claims()) -> list[Step]:
+    """The recovery steps for ``verdict`` under the job's policy, leaving alone what ``claims`` names."""
     if verdict.action in ("observe", "probe"):
         return []
     if model.policy == "full-restart":
-        return _full_restart(model, verdict)
+        return _full_restart(model, verdict, claims)
     if verdict.action == "restart-agent":
         return [Step("restart-agent", {"node": verdict.node})]
     if verdict.action == "restart-role":
@@ -49,13 +64,14 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
         # On a colocated node a trainer rank leaves with the engines: plan for the rank.
         slot = next((s for s in workers_on(model, verdict.node, slot) if s.role == "trainer"), slot)
     if slot.role == "trainer" and not slot.standby and len(trainer_group(model)) > 1:
-        return _restart_trainer_group(model, verdict, slot, node_bad, max_restarts_per_slot)
-    if node_bad and slot.role == "trainer" and _standbys(model, verdict.node) and len(workers_on(model, verdict.node, slot)) > 1:
-        return _standby_takes_colocated_node(model, verdict, slot)
-    if _standbys(model, verdict.node) and len(workers_on(model, verdict.node, slot)) == 1:
+        return _restart_trainer_group(model, verdict, slot, node_bad, max_restarts_per_slot, claims)
+    standbys = _standbys(model, verdict.node, claims)
+    if node_bad and slot.role == "trainer" and standbys and len(workers_on(model, verdict.node, slot)) > 1:
+        return _standby_takes_colocated_node(model, verdict, slot, standbys[0])
+    if standbys and len(workers_on(model, verdict.node, slot)) == 1:
         # A warm standby takes the role at once; a healthy old node becomes the new spare.
-        steps = [Step("stop-worker", {"slot": slot.slot}), Step("activate-standby", {
-            "slot": slot.slot, "standby_slot": _standbys(model, verdict.node)[0].slot})]
+        steps = [Step("stop-worker", {"slot": slot.slot}),
+                 Step("activate-standby", {"slot": slot.slot, "standby_slot": standbys[0].slot})]
         if node_bad:
             # The pool of warm spares is refilled with a new node, so the next fault finds one too.
             return (_retire_node(verdict, drain=verdict.action == "drain-replace") + steps
@@ -64,7 +80,7 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int) -> list[
     if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
         return [Step("restart-worker", {"slot": slot.slot})]
     return (_retire_node(verdict, drain=verdict.action == "drain-replace")
-            + _move(model, workers_on(model, verdict.node, slot), verdict.node))
+            + _move(model, workers_on(model, verdict.node, slot), verdict.node, claims))
 
 
 def _standby_failed(verdict: Verdict, slot: SlotRecord, node_bad: bool, max_restarts_per_slot: int) -> list[Step]:
@@ -90,7 +106,7 @@ def trainer_group(model: JobModel) -> list[SlotRecord]:
 
 
 def _restart_trainer_group(model: JobModel, verdict: Verdict, slot: SlotRecord, node_bad: bool,
-                           max_restarts_per_slot: int) -> list[Step]:
+                           max_restarts_per_slot: int, claims: Claims) -> list[Step]:
     """Data-parallel trainers share one process group, which cannot take a new member: a failed
     rank stalls the others in their next collective. So the failed rank is restarted (or moved off
     a bad node) and every other rank restarts with it; they meet again at the rendezvous and
@@ -100,17 +116,17 @@ def _restart_trainer_group(model: JobModel, verdict: Verdict, slot: SlotRecord, 
         steps, moved = [Step("restart-worker", {"slot": slot.slot})], {slot.slot}
     else:
         leaving = workers_on(model, verdict.node, slot)
-        steps = _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, leaving, verdict.node)
+        steps = _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, leaving, verdict.node, claims)
         moved = {s.slot for s in leaving}
     return steps + [Step("restart-worker", {"slot": s.slot}) for s in trainer_group(model)
                     if s.slot not in moved and s.node is not None]
 
 
-def _standby_takes_colocated_node(model: JobModel, verdict: Verdict, trainer: SlotRecord) -> list[Step]:
-    """A lost colocated node: the warm standby takes the trainer at once, from its copy of the
+def _standby_takes_colocated_node(model: JobModel, verdict: Verdict, trainer: SlotRecord,
+                                  standby: SlotRecord) -> list[Step]:
+    """A lost colocated node: the warm ``standby`` takes the trainer at once, from its copy of the
     trainer state, and the node's engines restart beside it on the standby's node (they pull the
     weights from the other engines or the trainer). A new spare is asked for."""
-    standby = _standbys(model, verdict.node)[0]
     engines = [s for s in workers_on(model, verdict.node, trainer) if s is not trainer]
     return (_retire_node(verdict, drain=verdict.action == "drain-replace")
             + [Step("stop-worker", {"slot": trainer.slot}),
@@ -120,9 +136,11 @@ def _standby_takes_colocated_node(model: JobModel, verdict: Verdict, trainer: Sl
             + [Step("request-spare", {"exclude_node": verdict.node})])
 
 
-def _standbys(model: JobModel, bad_node: str) -> list[SlotRecord]:
-    """Standbys ready to take over: running, fully loaded (phase ``standby``), on a healthy node."""
+def _standbys(model: JobModel, bad_node: str, claims: Claims) -> list[SlotRecord]:
+    """Standbys ready to take over: running, fully loaded (phase ``standby``), on a healthy node, and
+    not already taking over for another plan."""
     return [s for s in model.standby_slots() if s.node != bad_node and _usable(model, s.node)
+            and s.slot not in claims.slots and s.node not in claims.nodes
             and s.life is not None and s.life.state.value == "running" and s.phase == "standby"]
 
 
@@ -141,11 +159,13 @@ def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
     return [Step("fail-node", {"node": verdict.node, "reason": verdict.reason, "drain": drain})]
 
 
-def _move(model: JobModel, slots: list[SlotRecord], bad_node: str) -> list[Step]:
+def _move(model: JobModel, slots: list[SlotRecord], bad_node: str, claims: Claims) -> list[Step]:
     """Put ``slots`` (the workers of one node) together on a healthy spare node: an idle one; else
     one whose standby worker (not ready to take over, or not usable for these slots) is retired to
-    make room; else a new node. A spare never runs a role's workers beside a standby."""
-    spares = [n.name for n in model.nodes.values() if n.role == "spare" and n.name != bad_node and _usable(model, n.name)]
+    make room; else a new node. A spare never runs a role's workers beside a standby, nor takes
+    slots while another plan moves slots onto it or activates its standby."""
+    spares = [n.name for n in model.nodes.values() if n.role == "spare" and n.name != bad_node and _usable(model, n.name)
+              and n.name not in claims.nodes and not any(s.slot in claims.slots for s in model.slots_on_node(n.name))]
     placed = [(name, model.slots_on_node(name)) for name in spares]
 
     def onto(node: str) -> list[Step]:
@@ -175,7 +195,7 @@ def _usable(model: JobModel, node: str | None) -> bool:
     )
 
 
-def _full_restart(model: JobModel, verdict: Verdict) -> list[Step]:
+def _full_restart(model: JobModel, verdict: Verdict, claims: Claims) -> list[Step]:
     """Stop every worker, replace the bad node, roll back to the checkpoint and start all again."""
     steps = [Step("stop-all", {})]
     if verdict.action == "restart-agent":
@@ -184,6 +204,6 @@ def _full_restart(model: JobModel, verdict: Verdict) -> list[Step]:
         leaving = workers_on(model, verdict.node)
         steps += _retire_node(verdict, drain=verdict.action == "drain-replace")
         if leaving:
-            steps += [s for s in _move(model, leaving, verdict.node) if s.kind != "restart-worker"]
+            steps += [s for s in _move(model, leaving, verdict.node, claims) if s.kind != "restart-worker"]
     steps += [Step("rollback", {"to_step": max(model.checkpoint_step, 0)}), Step("start-all", {})]
     return steps

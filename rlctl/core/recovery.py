@@ -82,6 +82,7 @@ class Recovery:
         self.tally = Tally()
         self._handled: dict[tuple[str, str, str], str | None] = {}  # verdict key -> the slot's worker then
         self._busy_slots: set[str] = set()
+        self._claimed_nodes: set[str] = set()  # spare nodes plans under way move slots onto
         self._deferred: dict[str, tuple[det.Verdict, str | None]] = {}  # slot -> verdict met while a plan restored it
         self._whole_job_plans = 0
 
@@ -128,17 +129,18 @@ class Recovery:
         """Plan the recovery of a journaled verdict and start carrying it out."""
         slot = self.model.slots.get(verdict.slot) if verdict.slot else None
         self._handled[key] = slot.wid if slot is not None else None
-        steps = policy.plan(self.model, verdict, self.spec.fault_tolerance.max_restarts_per_slot)
+        claimed = policy.Claims(frozenset(self._busy_slots), frozenset(self._claimed_nodes))
+        steps = policy.plan(self.model, verdict, self.spec.fault_tolerance.max_restarts_per_slot, claimed)
         self.tally.plans.append((verdict, steps))
         if not steps:
             self._handled.pop(key, None)
             return
         if self.model.life.can_move(JobState.RECOVERING):
             self.record(EventKind.JOB_STATE_CHANGED, state=JobState.RECOVERING.value, reason=verdict.reason[:120])
-        slots = {str(s.args["slot"]) for s in steps if s.args.get("slot")} | {
-            str(name) for s in steps for name in s.args.get("slots", ())}
-        self._busy_slots.update(slots)
-        self.shell.run_plan(self._run_plan(steps, verdict, fault_id, key, slots))
+        claims = policy.Claims.of(steps)
+        self._busy_slots.update(claims.slots)
+        self._claimed_nodes.update(claims.nodes)
+        self.shell.run_plan(self._run_plan(steps, verdict, fault_id, key, claims))
 
     def _journal(self, verdict: det.Verdict) -> str:
         fault_id = self._fault_id_for(verdict)
@@ -155,7 +157,7 @@ class Recovery:
         return f"f-{verdict.fault}-{verdict.node}-{int(self.shell.clock() * 1000) % 10_000_000}"
 
     def _run_plan(self, steps: list[policy.Step], verdict: det.Verdict, fault_id: str, key: tuple[str, str, str],
-                  slots: set[str]) -> Plan:
+                  claims: policy.Claims) -> Plan:
         restarting = False  # between a full restart's stop-all and its start-all
         try:
             for step in steps:
@@ -170,10 +172,11 @@ class Recovery:
         except Exception:  # noqa: BLE001 - the shell logged it; the fault is judged anew after the cool-down
             self.tally.failed_plans += 1
         finally:
-            self._busy_slots.difference_update(slots)
+            self._busy_slots.difference_update(claims.slots)
+            self._claimed_nodes.difference_update(claims.nodes)
             self._whole_job_plans -= restarting
         self.workers.update_job_state()
-        self._take_up_deferred(slots)
+        self._take_up_deferred(set(claims.slots))
         yield from self._cool_down(fault_id)
         self._handled.pop(key, None)
 

@@ -26,6 +26,29 @@ def test_rollout_fault_impairs_half_the_job_and_recovery_closes_it() -> None:
     assert sum(seconds.values()) == pytest.approx(29.0)
 
 
+def test_the_same_fault_injected_twice_is_seen_and_recovered_once() -> None:
+    """Two hangs of one rollout in the same second (an operator's second `inject-fault`, or a chaos
+    soak): one verdict sees them, one restart ends both. Before, the second stayed open and undetected,
+    and from then on the ledger counted half the job's time as detection."""
+    model = running_job()
+    model.apply(event("WeightsPublished", 10.0, version=0, slot="trainer-0", source={"port": 1}))
+    for fault_id in ("f1", "f2"):
+        model.apply(event("FaultInjected", 20.0, fault_id=fault_id, node="node02", kind="hang", params={}))
+    model.apply(event("Verdict", 28.0, node="node02", slot="rollout-0", verdict="failed", fault="f1",
+                      fault_kind="worker-hang", action="restart-worker", reason="frozen", evidence_since=20.0))
+    model.apply(event("WorkerStarting", 28.0, slot="rollout-0", wid=model.next_wid("rollout-0"), node="node02", role="rollout"))
+    model.apply(event("WeightsHeld", 31.0, version=0, slot="rollout-0", source={"port": 2}))
+    assert [(f.detected_at, f.recovered_at) for f in model.faults.values()] == [(28.0, 31.0), (28.0, 31.0)]
+    model.apply(event("JobStateChanged", 100.0, state="starting", reason="x"))
+    assert model.ledger.seconds["detection"] == pytest.approx(4.0)  # 8 s at half impact, not 84 s
+    # Another kind on the same worker, or the same kind on another rollout, is a fault of its own.
+    model.apply(event("FaultInjected", 110.0, fault_id="f3", node="node02", kind="hang", params={}))
+    model.apply(event("FaultInjected", 110.0, fault_id="f4", node="node02", kind="slow", params={}))
+    model.apply(event("FaultInjected", 110.0, fault_id="f5", node="node03", kind="hang", params={}))
+    model.apply(event("FaultRecovered", 112.0, fault_ids=["f3"], slot="rollout-0", node="node02"))
+    assert [f.fault_id for f in model.open_faults()] == ["f4", "f5"]
+
+
 def test_trainer_fault_impairs_the_whole_job() -> None:
     model = running_job()
     model.apply(event("WeightsPublished", 10.0, version=0, slot="trainer-0", source={"port": 1}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rlctl.core.detector import Verdict
 from rlctl.core.events import event
 from rlctl.core.model import JobModel
-from rlctl.core.policy import plan
+from rlctl.core.policy import Claims, plan
 
 
 def running_job(policy: str = "role", spares: int = 1, trainers: int = 1) -> JobModel:
@@ -161,3 +161,26 @@ def test_a_standby_that_keeps_failing_or_whose_node_is_bad_retires_its_node() ->
     assert kinds(steps) == ["stop-worker", "fail-node", "request-spare"]
     steps = plan(running_job(spares=2), verdict("node06", "standby-1", "gpu-lost", "replace-node"), 2)
     assert kinds(steps) == ["stop-worker", "fail-node", "request-spare"] and steps[2].args == {"exclude_node": "node06"}
+
+
+def test_a_standby_another_plan_activates_is_not_offered_to_the_next_plan() -> None:
+    """A rollout and the lone trainer crash in the same instant with one warm standby. The rollout's
+    plan claims the standby; the trainer's plan, made before the standby took the rollout's role,
+    used to claim it too, and the trainer was never started again (found by hypothesis)."""
+    model = running_job()
+    first = plan(model, verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
+    assert first[1].args["standby_slot"] == "standby-0"
+    second = plan(model, verdict("node01", "trainer-0", "worker-crash", "restart-worker"), 2, Claims.of(first))
+    assert [(s.kind, s.args) for s in second] == [("restart-worker", {"slot": "trainer-0"})]
+
+
+def test_a_spare_node_another_plan_moves_slots_onto_is_not_offered_to_the_next_plan() -> None:
+    model = running_job(spares=0)
+    model.apply(event("NodeAllocated", 2.0, node="node09", host="h", role="spare", slot="", standby=True))
+    model.apply(event("AgentRegistered", 2.0, node="node09", incarnation=1, facts={}))
+    model.apply(event("NodeStateChanged", 2.0, node="node09", state="ready", reason="up"))
+    first = plan(model, verdict("node02", None, "node-loss", "replace-node"), 2)
+    assert ("move-slot", "node09") in [(s.kind, s.args.get("node")) for s in first]
+    second = plan(model, verdict("node03", None, "node-loss", "replace-node"), 2, Claims.of(first))
+    assert kinds(second) == ["fail-node", "request-node"]
+    assert Claims.of(first) == Claims(frozenset({"rollout-0"}), frozenset({"node09"}))
