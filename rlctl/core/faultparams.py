@@ -13,6 +13,22 @@ from typing import Any
 AGENT_FAULTS = frozenset({"crash", "hang", "agent-kill", "node-down", "xid", "ecc", "nccl-timeout", "slow"})
 BACKEND_FAULTS = frozenset({"partition", "node-down", "slow-link"})
 FAULT_KINDS = tuple(sorted(AGENT_FAULTS | BACKEND_FAULTS))
+# The verdicts an injected fault of each kind is seen as (the simulator's kinds include `network`).
+# A verdict names the injected fault it most likely saw: one of these kinds on its node first.
+SEEN_AS: dict[str, frozenset[str]] = {
+    "agent-lost": frozenset({"partition", "agent-kill"}),
+    "node-loss": frozenset({"node-down"}),
+    "worker-crash": frozenset({"crash"}),
+    "worker-hang": frozenset({"hang", "nccl-timeout", "network"}),
+    "nccl-timeout": frozenset({"nccl-timeout", "network"}),
+    "fail-slow": frozenset({"slow", "slow-link"}),
+}
+GPU_FAULTS = frozenset({"xid", "ecc"})  # seen as `gpu-*` verdicts
+
+
+def injected_kinds_seen_as(verdict_fault: str) -> frozenset[str]:
+    """The injected kinds a verdict of ``verdict_fault`` (``worker-crash``, ``gpu-lost``...) sees."""
+    return GPU_FAULTS if verdict_fault.startswith("gpu-") else SEEN_AS.get(verdict_fault, frozenset())
 
 MAX_DELAY_S = 86_400.0  # --after and --duration: at most a day
 MIN_SLOW_FACTOR, MAX_SLOW_FACTOR = 1.0, 1000.0  # a slow-down factor above 1 (1 is no fault)

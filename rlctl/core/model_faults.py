@@ -17,6 +17,7 @@ from rlctl.core.states import WorkerState
 # Faults of one worker process (injected kinds): a restart of that process ends them.
 PROCESS_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
 RETIRING_ACTIONS = frozenset({"replace-node", "drain-replace"})  # a verdict whose plan retires the node
+REPLACING_ACTIONS = frozenset({"restart-worker", "restart-role", *RETIRING_ACTIONS})  # ... or replaces the worker
 
 
 class FaultLedger:
@@ -41,13 +42,14 @@ class FaultLedger:
         """How the current instant is split between ETTR categories (sums to 1)."""
         if self.productive_since is None:
             return {"init": 1.0}
-        # One failure injected twice (twins, below) takes the job's progress away once.
-        impacts: dict[tuple[str, str, str | None, bool], float] = {}
+        # Faults of one worker process, or one node fault injected twice (twins, below), take the
+        # job's progress away once.
+        impacts: dict[tuple[str, str | None, bool], float] = {}
         for fault in self.open_faults():
-            key = (fault.kind, fault.node, fault.slot, fault.detected_at is None)
+            key = (fault.node, fault.slot if fault.kind in PROCESS_FAULTS else fault.kind, fault.detected_at is None)
             impacts[key] = max(impacts.get(key, 0.0), fault.impact)
-        undetected = sum(impact for key, impact in impacts.items() if key[3])
-        detected = sum(impact for key, impact in impacts.items() if not key[3])
+        undetected = sum(impact for key, impact in impacts.items() if key[2])
+        detected = sum(impact for key, impact in impacts.items() if not key[2])
         impaired = min(1.0, undetected + detected)
         if impaired <= 0:
             return {"productive": 1.0}
@@ -112,7 +114,7 @@ class FaultLedger:
             )
             self.faults[fault.fault_id] = fault
         if fault.detected_at is None:
-            twins = self._twins(fault, ev.at)
+            twins = self._twins(fault, ev.at, replaced=d["verdict"] == "failed" and d.get("action") in REPLACING_ACTIONS)
             if d.get("action") in RETIRING_ACTIONS:  # the node goes: whatever else failed on it is seen too
                 twins += [f for f in self.open_faults() if f.node == fault.node and f.detected_at is None
                           and f is not fault and f not in twins]
@@ -162,15 +164,19 @@ class FaultLedger:
             if fault.node == node and fault.verdict == kind:
                 self._recover_fault(fault, at)
 
-    def _twins(self, fault: FaultRecord, seen_at: float) -> list[FaultRecord]:
-        """The same failure injected again before ``fault`` was seen at ``seen_at``: open, of the same
-        kind and node and, for a process fault, the same worker slot, unseen or seen with it. One
-        verdict sees them all and one recovery ends them all; left open, a twin would count as an
-        undetected fault, taking the job's time from ``productive``, to the end."""
+    def _twins(self, fault: FaultRecord, seen_at: float, replaced: bool = False) -> list[FaultRecord]:
+        """The same failure met again before ``fault`` was seen at ``seen_at``, unseen or seen with it:
+        the same fault injected again (same kind and node and, for a process fault, worker slot)
+        and, when the verdict's plan replaces the process (``replaced``), any other fault of that
+        process. One verdict sees them all and one recovery ends them all; left open, a twin would
+        count as an undetected fault, taking the job's time from ``productive``, to the end."""
+        def same_failure(twin: FaultRecord) -> bool:
+            if fault.kind in PROCESS_FAULTS and twin.kind in PROCESS_FAULTS:
+                return twin.slot == fault.slot and (replaced or twin.kind == fault.kind)
+            return twin.kind == fault.kind
         return [twin for twin in self.open_faults()
-                if twin is not fault and twin.kind == fault.kind and twin.node == fault.node
-                and twin.occurred_at <= seen_at and twin.detected_at in (None, fault.detected_at)
-                and (twin.slot == fault.slot or fault.kind not in PROCESS_FAULTS)]
+                if twin is not fault and twin.node == fault.node and same_failure(twin)
+                and twin.occurred_at <= seen_at and twin.detected_at in (None, fault.detected_at)]
 
     def _recover_fault(self, fault: FaultRecord, at: float) -> None:
         if fault.detected_at is None:

@@ -30,6 +30,7 @@ from rlctl.core.effects import (
     some,
 )
 from rlctl.core.events import Event, EventKind, event
+from rlctl.core.faultparams import injected_kinds_seen_as
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
@@ -151,9 +152,12 @@ class Recovery:
         return fault_id
 
     def _fault_id_for(self, verdict: det.Verdict) -> str:
-        for fault in self.model.open_faults():
-            if fault.node == verdict.node and fault.detected_at is None:
-                return fault.fault_id
+        """The unseen fault on the verdict's node it most likely saw (an injected kind that shows up as
+        this verdict first), else a new fault's id."""
+        unseen = [f for f in self.model.open_faults() if f.node == verdict.node and f.detected_at is None]
+        if unseen:
+            kinds = injected_kinds_seen_as(verdict.fault)
+            return next((f for f in unseen if f.kind in kinds), unseen[0]).fault_id
         return f"f-{verdict.fault}-{verdict.node}-{int(self.shell.clock() * 1000) % 10_000_000}"
 
     def _run_plan(self, steps: list[policy.Step], verdict: det.Verdict, fault_id: str, key: tuple[str, str, str],

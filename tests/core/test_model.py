@@ -41,12 +41,18 @@ def test_the_same_fault_injected_twice_is_seen_and_recovered_once() -> None:
     assert [(f.detected_at, f.recovered_at) for f in model.faults.values()] == [(28.0, 31.0), (28.0, 31.0)]
     model.apply(event("JobStateChanged", 100.0, state="starting", reason="x"))
     assert model.ledger.seconds["detection"] == pytest.approx(4.0)  # 8 s at half impact, not 84 s
-    # Another kind on the same worker, or the same kind on another rollout, is a fault of its own.
-    model.apply(event("FaultInjected", 110.0, fault_id="f3", node="node02", kind="hang", params={}))
-    model.apply(event("FaultInjected", 110.0, fault_id="f4", node="node02", kind="slow", params={}))
-    model.apply(event("FaultInjected", 110.0, fault_id="f5", node="node03", kind="hang", params={}))
+    # A transient fault that heals ends only itself; a fault of another worker is a fault of its own.
+    model.apply(event("FaultInjected", 110.0, fault_id="f3", node="node02", kind="slow", params={}))
+    model.apply(event("FaultInjected", 110.0, fault_id="f4", node="node02", kind="crash", params={}))
+    model.apply(event("FaultInjected", 110.0, fault_id="f5", node="node03", kind="crash", params={}))
     model.apply(event("FaultRecovered", 112.0, fault_ids=["f3"], slot="rollout-0", node="node02"))
     assert [f.fault_id for f in model.open_faults()] == ["f4", "f5"]
+    # A verdict whose plan replaces the worker sees every fault of that process: a hang and a crash
+    # of one rollout in the same instant are one failure.
+    model.apply(event("FaultInjected", 120.0, fault_id="f6", node="node02", kind="hang", params={}))
+    model.apply(event("Verdict", 121.0, node="node02", slot="rollout-0", verdict="failed", fault="f4",
+                      fault_kind="worker-crash", action="restart-worker", reason="died", evidence_since=120.0))
+    assert {f.fault_id: f.detected_at for f in model.faults.values() if f.open} == {"f4": 121.0, "f5": None, "f6": 121.0}
 
 
 def test_trainer_fault_impairs_the_whole_job() -> None:

@@ -4,9 +4,8 @@ a rack, a fault during a recovery, the same fault twice), repeated up to 3 times
 colocated, elastic, multi-turn, cold-spare, spare-less or replica-less job under either policy.
 
 CI runs a fixed draw of examples. A soak draws new ones: ``RLCTL_SOAK_EXAMPLES=500 .venv/bin/python
--m pytest tests/sim/test_bursts.py``. Soaks found: two plans claiming the one warm standby (the
-trainer was never started again), a trainer failing while it loaded whose fault never closed, and
-the same fault injected twice leaving one open (the ledger then counted detection to the job's end).
+-m pytest tests/sim/test_bursts.py``. What soaks found is kept in ``FOUND`` (docs/sim.md, "Fault
+bursts over job shapes").
 """
 
 from __future__ import annotations
@@ -112,3 +111,27 @@ def test_step_faults_on_every_job_shape_end_recovered(quickstart: JobSpec, shape
                                                       seed: int, gpus: int | None, steps: int) -> None:
     check_run(Simulation(job_shape(quickstart, shape), CostModel(), StepFailures(p=rate, seed=seed),
                          SimConfig(policy=policy, steps=steps, seed=seed, gpus=gpus, duration_s=60 * 86400.0)))
+
+
+FOUND = {
+    # Two plans chose the one warm standby; the trainer was never started again.
+    "rollout and trainer crash at once": (0, None, [(512.64, "crash", None, {}), (512.64, "crash", None, {})]),
+    # The node-loss verdict named the crash; the node-down stayed unseen.
+    "crash and node-down of one node": (0, None, [(71.0, "crash", None, {}), (71.0, "node-down", None, {})]),
+    # The crash verdict named the NCCL timeout; the reward worker's crash stayed unseen.
+    "two faults of one worker": (15, None, [(2503.0, "crash", None, {}), (2505.0, "crash", None, {}),
+                                            (2505.0, "nccl-timeout", None, {}), (2505.0, "crash", "reward", {})]),
+    # The partition's agent-lost verdict named the trainer's slow-down; the partition stayed unseen.
+    "slow trainer then partition": (11, 32, [(71.0, "slow", "trainer", {"factor": 2.0, "duration": 324.0}),
+                                            (74.0, "partition", "trainer", {})]),
+    # A trainer failing while it loads: its fault closes when its restart restores.
+    "trainer hang twice while loading": (0, None, [(71.0, "hang", "trainer", {}), (71.0, "hang", "trainer", {})]),
+}
+
+
+@pytest.mark.parametrize("case", list(FOUND))
+def test_the_bursts_soaks_found_end_recovered(quickstart: JobSpec, case: str) -> None:
+    seed, gpus, faults = FOUND[case]
+    trace = [SimFault(at=at, kind=kind, role=role, cause=kind, params=dict(params)) for at, kind, role, params in faults]
+    check_run(Simulation(quickstart, CostModel(), TraceFailures(trace),
+                         SimConfig(policy="role", steps=30, seed=seed, gpus=gpus, duration_s=60 * 86400.0)))
