@@ -187,6 +187,8 @@ class JobModel(FaultLedger, WeightsRegistry):
         node.life.move(NodeState(ev.data["state"]), ev.at, ev.data["reason"])
         if ev.data["state"] in (NodeState.FAILED.value, NodeState.RELEASED.value):
             node.connected = False
+        if ev.data["state"] == NodeState.FAILED.value:
+            self._seen_with_retired_node(node.name, ev.at, ev.data["reason"])
         if ev.data.get("exclude"):
             node.excluded = True
         if "role" in ev.data:

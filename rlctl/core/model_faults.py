@@ -138,6 +138,13 @@ class FaultLedger:
             if fault is not None and fault.recovered_at is None:
                 self._recover_fault(fault, ev.at)
 
+    def _seen_with_retired_node(self, node: str, at: float, reason: str) -> None:
+        """A node taken out of the job: a fault on it that no verdict saw yet (it came after the
+        verdict that retires the node) is seen now, and ends when the node's work is back."""
+        for fault in self.open_faults():
+            if fault.node == node and fault.detected_at is None:
+                fault.detected_at, fault.verdict, fault.reason = at, "node-retired", reason[:200]
+
     def _open_fault_for(self, node: str, slot: str | None) -> FaultRecord | None:
         for fault in self.open_faults():
             if fault.node == node and (slot is None or fault.slot in (None, slot)):

@@ -115,23 +115,28 @@ def test_step_faults_on_every_job_shape_end_recovered(quickstart: JobSpec, shape
 
 FOUND = {
     # Two plans chose the one warm standby; the trainer was never started again.
-    "rollout and trainer crash at once": (0, None, [(512.64, "crash", None, {}), (512.64, "crash", None, {})]),
+    "rollout and trainer crash at once": ("role", 0, None, [(512.64, "crash", None, {}), (512.64, "crash", None, {})]),
     # The node-loss verdict named the crash; the node-down stayed unseen.
-    "crash and node-down of one node": (0, None, [(71.0, "crash", None, {}), (71.0, "node-down", None, {})]),
+    "crash and node-down of one node": ("role", 0, None, [(71.0, "crash", None, {}), (71.0, "node-down", None, {})]),
     # The crash verdict named the NCCL timeout; the reward worker's crash stayed unseen.
-    "two faults of one worker": (15, None, [(2503.0, "crash", None, {}), (2505.0, "crash", None, {}),
+    "two faults of one worker": ("role", 15, None, [(2503.0, "crash", None, {}), (2505.0, "crash", None, {}),
                                             (2505.0, "nccl-timeout", None, {}), (2505.0, "crash", "reward", {})]),
     # The partition's agent-lost verdict named the trainer's slow-down; the partition stayed unseen.
-    "slow trainer then partition": (11, 32, [(71.0, "slow", "trainer", {"factor": 2.0, "duration": 324.0}),
+    "slow trainer then partition": ("role", 11, 32, [(71.0, "slow", "trainer", {"factor": 2.0, "duration": 324.0}),
                                             (74.0, "partition", "trainer", {})]),
     # A trainer failing while it loads: its fault closes when its restart restores.
-    "trainer hang twice while loading": (0, None, [(71.0, "hang", "trainer", {}), (71.0, "hang", "trainer", {})]),
+    "trainer hang twice while loading": ("role", 0, None, [(71.0, "hang", "trainer", {}), (71.0, "hang", "trainer", {})]),
+    # An XID came after the ECC verdict that retires its node: no verdict saw it (the same class,
+    # deduplicated), and it stayed open after the node was gone.
+    "xid after the ecc verdict": ("full-restart", 0, None, [
+        (2503.687, "crash", None, {}), (2690.723, "crash", None, {}), (2690.723, "ecc", None, {}),
+        (2693.723, "xid", None, {"code": 48})]),
 }
 
 
 @pytest.mark.parametrize("case", list(FOUND))
 def test_the_bursts_soaks_found_end_recovered(quickstart: JobSpec, case: str) -> None:
-    seed, gpus, faults = FOUND[case]
+    policy, seed, gpus, faults = FOUND[case]
     trace = [SimFault(at=at, kind=kind, role=role, cause=kind, params=dict(params)) for at, kind, role, params in faults]
     check_run(Simulation(quickstart, CostModel(), TraceFailures(trace),
-                         SimConfig(policy="role", steps=30, seed=seed, gpus=gpus, duration_s=60 * 86400.0)))
+                         SimConfig(policy=policy, steps=30, seed=seed, gpus=gpus, duration_s=60 * 86400.0)))
