@@ -16,8 +16,8 @@ from rlctl.core.states import WorkerState
 
 # Faults of one worker process (injected kinds): a restart of that process ends them.
 PROCESS_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
-RETIRING_ACTIONS = frozenset({"replace-node", "drain-replace"})  # a verdict whose plan retires the node
-REPLACING_ACTIONS = frozenset({"restart-worker", "restart-role", *RETIRING_ACTIONS})  # ... or replaces the worker
+# A verdict whose plan replaces the worker (restarts it, or retires its node).
+REPLACING_ACTIONS = frozenset({"restart-worker", "restart-role", "replace-node", "drain-replace"})
 
 
 class FaultLedger:
@@ -115,9 +115,6 @@ class FaultLedger:
             self.faults[fault.fault_id] = fault
         if fault.detected_at is None:
             twins = self._twins(fault, ev.at, replaced=d["verdict"] == "failed" and d.get("action") in REPLACING_ACTIONS)
-            if d.get("action") in RETIRING_ACTIONS:  # the node goes: whatever else failed on it is seen too
-                twins += [f for f in self.open_faults() if f.node == fault.node and f.detected_at is None
-                          and f is not fault and f not in twins]
             for seen in (fault, *twins):
                 seen.detected_at = ev.at
                 seen.verdict = d.get("fault_kind", d["fault"])
@@ -139,8 +136,8 @@ class FaultLedger:
                 self._recover_fault(fault, ev.at)
 
     def _seen_with_retired_node(self, node: str, at: float, reason: str) -> None:
-        """A node taken out of the job: a fault on it that no verdict saw yet (it came after the
-        verdict that retires the node) is seen now, and ends when the node's work is back."""
+        """A node taken out of the job: a fault on it that no verdict saw (another failure of the node,
+        or one after the verdict that retires it) is seen now, and ends when the node's work is back."""
         for fault in self.open_faults():
             if fault.node == node and fault.detected_at is None:
                 fault.detected_at, fault.verdict, fault.reason = at, "node-retired", reason[:200]
@@ -189,5 +186,4 @@ class FaultLedger:
         if fault.detected_at is None:
             fault.detected_at = at
         for ended in (fault, *self._twins(fault, fault.detected_at)):
-            ended.recovered_at = at
-            ended.detected_at = fault.detected_at if ended.detected_at is None else ended.detected_at
+            ended.detected_at, ended.recovered_at = fault.detected_at, at

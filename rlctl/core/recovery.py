@@ -180,11 +180,11 @@ class Recovery:
             self._claimed_nodes.difference_update(claims.nodes)
             self._whole_job_plans -= restarting
         self.workers.update_job_state()
-        self._take_up_deferred(set(claims.slots))
+        self._take_up_deferred(claims.slots)
         yield from self._cool_down(fault_id)
         self._handled.pop(key, None)
 
-    def _take_up_deferred(self, slots: set[str]) -> None:
+    def _take_up_deferred(self, slots: frozenset[str]) -> None:
         """Act on a verdict that came in while a plan restored one of ``slots`` when the plan left that
         slot without a live worker: the worker the plan gave it failed after the plan restored it (a
         plan can go on for minutes, waiting for a spare node, after the slot itself is restored)."""
