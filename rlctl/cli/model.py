@@ -87,7 +87,7 @@ def model_check(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Let transformers run the folder's code."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object for scripts."),
 ) -> None:
-    """Check a model folder the way `rlctl launch` does (files, config, tokenizer)."""
+    """Check a model folder the way `rlctl launch` does (files, weight headers against the config, tokenizer)."""
     from rlctl.workload.modeldir import ModelDirError, check_model_dir
 
     try:
@@ -99,6 +99,7 @@ def model_check(
     else:
         console.print(f"{path}: {summary['model_type']}, vocab {summary['vocab_size']}, "
                       f"chat template {'yes' if summary['chat_template'] else 'no'}")
+        console.print(f"weights: {summary['weights_check']}", highlight=False)
 
 
 def _int_list(text: str, option: str) -> list[int]:
