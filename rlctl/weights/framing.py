@@ -2,7 +2,9 @@
 
 Role: the small control protocol shared by the TCP transport and the control channel of the
 UCX shared-memory transport. A frame is a 4-byte big-endian length then that many bytes of UTF-8
-JSON (an object with `"v": 1`), at most `MAX_FRAME_BYTES`. Raw bodies are moved with
+JSON (an object with `"v": 1`), at most `MAX_FRAME_BYTES` (a holder's answer, which carries a
+manifest) or the reader's smaller bound (`MAX_REQUEST_BYTES` for what a joiner sends a holder,
+read only once the joiner has proven it is the job's: `rlctl.weights.admission`). Raw bodies are moved with
 `recv_exactly_into` (straight into a preallocated buffer, no intermediate copy) and
 `send_all` (chunked `sock_sendall` of memoryview slices, no copy).
 
@@ -22,6 +24,8 @@ from rlctl.weights.errors import WeightTimeoutError, WeightTransferError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+# A fetch request carrying a UCX worker address (at most 64 KiB, sent as hex) and its other fields, or an ack.
+MAX_REQUEST_BYTES = 256 * 1024
 CHUNK_BYTES = 16 * 1024 * 1024
 _LENGTH = struct.Struct(">I")
 
@@ -85,18 +89,24 @@ def json_bytes(message: dict[str, Any]) -> bytes:
     return payload
 
 
-async def send_frame(sock: socket.socket, message: dict[str, Any], deadline: float) -> None:
+def frame_bytes(message: dict[str, Any]) -> bytes:
+    """`message` as one frame: its length, then its JSON."""
     payload = json_bytes(message)
-    await send_all(sock, memoryview(_LENGTH.pack(len(payload)) + payload), deadline)
+    return _LENGTH.pack(len(payload)) + payload
 
 
-async def recv_frame(sock: socket.socket, deadline: float) -> dict[str, Any]:
-    """Read one frame; raises `WeightTransferError` if oversized, malformed or of another version."""
+async def send_frame(sock: socket.socket, message: dict[str, Any], deadline: float) -> None:
+    await send_all(sock, memoryview(frame_bytes(message)), deadline)
+
+
+async def recv_frame(sock: socket.socket, deadline: float, max_bytes: int = MAX_FRAME_BYTES) -> dict[str, Any]:
+    """Read one frame of at most `max_bytes` (checked before anything is allocated for it); raises
+    `WeightTransferError` if oversized, malformed or of another version."""
     header = bytearray(_LENGTH.size)
     await recv_exactly_into(sock, memoryview(header), deadline)
     (length,) = _LENGTH.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise WeightTransferError(f"peer announced a frame of {length} bytes (max {MAX_FRAME_BYTES})")
+    if length > max_bytes:
+        raise WeightTransferError(f"peer announced a frame of {length} bytes (max {max_bytes})")
     payload = bytearray(length)
     await recv_exactly_into(sock, memoryview(payload), deadline)
     return decode_frame(bytes(payload))

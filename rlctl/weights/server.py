@@ -27,6 +27,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, Self
 
+from rlctl.weights.admission import AdmissionCounts
 from rlctl.weights.auth import job_token
 from rlctl.weights.bundle import Bundle, flatten
 from rlctl.weights.errors import TransportUnavailableError
@@ -45,6 +46,8 @@ class Holder(Protocol):
     async def start(self) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...
+
+    def admission(self) -> AdmissionCounts: ...
 
 
 def resolve_transport(transport: str) -> str:
@@ -78,8 +81,10 @@ class WeightServer:
     `await close()` at the end (idempotent). `host` is where the TCP/control socket binds (a
     job passes the node's own address, never 0.0.0.0) and, unless `advertise_host` is given, the
     address put in the descriptor. The `ucx` listener binds every interface (ucxx has no bind
-    address), which is why every pull must carry `token`: the job's weights token, by default
-    this process's own (`RLCTL_WEIGHTS_TOKEN`, set for every worker of a job); None serves anyone.
+    address; `rlctl.weights.ucx_guard` bounds what strangers hold there). Every pull must carry
+    `token`, the job's weights token, by default this process's own (`RLCTL_WEIGHTS_TOKEN`, set
+    for every worker of a job), checked before the holder reads a request or gives a serving slot
+    (`rlctl.weights.admission`); None serves anyone.
     """
 
     def __init__(self, transport: str = "auto", host: str = DEFAULT_HOST, port: int = 0,
@@ -151,6 +156,12 @@ class WeightServer:
         return {**self.endpoint, **({"index": index} if len(self._bundles) > 1 else {}), "version": manifest.version,
                 "nbytes": manifest.nbytes, "checksum": manifest.checksum}
 
+    def admission(self) -> AdmissionCounts:
+        """What this server turned away before authentication, and who waits to authenticate now."""
+        if self._holder is None:
+            raise RuntimeError("WeightServer is not started")
+        return self._holder.admission()
+
     async def close(self) -> None:
         """Stop accepting and abort transfers in flight. Idempotent."""
         holder, self._holder = self._holder, None
@@ -201,6 +212,10 @@ class WeightServerThread:
 
     def descriptor(self) -> dict[str, Any] | None:
         return self.server.descriptor()
+
+    def admission(self) -> AdmissionCounts:
+        """See `WeightServer.admission` (counters read as they stand, from this thread)."""
+        return self.server.admission()
 
     def close(self) -> None:
         """Close the server, stop the loop and join the thread. Idempotent."""

@@ -1,22 +1,25 @@
 """Plain TCP weight transport (asyncio, stdlib sockets): the fallback when ucxx is missing.
 
-Role: the holder side (`TcpHolder`) accepts joiners and, per connection, answers one request
-frame with a header frame carrying the manifest, then streams the raw flat buffer. The joiner
-side (`tcp_receive`) reads the header, checks the announced size against its bound, and reads the
-body straight into a preallocated buffer (`sock_recv_into` on memoryview slices).
+Role: the holder side (`TcpHolder`) accepts joiners and, per connection, admits the joiner
+(`rlctl.weights.admission`: the hello with the job's token, checked before anything else is read
+or a serving slot is taken), answers one request frame with a header frame carrying the manifest,
+then streams the raw flat buffer. The joiner side (`tcp_receive`) reads the header, checks the
+announced size against its bound, and reads the body straight into a preallocated buffer
+(`sock_recv_into` on memoryview slices).
 
 Wire (one connection per transfer):
-    joiner → holder  frame {"v":1, "op":"fetch", "version": int|null, "token": hex, "index"?: int, "range"?: [o, n]}
+    joiner → holder  hello: b"RLW\x01" + the job's 32-byte token (zeros without one)
+    joiner → holder  frame {"v":1, "op":"fetch", "version": int|null, "index"?: int, "range"?: [o, n]}
     holder → joiner  frame {"v":1, "ok":true, "manifest":{...}, "range": [o, n]}  or  {"v":1, "ok":false, "error":str}
     holder → joiner  the n raw bytes of the flat buffer from offset o (all of it without a range)
 
 ``index`` picks one of the bundles a holder serving several publishes (``WeightServer.publish_parts``:
 a warm standby serves every rank's part of the trainer state from one server); 0 by default.
-A holder made with a token (every job's) answers a request without that token with a refusal
-and sends nothing else (``rlctl.weights.auth``).
+A holder made with a token (every job's) answers a hello without that token with a refusal and
+reads nothing more (``rlctl.weights.auth``).
 
-`SocketServer` (the accept loop with bounded concurrency) is reused by the UCX shared-memory
-transport for its control channel.
+`SocketServer` (the accept loop: admission, then bounded concurrency) is reused by the UCX
+shared-memory transport for its control channel.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from rlctl.weights import framing
-from rlctl.weights.auth import REFUSED, authorized, job_token
+from rlctl.weights import admission, framing
+from rlctl.weights.admission import HANDSHAKE_TIMEOUT_S, MAX_UNAUTHENTICATED, AdmissionCounts, UnauthenticatedPeers
 from rlctl.weights.bundle import Buffer, Bundle, Manifest, byte_range
 from rlctl.weights.errors import WeightTransferError
 
@@ -53,16 +56,22 @@ ConnectionHandler = Callable[[socket.socket], Awaitable[None]]
 
 
 class SocketServer:
-    """A TCP accept loop running one handler task per connection, at most `max_concurrent` at once.
+    """A TCP accept loop running one handler task per connection: each peer is admitted first
+    (the hello with ``token``; at most `max_unauthenticated` peers waiting for theirs, each for at
+    most `handshake_timeout` seconds), then served, at most `max_concurrent` at once.
 
     Not thread-safe: start, use and close it from one event loop. `close` is idempotent.
     """
 
-    def __init__(self, handler: ConnectionHandler, host: str, port: int, max_concurrent: int) -> None:
+    def __init__(self, handler: ConnectionHandler, host: str, port: int, max_concurrent: int, token: bytes | None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
         self._handler = handler
         self._host = host
         self._port = port
+        self._token = token
+        self._handshake_timeout = handshake_timeout
         self._slots = asyncio.Semaphore(max_concurrent)
+        self.unauthenticated = UnauthenticatedPeers(f"weight server on {host}", max_unauthenticated)
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -81,15 +90,17 @@ class SocketServer:
         loop = asyncio.get_running_loop()
         assert self._sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            conn, peer = await loop.sock_accept(self._sock)
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = loop.create_task(self._run_handler(conn))
+            task = loop.create_task(self._run_handler(conn, str(peer)))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
 
-    async def _run_handler(self, conn: socket.socket) -> None:
+    async def _run_handler(self, conn: socket.socket, peer: str) -> None:
         try:
+            if not await admission.admit(conn, self._token, self.unauthenticated, peer, self._handshake_timeout):
+                return
             async with self._slots:
                 await self._handler(conn)
         except WeightTransferError as exc:
@@ -119,8 +130,7 @@ class TcpHolder:
                  io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, token: bytes | None = None) -> None:
         self._current = current
         self._io_timeout = io_timeout
-        self._token = token
-        self._server = SocketServer(self._serve, host, port, max_concurrent)
+        self._server = SocketServer(self._serve, host, port, max_concurrent, token)
 
     async def start(self) -> dict[str, Any]:
         """Bind and start accepting; returns the descriptor fields this transport adds (`port`)."""
@@ -130,10 +140,14 @@ class TcpHolder:
     async def close(self) -> None:
         await self._server.close()
 
+    def admission(self) -> AdmissionCounts:
+        return self._server.unauthenticated.snapshot()
+
     async def _serve(self, conn: socket.socket) -> None:
+        """Answer an admitted joiner's request."""
         deadline = asyncio.get_running_loop().time() + self._io_timeout
-        request = await framing.recv_frame(conn, deadline)
-        answer = answer_fetch(request, self._token, self._current, _peer(conn))
+        request = await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
+        answer = answer_fetch(request, self._current)
         await framing.send_frame(conn, answer.reply, deadline)
         if answer.bundle is not None:
             await framing.send_all(conn, answer.bundle.buffer.data[answer.offset:answer.offset + answer.length], deadline)
@@ -149,13 +163,10 @@ class FetchAnswer:
     length: int = 0
 
 
-def answer_fetch(request: dict[str, Any], token: bytes | None, current: BundleGetter, peer: str) -> FetchAnswer:
-    """What a framed holder (TCP, and UCX shared memory's control channel) answers ``request``: a
-    refusal without the job's token, an error for no bundle at its ``index`` or a bad ``range``,
-    else the manifest and the byte range it sends."""
-    if not authorized(token, request.get("token")):
-        log.warning("refused a weights pull without this job's token from %s", peer)
-        return FetchAnswer({"ok": False, "error": REFUSED})
+def answer_fetch(request: dict[str, Any], current: BundleGetter) -> FetchAnswer:
+    """What a framed holder (TCP, and UCX shared memory's control channel) answers an admitted
+    joiner's ``request``: an error for no bundle at its ``index`` or a bad ``range``, else the
+    manifest and the byte range it sends."""
     index = request.get("index", 0)
     bundle = current(index) if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
     if bundle is None:
@@ -169,24 +180,16 @@ def answer_fetch(request: dict[str, Any], token: bytes | None, current: BundleGe
 
 
 def request_fields(source: dict[str, Any]) -> dict[str, Any]:
-    """What a fetch frame carries besides its op and tag: the version, the bundle's index and the
-    byte range when the source names them, and the job's token."""
+    """What a fetch frame carries besides its op and tag: the version, and the bundle's index and
+    the byte range when the source names them."""
     return {"version": source.get("version"),
             **({"index": int(source["index"])} if source.get("index") is not None else {}),
-            **({"range": list(source["range"])} if source.get("range") is not None else {}), **token_field()}
+            **({"range": list(source["range"])} if source.get("range") is not None else {})}
 
 
-def token_field() -> dict[str, str]:
-    """The request field that proves this process belongs to the job (nothing when it has no token)."""
-    token = job_token()
-    return {"token": token.hex()} if token is not None else {}
-
-
-def _peer(conn: socket.socket) -> str:
-    try:
-        return str(conn.getpeername())
-    except OSError:
-        return "?"
+def opening(request: dict[str, Any]) -> memoryview:
+    """What a joiner sends a framed holder first, in one write: its hello, then ``request``."""
+    return memoryview(admission.hello() + framing.frame_bytes(request))
 
 
 def manifest_from_reply(reply: dict[str, Any], max_nbytes: int) -> Manifest:
@@ -225,7 +228,7 @@ async def tcp_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
     ``source["range"]`` only that part, into its place in ``out`` (``rlctl.weights.striping``)."""
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
     try:
-        await framing.send_frame(sock, {"op": "fetch", **request_fields(source)}, deadline)
+        await framing.send_all(sock, opening({"op": "fetch", **request_fields(source)}), deadline)
         reply = await framing.recv_frame(sock, deadline)
         manifest = manifest_from_reply(reply, max_nbytes)
         offset, length = part_of(source, reply, manifest)

@@ -37,11 +37,13 @@ import secrets
 import socket
 import threading
 from collections.abc import Coroutine, Iterator
+from dataclasses import replace
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from rlctl.weights import framing
+from rlctl.weights.admission import HANDSHAKE_TIMEOUT_S, MAX_UNAUTHENTICATED, AdmissionCounts, UnauthenticatedPeers
 from rlctl.weights.auth import REFUSED, TOKEN_BYTES, authorized, job_token
 from rlctl.weights.bundle import Buffer, Bundle, Manifest, byte_range
 from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, WeightTransferError
@@ -53,10 +55,12 @@ from rlctl.weights.transport_tcp import (
     answer_fetch,
     manifest_from_reply,
     no_bundle,
+    opening,
     part_of,
     receive_buffer,
     request_fields,
 )
+from rlctl.weights.ucx_guard import PreHandshakeGuard, endpoint_peer
 
 log = logging.getLogger(__name__)
 
@@ -293,35 +297,61 @@ class UcxHolder:
     """Serves the current bundle through a ucxx listener (UCX connection manager over TCP).
 
     Each accepted endpoint serves requests in a loop (the joiner pools endpoints, because UCX
-    connection setup costs ~0.1 s); an endpoint idle for `idle_timeout` seconds is closed. The
-    listener accepts on every interface (ucxx takes no bind address); `port=0` lets UCX pick.
+    connection setup costs ~0.1 s); an endpoint idle for `idle_timeout` seconds is closed. Its
+    first request, which carries the job's token, must come within `handshake_timeout` seconds,
+    and at most `max_unauthenticated` endpoints wait for theirs at once (a newcomer evicts the one
+    waiting longest). The listener accepts on every interface (ucxx takes no bind address), so a
+    `PreHandshakeGuard` bounds the connections that never finish UCX's own handshake the same
+    way; `port=0` lets UCX pick.
     """
 
     transport = "ucx"
 
     def __init__(self, current: BundleGetter, port: int = 0, io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S,
-                 idle_timeout: float = 300.0, token: bytes | None = None) -> None:
+                 idle_timeout: float = 300.0, token: bytes | None = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
         self._current = current
         self._token = token
         self._port = port
         self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout
+        self._handshake_timeout = handshake_timeout
+        self._max_unauthenticated = max_unauthenticated
         self._runtime = UcxRuntime.get()
         self._listener: Any = None
-        self._handlers: set[asyncio.Task[Any]] = set()
+        self._guard: PreHandshakeGuard | None = None
+        self._handlers: dict[asyncio.Task[Any], tuple[str, int] | None] = {}  # each endpoint's UCX peer address
+        self.unauthenticated = UnauthenticatedPeers("UCX weight listener", max_unauthenticated)
 
     async def start(self) -> dict[str, Any]:
         port = await self._runtime.run(self._create_listener())
         return {"port": port, "worker_address_hex": self._runtime.worker_address.hex()}
 
     async def _create_listener(self) -> int:
-        self._listener = self._runtime.ucxx.create_listener(self._serve, port=self._port or None)
-        return int(self._listener.port)
+        self._listener = self._runtime.ucxx.create_listener(self._serve, port=self._port or None,
+                                                            connect_timeout=self._handshake_timeout)
+        port = int(self._listener.port)
+        self._guard = PreHandshakeGuard(port, self._delivered_peers, self._handshake_timeout, self._max_unauthenticated)
+        self._guard.start()
+        return port
+
+    def admission(self) -> AdmissionCounts:
+        counts = self.unauthenticated.snapshot()
+        if self._guard is not None:
+            counts = replace(counts, before_handshake_closed=self._guard.closed,
+                             before_handshake_waiting=self._guard.waiting)
+        return counts
+
+    def _delivered_peers(self) -> set[tuple[str, int]]:
+        return {peer for peer in self._handlers.values() if peer is not None}
 
     async def close(self) -> None:
         await self._runtime.run(self._close_on_loop())
 
     async def _close_on_loop(self) -> None:
+        if self._guard is not None:
+            await self._guard.stop()
+            self._guard = None
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
@@ -332,27 +362,41 @@ class UcxHolder:
     async def _serve(self, endpoint: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._handlers.add(task)
+        self._handlers[task] = endpoint_peer(endpoint)
         try:
-            while (request := await self._next_request(endpoint)) is not None:
+            request = await self._first_request(endpoint, task)
+            while request is not None:
                 deadline = asyncio.get_running_loop().time() + self._io_timeout
                 index = int(request[3])
                 await self._runtime.hot(self._send_bundle(endpoint, index, self._current(index), deadline,
                                                           _requested_range(request)))
+                request = await self._next_request(endpoint, self._idle_timeout)
         except WeightTransferError as exc:
             log.info("UCX weight transfer to a joiner ended: %s", exc)
         except Exception:
             log.exception("UCX weight serving handler failed")
         finally:
-            self._handlers.discard(task)
+            self._handlers.pop(task, None)
             await _close_endpoint(endpoint)
 
-    async def _next_request(self, endpoint: Any) -> np.ndarray | None:
-        """Wait for the joiner's next request (the request word, a byte range and the job's token);
-        None when it closed the endpoint or stayed idle. A request without the token is refused:
-        nothing is sent and the endpoint is closed."""
+    async def _first_request(self, endpoint: Any, task: asyncio.Task[None]) -> np.ndarray | None:
+        """The endpoint's first request, which must come within the handshake deadline while at most
+        `max_unauthenticated` endpoints wait for theirs (a newcomer evicts the one waiting longest)."""
+        self.unauthenticated.enter(task)
+        try:
+            request = await self._next_request(endpoint, self._handshake_timeout)
+        finally:
+            self.unauthenticated.leave(task)
+        if request is None:
+            self.unauthenticated.counts.timed_out += 1
+        return request
+
+    async def _next_request(self, endpoint: Any, timeout: float) -> np.ndarray | None:
+        """Wait up to `timeout` seconds for the joiner's next request (the request word, a byte
+        range and the job's token); None when it closed the endpoint or stayed idle. A request
+        without the token is refused: nothing is sent and the endpoint is closed."""
         request = np.zeros(REQUEST_WORDS, dtype=np.uint64)
-        deadline = asyncio.get_running_loop().time() + self._idle_timeout
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
             await _bounded(endpoint.recv(request), deadline, "waiting for a request")
         except WeightTransferError:
@@ -360,7 +404,7 @@ class UcxHolder:
         if int(request[0]) != REQUEST:
             raise WeightTransferError(f"unexpected request word {int(request[0]):#x}")
         if not authorized(self._token, request[TOKEN_AT:].tobytes()):
-            log.warning("refused a UCX weights pull without this job's token")
+            self.unauthenticated.refuse("a UCX endpoint")
             raise WeightTransferError(REFUSED)
         return request
 
@@ -515,9 +559,8 @@ class UcxSmHolder:
                  io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, token: bytes | None = None) -> None:
         self._current = current
         self._io_timeout = io_timeout
-        self._token = token
         self._runtime = UcxRuntime.get()
-        self._control = SocketServer(self._serve, host, port, max_concurrent)
+        self._control = SocketServer(self._serve, host, port, max_concurrent, token)
         self._endpoints: dict[bytes, Any] = {}  # joiner worker address -> endpoint (UCX loop only)
 
     @property
@@ -529,16 +572,17 @@ class UcxSmHolder:
         return {"port": self._control.port, "worker_address_hex": self.worker_address_hex}
 
     async def _serve(self, conn: socket.socket) -> None:
+        """Answer an admitted joiner's request on the control connection."""
         deadline = asyncio.get_running_loop().time() + self._io_timeout
-        request = await framing.recv_frame(conn, deadline)
-        answer = answer_fetch(request, self._token, self._current, "a ucx-sm joiner")
+        request = await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
+        answer = answer_fetch(request, self._current)
         if answer.bundle is None:
             await framing.send_frame(conn, answer.reply, deadline)
             return
         peer_address, tag = _parse_sm_request(request)
         await framing.send_frame(conn, {**answer.reply, "worker_address_hex": self.worker_address_hex}, deadline)
         if answer.length == 0:
-            await framing.recv_frame(conn, deadline)
+            await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
             return
         endpoint = await self._runtime.run(self._endpoint_to(peer_address))
         part = answer.bundle.buffer[answer.offset:answer.offset + answer.length]
@@ -554,6 +598,9 @@ class UcxSmHolder:
     async def close(self) -> None:
         await self._control.close()
         await self._runtime.run(self._forget_all())
+
+    def admission(self) -> AdmissionCounts:
+        return self._control.unauthenticated.snapshot()
 
     async def _endpoint_to(self, peer_address: bytes) -> Any:
         """A cached endpoint to this joiner's worker (a joiner that fetches again reuses it)."""
@@ -590,7 +637,7 @@ def _parse_sm_request(request: dict[str, Any]) -> tuple[bytes, int]:
 
 
 async def _expect_ack(conn: socket.socket, deadline: float) -> None:
-    ack = await framing.recv_frame(conn, deadline)
+    ack = await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
     if not ack.get("ok"):
         raise WeightTransferError(f"joiner reported failure: {ack.get('error')}")
 
@@ -615,8 +662,9 @@ async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = 
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
     try:
         tag = secrets.randbits(64)
-        await framing.send_frame(sock, {"op": "fetch", "tag": tag, "worker_address_hex": runtime.worker_address.hex(),
-                                        **request_fields(source)}, deadline)
+        await framing.send_all(sock, opening({"op": "fetch", "tag": tag,
+                                              "worker_address_hex": runtime.worker_address.hex(),
+                                              **request_fields(source)}), deadline)
         reply = await framing.recv_frame(sock, deadline)
         manifest = manifest_from_reply(reply, max_nbytes)
         _check_holder_address(source, reply)

@@ -152,3 +152,67 @@ def idle_cpu_after_fetch_main(transport: str, source: dict[str, Any], fetches: i
     time.sleep(idle_s)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out.put(usage.ru_utime + usage.ru_stime - before)
+
+
+# ---------------------------------------------------------------------------------------------
+# strangers: a job's holder under a flood, a joiner and a UCX peer that never sends its token
+
+
+def guarded_holder_main(transport: str, token_hex: str, max_concurrent: int, commands: Any) -> None:
+    """A job's holder (made with the job's token) of a 1 MiB state, driven over the pipe ``commands``:
+    it sends its descriptor, then its admission counts (as a dict) for each "admission", until "stop"."""
+    from dataclasses import asdict
+
+    import numpy as np
+
+    set_env(transport)
+    from rlctl.weights.auth import TOKEN_ENV
+
+    os.environ[TOKEN_ENV] = token_hex
+    from rlctl.weights import WeightServerThread
+
+    with WeightServerThread(transport=transport, max_concurrent=max_concurrent) as server:
+        commands.send(server.publish(1, {"w": np.arange(1 << 18, dtype=np.float32)}))
+        while commands.recv() != "stop":
+            commands.send(asdict(server.admission()))
+
+
+def fetch_once_main(transport: str, source: dict[str, Any], token_hex: str, timeout: float, out: mp.Queue) -> None:
+    """Fetch ``source`` once with the job's token; put ``{ok, elapsed, error?}`` on ``out``."""
+    set_env(transport)
+    from rlctl.weights.auth import TOKEN_ENV
+
+    os.environ[TOKEN_ENV] = token_hex
+    from rlctl.weights import fetch_sync
+
+    started = time.monotonic()
+    try:
+        version, _ = fetch_sync(source, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
+        out.put({**_describe(exc), "elapsed": time.monotonic() - started})
+        return
+    out.put({"ok": version == source["version"], "elapsed": time.monotonic() - started})
+
+
+def silent_ucx_endpoint_main(source: dict[str, Any], limit_s: float, out: mp.Queue) -> None:
+    """Open a UCX endpoint to the holder's listener, send nothing, and put on ``out`` how many
+    seconds passed before the holder closed it (None: still open after ``limit_s``)."""
+    set_env("ucx")
+    import numpy as np
+
+    from rlctl.weights.transport_ucx import UcxRuntime
+
+    runtime = UcxRuntime.get()
+
+    async def wait_for_close() -> float | None:
+        endpoint = await runtime.ucxx.create_endpoint(source["host"], int(source["port"]))
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(endpoint.recv(np.zeros(1, dtype=np.uint64)), limit_s)
+        except TimeoutError:
+            return None
+        except Exception:  # noqa: BLE001 - any UCX error here means the holder closed the endpoint
+            return time.monotonic() - started
+        return None
+
+    out.put(runtime.run_sync(runtime.hot(wait_for_close())))
