@@ -1,4 +1,10 @@
-"""Per-step costs of the torch engine's sampler and KV-cache compaction, against their baselines.
+"""Per-step costs of the torch engine: its decode paths, its sampler and KV-cache compaction.
+
+A whole decode step on each decode path (``TorchEngine(decode=...)``): milliseconds per step of a
+``generate`` of the default model (prefill included, rows never stopping, best of 3 after a first
+call), by batch size; on CUDA the ``graph`` path against ``eager``, on CPU ``static`` (the same
+step without graphs) against ``eager`` (the CPU default). The GPU check's ``torch_decode`` part
+runs the same measurement against its goals.
 
 Two pieces of a decode step that grow with the number of live rows:
 
@@ -11,6 +17,7 @@ Two pieces of a decode step that grow with the number of live rows:
 Best of 5 repetitions, microseconds per call, CPU, 2 intra-op threads (RLCTL_TORCH_THREADS).
 
     python bench/engine_decode.py [--rows 8 48 128] [--filled 20] [--max-len 170]
+                                  [--device cpu|cuda] [--paths eager static] [--batches 1 8 32 128] [--new-tokens 32]
 
 Prints one JSON object on the last line.
 """
@@ -30,7 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from rlctl.workload.engine import SamplingConfig, sample_rows
+from rlctl.gpucheck.decode_part import decode_ms_per_step
+from rlctl.gpucheck.torch_parts import MODEL_SIZES, model
+from rlctl.workload.engine import SamplingConfig, TorchEngine, sample_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline_gpt import KVCache, ModelConfig
@@ -78,13 +87,24 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 48, 128])
     parser.add_argument("--filled", type=int, default=20, help="cache positions filled when rows are dropped")
     parser.add_argument("--max-len", type=int, default=170, help="the cache's preallocated length (prompt + cap)")
+    parser.add_argument("--device", default="cpu", help="where the decode paths run")
+    parser.add_argument("--paths", nargs="+", help="decode paths (default: graph and eager on cuda, static and eager on cpu)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode steps per generate call")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("RLCTL_TORCH_THREADS", "2")))
+    paths = args.paths or (["graph", "eager"] if args.device == "cuda" else ["static", "eager"])
+    steps: dict[str, dict[str, float]] = {}
+    for path in paths:
+        engine = TorchEngine(model(MODEL_SIZES["default"]), SamplingConfig(eos_id=-1), device=args.device, decode=path)
+        steps[path] = decode_ms_per_step(torch, engine, tuple(args.batches), args.new_tokens)
+        print(f"[engine_decode] {path} ms per step by batch: {steps[path]}", file=sys.stderr, flush=True)
     results: dict[str, dict[str, float]] = {}
     for rows in args.rows:
         results[str(rows)] = measure_rows(rows, args.filled, args.max_len)
         print(f"[engine_decode] rows {rows}: {results[str(rows)]}", file=sys.stderr, flush=True)
-    print(json.dumps({"config": vars(args), "threads": torch.get_num_threads(), "by_rows": results}))
+    print(json.dumps({"config": vars(args), "threads": torch.get_num_threads(), "decode_ms_per_step": steps,
+                      "by_rows": results}))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ GPU, PyTorch and no internet, and prints ONE JSON object: per part, ``status`` (
   event wait that times out cleanly;
 - ``nvml_sample_cost``: milliseconds per ``NvmlProvider.sample()`` (what a heartbeat costs);
 - ``torch_rollout``: ``TorchEngine`` on the GPU, tokens/s;
+- ``torch_decode``: ``TorchEngine``'s CUDA-graph decode path against its goals (ms per step,
+  tokens/s against the CPU, same samples as the eager path);
 - ``torch_train_step``: one GRPO ``Trainer.train_step`` on the GPU, seconds per step;
 - ``ucx_cuda``: a CUDA state dict published and fetched through the rlctl UCX transport
   (device->host staging, transfer, host->device), GB/s;

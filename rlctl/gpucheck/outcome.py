@@ -15,4 +15,9 @@ class Skip(Exception):
 
 
 class CheckFailed(Exception):
-    """A part ran and a value was out of range; the message says which."""
+    """A part ran and a value was out of range; the message says which, ``figures`` what the part
+    measured (the report keeps them beside the error)."""
+
+    def __init__(self, message: str, figures: Figures | None = None) -> None:
+        super().__init__(message)
+        self.figures: Figures = dict(figures or {})

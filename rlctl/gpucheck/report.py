@@ -14,13 +14,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from rlctl.gpucheck.outcome import Figures, Skip
+from rlctl.gpucheck.outcome import CheckFailed, Figures, Skip
 
 REPORT_FORMAT = 1
 
 
 def run_part(name: str, part: Callable[[], Figures]) -> dict[str, Any]:
-    """``{status, seconds, ...figures}``, ``{status: skipped, reason}`` or ``{status: failed, error}``."""
+    """``{status, seconds, ...figures}``, ``{status: skipped, reason}`` or ``{status: failed, error}``
+    (with the figures of a ``CheckFailed`` that carries them)."""
     started = time.perf_counter()
     try:
         figures = part()
@@ -28,7 +29,8 @@ def run_part(name: str, part: Callable[[], Figures]) -> dict[str, Any]:
     except Skip as skip:
         result = {"status": "skipped", "reason": str(skip)}
     except Exception as exc:  # noqa: BLE001 - a failed part must not stop the others
-        result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+        measured = exc.figures if isinstance(exc, CheckFailed) else {}
+        result = {**measured, "status": "failed", "error": f"{type(exc).__name__}: {exc}",
                   "trace": traceback.format_exc(limit=4)[-2000:]}
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
@@ -39,6 +41,7 @@ PARTS = {
     "nvml": "nvml_part:check_provider",
     "nvml_sample_cost": "nvml_part:sample_cost",
     "torch_rollout": "torch_parts:rollout",
+    "torch_decode": "decode_part:decode",
     "torch_train_step": "torch_parts:train_step",
     "ucx_cuda": "ucx_part:cuda_transfer",
     "ucx_cuda_shards": "ucx_part:cuda_shards",

@@ -1,8 +1,9 @@
 """GPU-check parts for the torch workload: a ``TorchEngine`` rollout and a ``Trainer`` step on the GPU.
 
 What it proves: the reference workload's engine and trainer run on CUDA (not only the CPU the
-test suite uses), with figures: rollout tokens/s (EOS disabled so every row decodes
-``max_new_tokens``, the same work as the vLLM bench) and seconds per GRPO optimizer step.
+test suite uses), with figures: rollout tokens/s on the engine's default decode path (EOS
+disabled so every row decodes ``max_new_tokens``, the same work as the vLLM bench) and seconds
+per GRPO optimizer step. ``decode_part`` holds the decode paths against their goals.
 Two model sizes, random-init Qwen3 made in memory: the quickstart's ``tiny`` and the 14 M
 ``small``, where the GPU is not idle.
 """
@@ -34,19 +35,20 @@ def require_cuda() -> Any:
     return torch
 
 
-def _model(size: str, seed: int = 0) -> Any:
+def model(size: str, seed: int = 0) -> Any:
+    """A random-init Qwen3 ``HFPolicy`` of ``size`` (float32), made in memory."""
     from rlctl.workload.hf_init import random_policy
 
     return random_policy("qwen3", size, seed)
 
 
-def rollout_tokens_per_s(torch: Any, size: str, device: str) -> dict[str, float]:
+def rollout_tokens_per_s(torch: Any, size: str, device: str) -> dict[str, Any]:
     """Tokens/s of one warm ``generate`` of ``ROLLOUT_BATCH`` x ``ROLLOUT_NEW_TOKENS`` on ``device``."""
     from rlctl.workload.engine import SamplingConfig, TorchEngine
 
-    engine = TorchEngine(_model(size), SamplingConfig(temperature=1.0, eos_id=-1), device=device)
+    engine = TorchEngine(model(size), SamplingConfig(temperature=1.0, eos_id=-1), device=device)
     requests = make_requests(ROLLOUT_BATCH)
-    engine.generate(requests[:4], 8)  # warm-up: kernels, allocator
+    engine.generate(requests, ROLLOUT_NEW_TOKENS)  # warm-up: kernels, allocator, the CUDA graph of this batch
     if device == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
@@ -57,7 +59,8 @@ def rollout_tokens_per_s(torch: Any, size: str, device: str) -> dict[str, float]
     tokens = sum(len(r.response_tokens) for r in results)
     if tokens != ROLLOUT_BATCH * ROLLOUT_NEW_TOKENS:
         raise CheckFailed(f"expected {ROLLOUT_BATCH * ROLLOUT_NEW_TOKENS} tokens, got {tokens}")
-    return {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
+    return {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
+            "decode_path": engine.last_stats.decode_path}
 
 
 def rollout() -> Figures:
@@ -75,7 +78,7 @@ def train_step_seconds(torch: Any, size: str) -> dict[str, Any]:
     """Median seconds of ``TRAIN_STEPS`` GRPO steps on CUDA after one warm-up step; checks they train."""
     from rlctl.workload.trainer import Trainer
 
-    trainer = Trainer(_model(size), device="cuda", distributed=False)
+    trainer = Trainer(model(size), device="cuda", distributed=False)
     samples = synthetic_samples(seed=1)
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.train_step(samples)

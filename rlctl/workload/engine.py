@@ -10,15 +10,21 @@ called at every chunk boundary with the results that finished since the last cal
 at the end), so a rollout worker can hand samples to the controller while the rest of its batch
 is still decoding. That is what lets a short round close the moment its batch is full.
 
-``TorchEngine`` is a plain batched decoder: left padding plus an attention mask, a KV cache, and
-rows that finish (EOS, length cap, cancellation) are removed from the batch so they stop costing
-compute. The batch still runs until its longest row is done, so one long response holds the
-whole batch: the cost model that tail batching (RollPacker) is built on.
+``TorchEngine`` is a batched decoder: left padding plus an attention mask and a KV cache, with
+two decode paths that sample the same tokens (see ``TorchEngine``). The eager path (the CPU
+default) removes rows that finish (EOS, length cap, cancellation) from the batch so they stop
+costing compute. The static path (``engine_static``, the CUDA default) keeps a fixed shape, its
+state on the device and each step one CUDA graph, reading stop flags only every few steps. Either
+way the batch runs until its longest row is done, so one long response holds the whole batch: the
+cost model that tail batching (RollPacker) is built on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -26,7 +32,17 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from rlctl.workload.engine_static import POLL_STEPS, StaticDecoder, batch_bucket, build_decoder, capacity_bucket
 from rlctl.workload.task import EOS_ID, PAD_ID
+
+# ``TorchEngine(decode=...)``: "eager" (rows dropped as they finish; the CPU default), "static"
+# (engine_static's fixed-shape step without a graph, on any device), "graph" (the static step as
+# CUDA graphs; the CUDA default), "auto" (graph on CUDA, eager elsewhere). ``RLCTL_TORCH_DECODE``
+# replaces "auto" (``RLCTL_TORCH_DECODE=eager`` turns the CUDA fast path off).
+DECODE_PATHS = ("auto", "eager", "static", "graph")
+DECODE_ENV = "RLCTL_TORCH_DECODE"
+# Static decoders (each a cache and a CUDA graph) an engine keeps, least recently used dropped first.
+MAX_DECODERS = 8
 
 
 class CausalLM(Protocol):
@@ -93,6 +109,8 @@ class GenerationStats:
     cancelled: int = 0
     seconds: float = 0.0
     row_lengths: list[int] = field(default_factory=list)
+    decode_path: str = ""  # "eager", "static" or "graph"
+    capture_error: str = ""  # why a CUDA graph capture failed (the call then decoded on the static path)
 
 
 @runtime_checkable
@@ -133,18 +151,35 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def sample_uniforms(seeds: Tensor, step: int) -> Tensor:
-    """One uniform in (0, 1) per row, a pure function of the row's seed and the decode step
-    (counter-based, so a row's stream does not depend on the other rows or on any state)."""
-    counter = _mix32(torch.tensor((step * 0x9E3779B9 + 0x7F4A7C15) & _MASK32, dtype=torch.int64))  # same for every row
-    bits = _mix32(_mix32(seeds & _MASK32) ^ counter)
+def seed_hashes(seeds: Tensor) -> Tensor:
+    """The per-row half of ``sample_uniforms``: a hash of each row's seed."""
+    return _mix32(seeds & _MASK32)
+
+
+def step_counters(steps: int | Tensor) -> Tensor:
+    """The per-step half of ``sample_uniforms``, for one step number or a tensor of them (the static
+    decode path makes the table of a whole call on its device)."""
+    if isinstance(steps, Tensor):
+        return _mix32((steps * 0x9E3779B9 + 0x7F4A7C15) & _MASK32)
+    return _mix32(torch.tensor((steps * 0x9E3779B9 + 0x7F4A7C15) & _MASK32, dtype=torch.int64))
+
+
+def uniforms_from(seed_hash: Tensor, counter: Tensor) -> Tensor:
+    """One uniform in (0, 1) per row from its seed hash and the step's counter."""
+    bits = _mix32(seed_hash ^ counter)
     return (bits.to(torch.float64) + 0.5) / 2.0**32
 
 
-def sample_rows(logits: Tensor, seeds: Tensor, step: int, config: SamplingConfig) -> Tensor:
-    """One token per row, row ``i`` drawn with uniform ``sample_uniforms(seeds, step)[i]`` by
-    inverting its CDF; on CPU, in float32 probabilities, whatever device made the logits."""
-    logits = logits.detach().to("cpu", torch.float32)
+def sample_uniforms(seeds: Tensor, step: int) -> Tensor:
+    """One uniform in (0, 1) per row, a pure function of the row's seed and the decode step
+    (counter-based, so a row's stream does not depend on the other rows or on any state)."""
+    return uniforms_from(seed_hashes(seeds), step_counters(step))
+
+
+def draw_tokens(logits: Tensor, seed_hash: Tensor, counter: Tensor, config: SamplingConfig) -> Tensor:
+    """One token per row from float32 ``logits`` on their own device, row ``i`` drawn with uniform
+    ``uniforms_from(seed_hash, counter)[i]`` by inverting its CDF (float64). Reads nothing back to
+    the host, so the static decode path runs it inside its CUDA graph."""
     if config.temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits / config.temperature
@@ -152,11 +187,17 @@ def sample_rows(logits: Tensor, seeds: Tensor, step: int, config: SamplingConfig
         threshold = logits.topk(config.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     cdf = torch.softmax(logits, dim=-1).to(torch.float64).cumsum(dim=-1)
-    uniforms = sample_uniforms(seeds, step).unsqueeze(1) * cdf[:, -1:]
+    uniforms = uniforms_from(seed_hash, counter).unsqueeze(1) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, uniforms, right=True).squeeze(1)
     # A uniform in the rounding gap above the last nonzero CDF step would land on a zero-probability tail.
     last_possible = (cdf < cdf[:, -1:]).sum(dim=-1)
     return torch.minimum(tokens, last_possible)
+
+
+def sample_rows(logits: Tensor, seeds: Tensor, step: int, config: SamplingConfig) -> Tensor:
+    """One token per row, row ``i`` drawn with uniform ``sample_uniforms(seeds, step)[i]`` by
+    inverting its CDF; on CPU, in float32 probabilities, whatever device made the logits."""
+    return draw_tokens(logits.detach().to("cpu", torch.float32), seed_hashes(seeds), step_counters(step), config)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -204,10 +245,15 @@ class TorchEngine:
     batch composition the random stream is the same but logits may differ in the last bits
     (different padding and batch shapes), which can very rarely flip a sampled token.
     Cancellation depends on the caller and changes the composition from that point on.
+
+    Decode paths (``decode``, see ``DECODE_PATHS``): the static path samples with the same
+    uniforms from the same prefill; its attention spans the whole static cache with the unwritten
+    columns masked, so its logits may differ from the eager path's in the last bits, which can very
+    rarely flip a sampled token (the tests find the two token for token equal on CPU).
     """
 
     def __init__(self, model: CausalLM, sampling: SamplingConfig | None = None,
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None, decode: str = "auto") -> None:
         self.model = model
         self.sampling = sampling or SamplingConfig()
         self.device = torch.device(device) if device is not None else next(iter(model.parameters())).device
@@ -219,6 +265,9 @@ class TorchEngine:
         self._kept_buffers: dict[str, Tensor] | None = None  # while asleep: the buffers no state dict carries
         self.tensor_parallel = 1
         self.threads_per_degree = max(1, torch.get_num_threads())  # on CPU: intra-op threads per degree
+        self.decode, self._decode_forced = resolve_decode(decode, self.device)
+        self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+        self._decoder_weights: tuple[int, ...] = ()
 
     @property
     def version(self) -> int:
@@ -234,6 +283,7 @@ class TorchEngine:
         kept as they are."""
         if self.asleep:
             return
+        self._decoders.clear()  # their graphs read the weights' memory
         self._kept_buffers = dict(self.model.named_buffers())  # type: ignore[attr-defined]
         self.model.to("meta")  # type: ignore[attr-defined]
         if self.device.type == "cuda":
@@ -281,6 +331,22 @@ class TorchEngine:
             return [GenResult(r.item_id, [], max_new_tokens <= 0) for r in requests]
         if len({r.item_id for r in requests}) != len(requests):
             raise ValueError("item_id values must be unique within a generate call")
+        width = max(len(r.prompt_tokens) for r in requests)
+        decoder = self._static_decoder(len(requests), width + max_new_tokens - 1)
+        if decoder is None:
+            self.last_stats.decode_path = "eager"
+            results = self._generate_eager(requests, max_new_tokens, should_cancel, chunk_tokens, on_finished)
+        else:
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                results = self._generate_static(decoder, requests, max_new_tokens, should_cancel, chunk_tokens,
+                                                on_finished)
+            self.last_stats.decode_path = "graph" if decoder.graph is not None else "static"
+            self.last_stats.capture_error = decoder.capture_error
+        self.last_stats.seconds = time.perf_counter() - started
+        return results
+
+    def _generate_eager(self, requests: list[GenRequest], max_new_tokens: int, should_cancel: CancelCheck | None,
+                        chunk_tokens: int, on_finished: FinishedSink | None) -> list[GenResult]:
         finished: dict[str, GenResult] = {}
         unreported: list[GenResult] = []
         batch, logits = self._prefill(requests, max_new_tokens)
@@ -302,8 +368,103 @@ class TorchEngine:
             logits = self._decode_step(batch, tokens)
         if on_finished is not None and unreported:
             on_finished(unreported)
-        self.last_stats.seconds = time.perf_counter() - started
         return [finished[r.item_id] for r in requests if r.item_id in finished]
+
+    def _static_decoder(self, rows: int, columns: int) -> StaticDecoder | None:
+        """The static decoder of this call's bucket (made on first use), or None on the eager path."""
+        if self.decode == "eager":
+            return None
+        weights = tuple(t.data_ptr() for t in self.model.parameters())
+        if weights != self._decoder_weights:  # new weight storage (woken up): graphs would read the old
+            self._decoders.clear()
+            self._decoder_weights = weights
+        key = (batch_bucket(rows), capacity_bucket(columns))
+        decoder = self._decoders.get(key)
+        if decoder is not None:
+            self._decoders.move_to_end(key)
+            return decoder
+        batch, capacity = key
+        counters = step_counters(torch.arange(capacity + 1, dtype=torch.int64, device=self.device))
+        decoder = build_decoder(self.model, batch, capacity, self._draw, counters, sorted(self._stops),
+                                self.sampling.pad_id, self.device, graphed=self.decode == "graph")
+        if decoder is None:
+            if self._decode_forced:
+                raise ValueError(f"decode={self.decode!r}: this model has no static KV cache (sliding-window "
+                                 "or linear-attention layers, or another attention implementation)")
+            self.decode = "eager"
+            return None
+        self._decoders[key] = decoder
+        while len(self._decoders) > MAX_DECODERS:
+            self._decoders.popitem(last=False)
+        return decoder
+
+    def _draw(self, logits: Tensor, seed_hash: Tensor, counter: Tensor) -> Tensor:
+        return draw_tokens(logits, seed_hash, counter, self.sampling)
+
+    def _generate_static(self, decoder: StaticDecoder, requests: list[GenRequest], max_new_tokens: int,
+                         should_cancel: CancelCheck | None, chunk_tokens: int,
+                         on_finished: FinishedSink | None) -> list[GenResult]:
+        """The static path: the host reads the stop flags at polls (every ``POLL_STEPS`` steps and
+        every ``chunk_tokens``); chunk boundaries report and cancel as on the eager path."""
+        stats = self.last_stats
+        ids, mask = left_pad([r.prompt_tokens for r in requests], self.sampling.pad_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        prefill = self.model.new_cache(len(requests), ids.shape[1])
+        logits = self.model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), cache=prefill)
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
+        decoder.start(prefill, mask, seed_hashes(seeds), logits[:, -1], max_new_tokens)
+        del prefill, logits
+        finished: dict[str, GenResult] = {}
+        unreported: list[GenResult] = []
+        running = list(range(len(requests)))
+        chunk = max(1, chunk_tokens)
+        last_live = 0  # the last step a row was live at: its end or its cancellation
+        step = 1
+        while True:
+            if step % POLL_STEPS == 0 or step % chunk == 0 or step == max_new_tokens:
+                stats.decode_steps = step
+                running, ended = self._collect(decoder, requests, running, finished, unreported)
+                last_live = max(last_live, ended)
+                if running and step % chunk == 0:
+                    if on_finished is not None and unreported:
+                        on_finished(unreported)
+                        unreported = []
+                    if should_cancel is not None:
+                        cancelled = should_cancel([requests[row].item_id for row in running])
+                        dropped = [row for row in running if requests[row].item_id in cancelled]
+                        if dropped:
+                            decoder.cancel(dropped)
+                            stats.cancelled += len(dropped)
+                            stats.generated_tokens += step * len(dropped)
+                            running = [row for row in running if requests[row].item_id not in cancelled]
+                            last_live = step
+                if not running:
+                    break
+            decoder.step()
+            step += 1
+        stats.decode_steps = last_live
+        if on_finished is not None and unreported:
+            on_finished(unreported)
+        return [finished[r.item_id] for r in requests if r.item_id in finished]
+
+    def _collect(self, decoder: StaticDecoder, requests: list[GenRequest], running: list[int],
+                 finished: dict[str, GenResult], unreported: list[GenResult]) -> tuple[list[int], int]:
+        """Move the rows that ended since the last poll to ``finished`` (in the eager path's order:
+        by step, then row); return the rows still running and the last step one of them ended at."""
+        ends = decoder.finished_steps(len(requests))
+        ended = sorted((ends[row], row) for row in running if ends[row])
+        if not ended:
+            return running, 0
+        responses = decoder.responses([row for _, row in ended], ended[-1][0])
+        for (end, row), tokens in zip(ended, responses, strict=True):
+            response = tokens[:end]
+            item_id = requests[row].item_id
+            result = GenResult(item_id, response, truncated=response[-1] not in self._stops)
+            finished[item_id] = result
+            unreported.append(result)
+            self.last_stats.generated_tokens += end
+            self.last_stats.row_lengths.append(end)
+        return [row for row in running if not ends[row]], ended[-1][0]
 
     def _prefill(self, requests: list[GenRequest], max_new_tokens: int) -> tuple[_Batch, Tensor]:
         """Run the left-padded prompts through the model; return the batch and last-token logits."""
@@ -347,3 +508,17 @@ class TorchEngine:
         remaining = [row for row in keep if batch.requests[row].item_id not in cancelled]
         self.last_stats.cancelled += len(keep) - len(remaining)
         return remaining
+
+
+def resolve_decode(decode: str, device: torch.device) -> tuple[str, bool]:
+    """The decode path ``decode`` means on ``device`` ("auto": ``$RLCTL_TORCH_DECODE`` if set, then
+    graph on CUDA, eager elsewhere), and whether it was asked for by name (then a model without a
+    static cache is an error, not a fall back to eager)."""
+    choice = os.environ.get(DECODE_ENV, "auto") if decode == "auto" else decode
+    if choice not in DECODE_PATHS:
+        raise ValueError(f"decode path {choice!r}: expected one of {', '.join(DECODE_PATHS)}")
+    if choice == "auto":
+        return ("graph" if device.type == "cuda" else "eager"), False
+    if choice == "graph" and device.type != "cuda":
+        raise ValueError(f"decode='graph' needs a CUDA device, not {device}; 'static' runs the same step without graphs")
+    return choice, True

@@ -141,6 +141,71 @@ def generation_cache(config: Any, capacity: int) -> Any:
     return cache
 
 
+def static_layer_class() -> type:
+    """A subclass of transformers' ``DynamicLayer`` of one fixed shape ``[batch, heads, capacity, dim]``
+    for the engine's static decode path: ``update`` writes the step's keys and values at cache column
+    ``column`` (a one-element tensor on the device the engine advances) and returns the whole
+    buffers, so a decode step has one shape and reads no length back; the engine's attention mask
+    hides the columns not written yet. ``fill`` copies a prefill's keys and values to the first rows
+    and columns (allocating the buffers, zeroed, the first time)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class StaticDecodeLayer(DynamicLayer):  # type: ignore[misc]
+        def __init__(self, batch_size: int, capacity: int, column: Tensor) -> None:
+            super().__init__()
+            self.batch_size, self.capacity, self.column = batch_size, capacity, column
+
+        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+            self.device = key_states.device
+            heads = key_states.shape[1]
+            self.keys = torch.zeros((self.batch_size, heads, self.capacity, key_states.shape[-1]),
+                                    dtype=key_states.dtype, device=self.device)
+            self.values = torch.zeros((self.batch_size, heads, self.capacity, value_states.shape[-1]),
+                                      dtype=value_states.dtype, device=self.device)
+            self.is_initialized = True
+
+        def fill(self, keys: Tensor, values: Tensor) -> None:
+            if not self.is_initialized:
+                self.lazy_initialization(keys, values)
+            assert self.keys is not None and self.values is not None
+            rows, width = keys.shape[0], keys.shape[2]
+            self.keys[:rows, :, :width] = keys
+            self.values[:rows, :, :width] = values
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            assert self.keys is not None and self.values is not None
+            self.keys.index_copy_(2, self.column, key_states)
+            self.values.index_copy_(2, self.column, value_states)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.capacity
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.capacity, 0
+
+        def get_max_length(self) -> int:
+            return self.capacity
+
+    return StaticDecodeLayer
+
+
+_STATIC: type | None = None
+
+
+class StaticCache:
+    """The KV cache of the engine's static decode path (``HFPolicy.new_static_cache``): one
+    ``static_layer_class`` layer per model layer inside a ``DynamicCache``, which the model's forward takes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def fill(self, prefill: _Cache) -> None:
+        """Copy a prefill's cache (``new_cache`` after the prompts' forward) into rows and columns from 0."""
+        for layer, source in zip(self.inner.layers, prefill.inner.layers, strict=True):
+            layer.fill(source.keys, source.values)
+
+
 class HFPolicy(nn.Module):
     """An HF ``*ForCausalLM`` behind the ``CausalLM`` interface; ``state_dict`` keys are the HF names."""
 
@@ -158,6 +223,34 @@ class HFPolicy(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int) -> _Cache:
         return _Cache(generation_cache(self.hf_model.config, max_len))
+
+    def new_static_cache(self, batch_size: int, capacity: int, column: Tensor) -> StaticCache | None:
+        """A ``StaticCache`` writing at ``column``, or None where the static decode path does not
+        apply: a layer that is not plain full attention (sliding window, linear attention) or an
+        attention implementation other than ``sdpa`` and ``eager`` (the ones ``decode_mask`` serves)."""
+        global _STATIC
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        if self.hf_model.config._attn_implementation not in ("sdpa", "eager"):
+            return None
+        cache = DynamicCache(config=self.hf_model.config)
+        if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            return None
+        if _STATIC is None:
+            _STATIC = static_layer_class()
+        cache.layers = [_STATIC(batch_size, capacity, column) for _ in cache.layers]
+        return StaticCache(cache)
+
+    def decode_mask(self, allowed: Tensor) -> Tensor:
+        """The attention mask of one decode step, ``[B, 1, 1, L]``, from ``allowed`` (``[B, L]``, True
+        where a row attends), additive in the model's dtype: -inf where ``sdpa`` would put it for a
+        boolean mask, the dtype's minimum for ``eager`` (as transformers' own masks do). A 4D mask
+        goes to the attention as it is."""
+        dtype = self.hf_model.dtype
+        hidden = float("-inf") if self.hf_model.config._attn_implementation == "sdpa" else torch.finfo(dtype).min
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, hidden)
+        return mask[:, None, None, :]
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
                 cache: _Cache | None = None) -> Tensor:

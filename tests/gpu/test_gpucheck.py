@@ -48,10 +48,12 @@ def check_gpu_values(report: dict[str, Any]) -> None:
     parts = report["parts"]
     failed = {k: v.get("error") for k, v in parts.items() if v["status"] == "failed"}
     assert not failed, failed
-    for name in ("nvml", "nvml_sample_cost", "torch_rollout", "torch_train_step", "nccl_watchdog"):
+    for name in ("nvml", "nvml_sample_cost", "torch_rollout", "torch_decode", "torch_train_step", "nccl_watchdog"):
         assert parts[name]["status"] == "ok", (name, parts[name])
     assert parts["nvml"]["gpus"] and parts["nvml_sample_cost"]["ms_per_sample_median"] > 0
     assert parts["torch_rollout"]["cuda_large"]["tokens_per_s"] > 0
+    assert parts["torch_rollout"]["cuda_default"]["decode_path"] == "graph"
+    assert parts["torch_decode"]["missed_goals"] == []
     assert parts["torch_train_step"]["large"]["step_s_median"] > 0
     assert parts["nccl_watchdog"]["watchdog_classified"] or parts["nccl_watchdog"]["signals"]
     if parts["ucx_cuda"]["status"] == "ok":
@@ -157,3 +159,48 @@ def test_the_sharded_transfer_part_assembles_two_ranks_shards_bit_exact_on_cpu(t
     figures = sharded_round_trip(torch, "cpu", transport, 8 * 2**20)
     assert figures["bit_exact"] and figures["ranks"] == 2 and figures["transport"] == transport
     assert figures["bytes"] >= 8 * 2**20 and figures["sharded_fetch_gbps"] > 0
+
+
+def _decode_figures_meeting_goals() -> dict[str, Any]:
+    from rlctl.gpucheck.decode_part import AGREEMENT_GOAL, DECODE_BATCHES, DECODE_STEP_GOAL_MS, SPEEDUP_GOAL
+
+    return {"fast_path": "graph",
+            "decode_ms_per_step": {"graph": {str(b): DECODE_STEP_GOAL_MS for b in DECODE_BATCHES},
+                                   "eager": {str(b): 3.5 for b in DECODE_BATCHES}},
+            "tokens_per_s": {shape: {"speedup_vs_cpu": SPEEDUP_GOAL} for shape in ("default", "large")},
+            "agreement": {"identical_rows": AGREEMENT_GOAL}}
+
+
+def test_a_decode_figure_short_of_its_goal_fails_the_part() -> None:
+    from rlctl.gpucheck.decode_part import assert_goals
+
+    good = _decode_figures_meeting_goals()
+    assert run_part("torch_decode", lambda: assert_goals(good))["status"] == "ok"
+    slow_step, slow_rollout, different = _decode_figures_meeting_goals(), _decode_figures_meeting_goals(), \
+        _decode_figures_meeting_goals()
+    slow_step["decode_ms_per_step"]["graph"]["128"] = 1.2
+    slow_rollout["tokens_per_s"]["large"]["speedup_vs_cpu"] = 2.9
+    different["agreement"]["identical_rows"] = 0.5
+    for figures, words in ((slow_step, "batch 128: 1.2 ms"), (slow_rollout, "large: 2.9x"), (different, "50%")):
+        result = run_part("torch_decode", lambda figures=figures: assert_goals(figures))
+        assert result["status"] == "failed" and words in result["error"], result["error"]
+        assert result["decode_ms_per_step"] == figures["decode_ms_per_step"]  # the figures stay in the report
+
+
+@pytest.mark.timeout(300)
+def test_the_decode_part_compares_the_static_and_eager_paths_on_cpu() -> None:
+    import torch
+
+    from rlctl.gpucheck.decode_part import CPU_TWIN, decode_figures, missed_goals
+
+    # The GPU check's torch_decode part on CPU: the static path without graphs, goals not asserted.
+    figures = decode_figures(torch, CPU_TWIN)
+    assert figures["agreement"]["identical_rows"] == 1.0  # on CPU the two paths sample the same tokens
+    steps = figures["decode_ms_per_step"]
+    assert set(steps) == {"static", "eager"} and all(set(costs) == {"1", "4"} for costs in steps.values())
+    assert all(ms > 0 for costs in steps.values() for ms in costs.values())
+    for rates in figures["tokens_per_s"].values():
+        assert [rates[path]["decode_path"] for path in ("cpu", "static", "eager")] == ["eager", "static", "eager"]
+        assert rates["speedup_vs_cpu"] > 0 and rates["speedup_vs_eager"] > 0
+    assert set(figures["tokens_per_s"]) == {"default", "large"}
+    assert figures["missed_goals"] == missed_goals(figures)
