@@ -82,6 +82,7 @@ def cli_rows(state: Path, job: str) -> list[Row]:
         ("inject-fault --kind crash --duration 4", ["--kind", "crash", "--duration", "4"]),
         ("inject-fault --kind meteor", ["--kind", "meteor"]),
         ("inject-fault --kind ecc --ecc triple", ["--kind", "ecc", "--ecc", "triple"]),
+        ("inject-fault --kind xid --code 1e300", ["--kind", "xid", "--code", "1e300"]),
     ]
     rows = []
     for what, args in cases:
@@ -90,6 +91,9 @@ def cli_rows(state: Path, job: str) -> list[Row]:
     result = cli(state, "inject-fault", "node99", "--job", job, "--kind", "crash")
     rows.append({"area": "CLI", "input": "inject-fault node99 (not in the job)", "answer": answer_of(result),
                  "refused": result.returncode != 0})
+    result = cli(state, "inject-fault", "--cancel", "inj-00000000", "--job", job)
+    rows.append({"area": "CLI", "input": "inject-fault --cancel inj-00000000 (no such injection)",
+                 "answer": answer_of(result), "refused": result.returncode != 0})
     result = cli(state, "status", "no-such-job")
     rows.append({"area": "CLI", "input": "status no-such-job", "answer": answer_of(result), "refused": result.returncode != 0})
     return rows
@@ -131,6 +135,8 @@ def protocol_rows(jobdir: JobDir) -> list[Row]:
         ("a hello for a node not in the job", hello("node99", "00" * 32)),
         ("a 1 MiB hello", hello("node02", "00" * 32, pad="x" * (1 << 20))),
         ("8 MiB without a newline", b"A" * (8 << 20)),
+        ("a hello nested 5,000 arrays deep", b'{"v": 1, "type": "hello", "node": ' + b"[" * 5_000 + b"]" * 5_000
+         + b"}\n"),
     ]
     rows = [{"area": "agent protocol", "input": what, "answer": wire(port, payload), "refused": True}
             for what, payload in cases]
@@ -163,6 +169,12 @@ def api_rows(jobdir: JobDir) -> list[Row]:
         ("inject with a non-finite duration", b'{"op": "inject", "node": "node02", "kind": "hang", "params": {"duration": 1e999}}\n'),
         ("inject a worker the agent does not have", b'{"op": "inject", "node": "node02", "kind": "hang", "params": {"wid": "nobody"}}\n'),
         ("diagnostics with since_mono a string", b'{"op": "diagnostics", "since_mono": "x"}\n'),
+        ("diagnostics with since_mono = 10**400", b'{"op": "diagnostics", "since_mono": 1' + b"0" * 400 + b"}\n"),
+        ("diagnostics with since_mono NaN", b'{"op": "diagnostics", "since_mono": NaN}\n'),
+        ("inject with after = 10**400", b'{"op": "inject", "node": "node02", "kind": "crash", "params": {"after": 1'
+         + b"0" * 400 + b"}}\n"),
+        ("arrays nested 100,000 deep", b"[" * 100_000 + b"]" * 100_000 + b"\n"),
+        ("cancel an unknown fault id", b'{"op": "cancel", "fault_id": "inj-00000000"}\n'),
     ]
     rows = [{"area": "API", "input": what, "answer": call(raw)} for what, raw in cases]
     for row in rows:

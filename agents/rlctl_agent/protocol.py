@@ -45,8 +45,10 @@ def decode(line: bytes, allowed_types: frozenset[str]) -> dict[str, Any]:
         raise ProtocolError(f"message of {len(line)} bytes exceeds the {MAX_MESSAGE_BYTES} byte bound")
     try:
         body = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"not JSON: {exc}") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python reads
+        raise ProtocolError(f"not JSON: {str(exc)[:200]}") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser goes
+        raise ProtocolError("not JSON this side can read: nested too deeply") from None
     if not isinstance(body, dict):
         raise ProtocolError("message is not a JSON object")
     if body.get("v") != PROTOCOL_VERSION:

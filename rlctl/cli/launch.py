@@ -14,6 +14,8 @@ from rich.markup import escape
 from rlctl.cli.common import STATE_DIR_OPTION, console, err_console, fail, print_json, resolve_job
 from rlctl.controller.api import ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir, new_job_id, state_root
+from rlctl.controller.predecessor import EXIT_FENCED
+from rlctl.controller.store import Journal
 from rlctl.core.spec import JobSpec, SpecError
 
 CONTROLLER_READY_TIMEOUT_S = 60.0
@@ -122,6 +124,7 @@ def _workload_lines(checks: dict[str, object]) -> list[str]:
     if isinstance(model, dict):
         lines.append(f"model: {model['path']} ({model['model_type']}, vocab {model['vocab_size']}, "
                      f"{len(model['weights'])} weight file(s))")
+        lines.append(f"weights: {model['weights_check']}")
     for key in ("train_files", "eval_files"):
         facts = checks.get(key)
         if isinstance(facts, dict):
@@ -151,30 +154,38 @@ def _plan_text(spec: JobSpec, checks: dict[str, object] | None = None) -> str:
     return "\n".join(lines)
 
 
-def _spawn_controller(jobdir: JobDir, resume: bool = False) -> subprocess.Popen[bytes]:
-    """The job's controller as a detached process (its output appended to ``controller.out``)."""
+def _spawn_controller(jobdir: JobDir, resume: bool = False, expect_epoch: int | None = None) -> subprocess.Popen[bytes]:
+    """The job's controller as a detached process (its output appended to ``controller.out``). A
+    resumed one is told the controller epoch the job was read at (``expect_epoch``)."""
+    resuming = ["--resume", *(["--expect-epoch", str(expect_epoch)] if expect_epoch is not None else [])] if resume else []
     with open(jobdir.path / "controller.out", "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "rlctl.controller", "--job-dir", str(jobdir.path), *(["--resume"] if resume else [])],
+            [sys.executable, "-m", "rlctl.controller", "--job-dir", str(jobdir.path), *resuming],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             cwd=str(jobdir.path), env=dict(os.environ),
         )
 
 
-def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes], allocated: bool = False) -> None:
+def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes], allocated: bool = False, resumed: bool = False) -> None:
     """Until the controller answers (with ``allocated``: and every node has its agent, so a backend's refusal
     is reported here, as one message). A slow allocation (a queued Slurm job) is left to run after
-    ``CONTROLLER_READY_TIMEOUT_S``: the job is launched, and ``rlctl status`` follows it."""
+    ``CONTROLLER_READY_TIMEOUT_S``: the job is launched, and ``rlctl status`` follows it. ``resumed``:
+    only ``process`` answering counts (another resume's controller may answer on the same socket), and
+    ``process`` exiting fenced means that other one took the job."""
     deadline = time.monotonic() + CONTROLLER_READY_TIMEOUT_S
     client = ApiClient(jobdir.api_socket, timeout_s=2.0)
     answered = False
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            if resumed and process.returncode == EXIT_FENCED:
+                fail(_taken_over(jobdir), code=EXIT_FENCED)
             fail(_why_it_ended(jobdir, process.returncode))
         if client.available():
             try:
                 snap = client.call("status")["status"]
             except ApiError:
+                snap = None
+            if snap is not None and resumed and snap["controller"].get("pid") != process.pid:
                 snap = None
             if snap is not None:
                 answered = True
@@ -188,6 +199,19 @@ def _wait_ready(jobdir: JobDir, process: subprocess.Popen[bytes], allocated: boo
     if answered:
         return
     fail(f"the controller did not answer within {CONTROLLER_READY_TIMEOUT_S:.0f}s; see {jobdir.log_file}")
+
+
+def _taken_over(jobdir: JobDir) -> str:
+    """What a resume whose controller was fenced at its start says: another controller runs the job
+    (the newest start in the journal; its ``controller.json`` may not be written yet)."""
+    journal = Journal(jobdir.journal, readonly=True)
+    try:
+        starts = list(journal.read(types=("ControllerStarted",)))
+    finally:
+        journal.close()
+    by = f" (controller pid {starts[-1].data['pid']}, epoch {starts[-1].data.get('epoch')})" if starts else ""
+    return (f"{jobdir.job_id} was taken over by another controller{by} while this resume started; this "
+            "resume did nothing, the other controller runs the job")
 
 
 def _agents_up(snap: dict[str, object]) -> bool:
@@ -271,8 +295,8 @@ def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json
             fail(f"{jobdir.job_id} already has a running controller")
         except ApiError:
             pass  # a dead controller, or one that does not answer (paused, hung): the new one fences it
-    process = _spawn_controller(jobdir, resume=True)
-    _wait_ready(jobdir, process)
+    process = _spawn_controller(jobdir, resume=True, expect_epoch=model.controller_epoch)
+    _wait_ready(jobdir, process, resumed=True)
     if json_out:
         print_json({"job_id": jobdir.job_id, "resumed": True, "controller_pid": process.pid})
     else:

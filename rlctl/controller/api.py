@@ -1,8 +1,12 @@
 """The local API between the CLI and a running controller: a 0600 unix socket, JSON lines.
 
-Requests: ``status``, ``diagnostics``, ``stop``, ``inject`` (node, kind, params), each answered by
-the handler the controller gave the server. The CLI never talks to nodes;
-it asks the controller. ``ApiClient`` is synchronous and imports nothing heavy.
+Requests: ``status``, ``diagnostics``, ``stop``, ``inject`` (node, kind, params), ``injections``
+(the pending and recent ones) and ``cancel`` (a pending injection's fault id), each answered by the
+handler the controller gave the server. Every request gets one answer: a request that is not one
+JSON object of the right shape (not JSON, nested deeper than ``MAX_REQUEST_NESTING``, NaN or a
+number out of range where a number is expected, a field of the wrong type, bad fault parameters)
+is answered ``bad request: <why>``; a handler's own failure is answered too, and logged. The CLI
+never talks to nodes; it asks the controller. ``ApiClient`` is synchronous and imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -18,13 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlctl.core.faultparams import FaultParamError, shown, validate_fault
+
 log = logging.getLogger("rlctl.controller.api")
 
 MAX_REQUEST_BYTES = 1024 * 1024
+MAX_REQUEST_NESTING = 16  # a request is an object of scalars and one object of fault parameters
+MAX_TEXT_CHARS = 1000  # a stop reason, a node name, a fault id
 
 
 class ApiError(RuntimeError):
     """The controller refused a request or could not be reached."""
+
+
+class BadRequest(ValueError):
+    """A request that is not what the API takes; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,8 @@ class ApiHandlers:
     diagnostics: Callable[[float], dict[str, Any]]
     stop: Callable[[str], None]
     inject: Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
+    injections: Callable[[], list[dict[str, Any]]]
+    cancel: Callable[[str], dict[str, Any]]
 
 
 class ApiServer:
@@ -66,35 +81,122 @@ class ApiServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             line = await asyncio.wait_for(reader.readline(), 10.0)
-            response = await self.dispatch(json.loads(line))
-        except (TimeoutError, ValueError, TypeError) as exc:
+        except ConnectionError:  # the client went away before it asked anything
+            writer.close()
+            return
+        except TimeoutError:
+            response: dict[str, Any] = {"ok": False, "error": "bad request: no request line within 10 s"}
+        except ValueError as exc:  # over MAX_REQUEST_BYTES without a newline
             response = {"ok": False, "error": f"bad request: {exc}"}
-        writer.write(json.dumps(response).encode() + b"\n")
+        else:
+            response = await self.answer(line)
         try:
+            writer.write(encode_answer(response))
             await writer.drain()
         except ConnectionError:
             pass
         finally:
             writer.close()
 
+    async def answer(self, line: bytes) -> dict[str, Any]:
+        """The answer to one request line, whatever it holds; never raises."""
+        try:
+            return await self.dispatch(parse_request(line))
+        except BadRequest as exc:
+            return {"ok": False, "error": f"bad request: {exc}"}
+        except Exception as exc:  # the client gets an answer; the log gets the traceback
+            log.exception("answering an API request failed")
+            return {"ok": False, "error": f"the controller could not answer: {shown(exc)}"}
+
     async def dispatch(self, request: Any) -> dict[str, Any]:
-        """Answer one request; a request of the wrong shape raises ValueError or TypeError."""
+        """Answer one parsed request; a request of the wrong shape raises BadRequest."""
         if not isinstance(request, dict):
-            raise TypeError(f"a request is a JSON object, got {type(request).__name__}")
+            raise BadRequest(f"a request is a JSON object, got {_json_type(request)}")
         op = request.get("op")
         if op == "status":
             return {"ok": True, "status": self.handlers.status()}
         if op == "diagnostics":
             return {"ok": True, "diagnostics": self.handlers.diagnostics(_number(request, "since_mono"))}
         if op == "stop":
-            self.handlers.stop(str(request.get("reason") or "stopped by the operator"))
+            self.handlers.stop(_text(request, "reason", required=False) or "stopped by the operator")
             return {"ok": True}
         if op == "inject":
-            params = request.get("params") or {}
+            node, kind = _text(request, "node"), _text(request, "kind")
+            params = request.get("params")
+            if params is None:
+                params = {}
             if not isinstance(params, dict):
-                raise TypeError(f"params is a JSON object, got {type(params).__name__}")
-            return await self.handlers.inject(str(request.get("node")), str(request.get("kind")), params)
-        return {"ok": False, "error": f"unknown op {str(op)[:80]!r}"}
+                raise BadRequest(f"params is a JSON object, got {_json_type(params)}")
+            try:
+                validate_fault(kind, params)
+            except FaultParamError as exc:
+                raise BadRequest(str(exc)) from None
+            return await self.handlers.inject(node, kind, params)
+        if op == "injections":
+            return {"ok": True, "injections": self.handlers.injections()}
+        if op == "cancel":
+            return self.handlers.cancel(_text(request, "fault_id"))
+        return {"ok": False, "error": f"unknown op {shown(op)}"}
+
+
+def parse_request(line: bytes) -> Any:
+    """One request line as JSON; BadRequest when it is not JSON, names NaN or Infinity, or nests
+    deeper than ``MAX_REQUEST_NESTING``."""
+    try:
+        request = json.loads(line, parse_constant=_no_constant)
+    except BadRequest:
+        raise
+    except RecursionError:
+        raise BadRequest(f"nested deeper than {MAX_REQUEST_NESTING} levels") from None
+    except ValueError as exc:  # not JSON, not UTF-8, an integer of more digits than Python reads
+        raise BadRequest(f"not JSON: {str(exc)[:200]}") from None
+    if _nesting(request) > MAX_REQUEST_NESTING:
+        raise BadRequest(f"nested deeper than {MAX_REQUEST_NESTING} levels")
+    return request
+
+
+def encode_answer(response: dict[str, Any]) -> bytes:
+    """One answer line; an answer that cannot be written as JSON becomes an error that can."""
+    try:
+        return json.dumps(response).encode() + b"\n"
+    except (TypeError, ValueError) as exc:
+        log.error("an API answer could not be written as JSON: %s", exc)
+        return json.dumps({"ok": False, "error": f"the controller could not write its answer: {shown(exc)}"}).encode() + b"\n"
+
+
+def _no_constant(name: str) -> float:
+    raise BadRequest(f"{name} is not a number a request may hold")
+
+
+def _nesting(value: Any) -> int:
+    """How deep arrays and objects nest in ``value`` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_REQUEST_NESTING:
+            break
+        stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _text(request: dict[str, Any], key: str, required: bool = True) -> str:
+    value = request.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or (required and not value):
+        raise BadRequest(f"{key} is a non-empty string, got {shown(value) if isinstance(value, str) else _json_type(value)}")
+    if len(value) > MAX_TEXT_CHARS:
+        raise BadRequest(f"{key} is at most {MAX_TEXT_CHARS} characters, got {len(value)}")
+    return value
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -106,10 +208,19 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def _number(request: dict[str, Any], key: str) -> float:
-    value = request.get(key) or 0.0
+    """A finite number (absent or null: 0)."""
+    value = request.get(key)
+    if value is None:
+        return 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{key} is a number, got {type(value).__name__}")
-    return float(value)
+        raise BadRequest(f"{key} is a number, got {_json_type(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise BadRequest(f"{key} is out of range: {shown(value)}") from None
+    if not math.isfinite(number):
+        raise BadRequest(f"{key} is a finite number, got {shown(number)}")
+    return number
 
 
 class ApiClient:

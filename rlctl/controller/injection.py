@@ -1,67 +1,159 @@
 """Fault injection on request (``rlctl inject-fault``): checked, journaled, carried out, answered.
 
 A fault the backend can really cause (the lab's partition or power-off) goes to the backend's
-injector; every other fault is simulated by the node's agent. The request is answered only once
-the agent (or the backend) has accepted or refused it; a refused fault is journaled as refused, so
-it is never open and never matched to a later verdict. ``--after`` delays the whole injection: the
-fault is journaled when it is carried out, never back-dated. ``FaultInjection`` is handed the job
-model, the event recorder, the backend, the agent command channel; nothing more.
+injector; every other fault is simulated by the node's agent. An injection is journaled
+(``FaultInjected``, awaiting its answer) before it is handed over, then ``FaultAccepted`` or
+``FaultRefused`` once the agent (or the backend) answered; the request is answered then. A refused
+fault is never open and never matched to a later verdict, and costs the job nothing.
+
+``--after`` makes a delayed injection: journaled at once (``FaultScheduled``, with its due time),
+answered at once with its fault id, carried out by a timer of this controller when due. Until then
+it may be cancelled (``--cancel``, journaled as ``FaultCancelled``); it is cancelled too when its
+node has left the job by then, and when the job stops first. A resumed controller re-arms the
+pending ones from the journal, and cancels those that fell due while no controller ran.
+``FaultInjection`` is handed the job model, the event recorder, the backend, the agent command
+channel and the controller's ``spawn``; nothing more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from rlctl.backends.base import Backend, NodeInfo
-from rlctl.core.events import EventKind
-from rlctl.core.faultparams import AGENT_FAULTS, BACKEND_FAULTS, FaultParamError, validate_fault
+from rlctl.core.events import Event, EventKind
+from rlctl.core.faultparams import AGENT_FAULTS, BACKEND_FAULTS, FaultParamError, shown, validate_fault
+from rlctl.core.injections import Injection, InjectionBook, InjectionState
 from rlctl.core.model import JobModel
+from rlctl.core.states import NodeState
 
 log = logging.getLogger("rlctl.controller.injection")
 
 Command = Callable[..., Awaitable[dict[str, Any] | None]]
+Spawn = Callable[[Coroutine[Any, Any, None]], asyncio.Task[Any]]
 AGENT_ACK_WAIT_S = 10.0
 
 
 class FaultInjection:
-    def __init__(self, model: JobModel, record: Callable[..., Any], backend: Backend, node_infos: dict[str, NodeInfo],
-                 command: Command) -> None:
+    def __init__(self, model: JobModel, record: Callable[..., list[Event]], backend: Backend,
+                 node_infos: dict[str, NodeInfo], command: Command, spawn: Spawn) -> None:
         self.model = model
         self.record = record
         self.backend = backend
         self.node_infos = node_infos
         self.command = command
+        self.spawn = spawn
+        self.book = InjectionBook()
+        self._timers: dict[str, asyncio.Task[Any]] = {}
+
+    # ------------------------------------------------------------------------- requests
 
     async def inject(self, node: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
         model = self.model
         if node not in model.nodes:
-            return {"ok": False, "error": f"node {node!r} is not in job {model.job_id}; nodes: {', '.join(sorted(model.nodes))}"}
+            return {"ok": False, "error": f"node {shown(node)} is not in job {model.job_id}; "
+                                          f"nodes: {', '.join(sorted(model.nodes))}"}
         try:
             checked = validate_fault(kind, params)
         except FaultParamError as exc:
             return {"ok": False, "error": str(exc)}
-        # A backend that can really break the node (the lab: kill every process of the machine,
-        # cut its link) does so; otherwise node-down is the agent's simulation of it.
-        supported = kind in self.backend.supported_faults
-        backend_kind = kind in BACKEND_FAULTS and (kind not in AGENT_FAULTS or supported)
-        if backend_kind and not supported:
+        if self._by_backend_kind(kind) and kind not in self.backend.supported_faults:
             return {"ok": False, "error": f"the {self.backend.name} backend cannot inject {kind!r} (the lab can)"}
         delay = float(checked.pop("after", 0.0))
-        if delay > 0:
-            await asyncio.sleep(delay)
-            if node not in model.nodes or model.life.state.terminal:
-                return {"ok": False, "error": f"node {node!r} left the job (or the job ended) during --after"}
         fault_id = f"inj-{uuid.uuid4().hex[:8]}"
-        self.record(EventKind.FAULT_INJECTED, fault_id=fault_id, node=node, kind=kind, params=checked)
-        refusal = await (self._by_backend(node, kind, checked) if backend_kind else self._by_agent(node, kind, checked))
+        if delay > 0:
+            self._journal(EventKind.FAULT_SCHEDULED, fault_id=fault_id, node=node, kind=kind, params=checked,
+                          due_at=time.time() + delay)
+            injection = self.book.injections[fault_id]
+            self._arm(injection)
+            return {"ok": True, "fault_id": fault_id, "node": node, "kind": kind, "state": injection.state.value,
+                    "due_at": injection.due_at}
+        return await self._carry_out(fault_id, node, kind, checked)
+
+    def cancel(self, fault_id: str) -> dict[str, Any]:
+        """Cancel a pending delayed injection; one that is unknown or no longer pending is refused."""
+        injection = self.book.injections.get(fault_id)
+        if injection is None:
+            return {"ok": False, "error": f"no injection {shown(fault_id)} in job {self.model.job_id} "
+                                          "(`rlctl inject-fault --list` shows them)"}
+        if injection.state != InjectionState.PENDING:
+            return {"ok": False, "error": f"fault {fault_id} cannot be cancelled: it is {_described(injection)}; "
+                                          "only a pending one (delayed by --after) can be"}
+        self._cancel(injection, "cancelled by the operator")
+        return {"ok": True, "fault_id": fault_id, "node": injection.node, "kind": injection.kind,
+                "state": injection.state.value}
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [injection.as_dict() for injection in self.book.listing()]
+
+    # ------------------------------------------------------------- the controller's life
+
+    def replayed(self, ev: Event) -> None:
+        """A resuming controller hands over each event it replays from the journal."""
+        self.book.apply(ev)
+
+    def rearm(self, now: float) -> None:
+        """After a resume: pending injections still ahead are armed again; those that fell due while no
+        controller ran are cancelled (carried out late, they would hit a job in another state)."""
+        for injection in self.book.pending():
+            if injection.due_at <= now:
+                self._cancel(injection, f"it fell due {now - injection.due_at:.0f} s ago, while no controller ran")
+            else:
+                self._arm(injection)
+
+    def cancel_all(self, reason: str) -> None:
+        """The job stops: no pending injection will be carried out."""
+        for injection in self.book.pending():
+            self._cancel(injection, reason)
+
+    # ------------------------------------------------------------------------ carrying out
+
+    def _arm(self, injection: Injection) -> None:
+        self._timers[injection.fault_id] = self.spawn(self._when_due(injection))
+
+    async def _when_due(self, injection: Injection) -> None:
+        await asyncio.sleep(max(0.0, injection.due_at - time.time()))
+        self._timers.pop(injection.fault_id, None)
+        if injection.state != InjectionState.PENDING or self.model.life.state.terminal:
+            return
+        node = self.model.nodes.get(injection.node)
+        if node is None or node.life.state in (NodeState.RELEASED, NodeState.FAILED):
+            self._cancel(injection, f"node {injection.node} left the job before the fault was due")
+            return
+        answer = await self._carry_out(injection.fault_id, injection.node, injection.kind, dict(injection.params))
+        if not answer["ok"]:
+            log.warning("delayed fault %s on %s was refused: %s", injection.fault_id, injection.node, answer["error"])
+
+    def _cancel(self, injection: Injection, reason: str) -> None:
+        self._journal(EventKind.FAULT_CANCELLED, fault_id=injection.fault_id, node=injection.node, reason=reason)
+        timer = self._timers.pop(injection.fault_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    async def _carry_out(self, fault_id: str, node: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
+        self._journal(EventKind.FAULT_INJECTED, fault_id=fault_id, node=node, kind=kind, params=params,
+                      awaiting_answer=True)
+        by_backend = self._by_backend_kind(kind)
+        refusal = await (self._by_backend(node, kind, params) if by_backend else self._by_agent(node, kind, params))
         if refusal is not None:
-            self.record(EventKind.FAULT_REFUSED, fault_id=fault_id, node=node, reason=refusal)
+            self._journal(EventKind.FAULT_REFUSED, fault_id=fault_id, node=node, reason=refusal)
             return {"ok": False, "error": refusal, "fault_id": fault_id}
-        return {"ok": True, "fault_id": fault_id, "node": node, "kind": kind}
+        self._journal(EventKind.FAULT_ACCEPTED, fault_id=fault_id, node=node)
+        return {"ok": True, "fault_id": fault_id, "node": node, "kind": kind,
+                "state": InjectionState.CARRIED_OUT.value}
+
+    def _journal(self, type_: EventKind, /, **data: Any) -> None:
+        for ev in self.record(type_, **data):
+            self.book.apply(ev)
+
+    def _by_backend_kind(self, kind: str) -> bool:
+        """A backend that can really break the node (the lab: kill every process of the machine, cut
+        its link) does so; otherwise node-down is the agent's simulation of it."""
+        return kind in BACKEND_FAULTS and (kind not in AGENT_FAULTS or kind in self.backend.supported_faults)
 
     async def _by_backend(self, node: str, kind: str, params: dict[str, Any]) -> str | None:
         """Carry the fault out through the backend; the reason it could not, or None."""
@@ -96,3 +188,11 @@ class FaultInjection:
             return slot.wid if slot is not None and slot.node == node and slot.wid else str(named)
         slot = self.model.slot_on_gpu(node, params.get("gpu"))
         return slot.wid if slot is not None and slot.wid else None
+
+
+def _described(injection: Injection) -> str:
+    if injection.state == InjectionState.INJECTING:
+        return "being carried out now"
+    if injection.state == InjectionState.CARRIED_OUT:
+        return "already carried out"
+    return f"{injection.state.value} ({injection.reason})"

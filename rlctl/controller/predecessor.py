@@ -28,6 +28,9 @@ from rlctl.controller.store import Journal
 log = logging.getLogger("rlctl.controller")
 
 KILL_WAIT_S = 5.0
+# The exit code of a controller fenced by a successor, or that found one had taken the job over as it
+# started (`rlctl resume` says so, and exits with it too).
+EXIT_FENCED = 3
 
 
 class JournalHeld(RuntimeError):

@@ -40,7 +40,7 @@ from rlctl.controller.injection import FaultInjection
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.observing import ObservabilityError, Observing
 from rlctl.controller.ops import DataOps
-from rlctl.controller.predecessor import JournalHeld, take_write_lock, this_process
+from rlctl.controller.predecessor import EXIT_FENCED, JournalHeld, take_write_lock, this_process
 from rlctl.controller.seam import Workload
 from rlctl.controller.store import Journal, JournalFenced
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
@@ -65,17 +65,19 @@ HEARTBEAT_SUMMARY_S = 5.0
 # collection walks them all. Collecting them rarer (they die by reference count anyway) keeps the
 # collector off the heartbeat path; the defaults are (700, 10, 10).
 GC_THRESHOLDS = (50_000, 20, 20)
-EXIT_FENCED = 3
 
 
 class Controller:
     def __init__(self, jobdir: JobDir, spec: JobSpec, backend: Backend, workload: Workload,
-                 resume: bool = False) -> None:
+                 resume: bool = False, expect_epoch: int | None = None) -> None:
         self.jobdir = jobdir
         self.spec = spec
         self.plan: LaunchPlan = plan(spec)
         self.backend = backend
         self.resume = resume
+        # `rlctl resume` read the job at this controller epoch: a newer one means another controller
+        # took the job over since, and this one leaves it to that one.
+        self.expect_epoch = expect_epoch
         self.journal = Journal(jobdir.journal)
         self.model = JobModel(job_id=jobdir.job_id)
         self.scheduler = RoundScheduler(config_from_spec(spec), workload.prompts(), workload.held_out_prompts())
@@ -101,9 +103,10 @@ class Controller:
         self.effects = EffectRunner(self.model, backend, self.hub, self.launcher, self.node_infos, self.record, self.spawn)
         self.detection = Detection(self.orc, self.hub.connected, backend, self.node_infos, self.ops.last_request_at,
                                    Resumed(resume), self.spawn)
-        self.injection = FaultInjection(self.model, self.record, backend, self.node_infos, self.hub.command)
-        self.api = ApiServer(jobdir.api_socket, ApiHandlers(status=self.snapshot, diagnostics=self.diagnostics,
-                                                            stop=self.orc.request_stop, inject=self.injection.inject))
+        self.injection = FaultInjection(self.model, self.record, backend, self.node_infos, self.hub.command, self.spawn)
+        self.api = ApiServer(jobdir.api_socket, ApiHandlers(
+            status=self.snapshot, diagnostics=self.diagnostics, stop=self.orc.request_stop, inject=self.injection.inject,
+            injections=self.injection.listing, cancel=self.injection.cancel))
         self.observing = Observing(spec, jobdir, self.model, self.orc.detector.config.lag_limit_s)
         self.agent_port = 0
         self._done = asyncio.Event()
@@ -203,6 +206,9 @@ class Controller:
             ticker.cancel()
         except JournalHeld as exc:  # nothing was journaled or started: the job is left as it was
             return _cannot_take_over(exc)
+        except TakenOver as exc:  # nothing was journaled or started: the job is the other controller's
+            _cannot_take_over(exc)
+            return EXIT_FENCED
         except Exception as exc:  # the controller must record why it died before it goes
             if self.fenced_reason:
                 return EXIT_FENCED
@@ -210,6 +216,7 @@ class Controller:
             # A backend's or a setting's refusal is the user's to fix: its own message. Anything else is ours.
             reason = (f"{self.backend.name} backend: {exc}" if isinstance(exc, BackendError)
                       else str(exc) if isinstance(exc, ObservabilityError) else f"controller error: {exc!r}")
+            self.injection.cancel_all("the job failed before it was due")
             self.orc.end(JobState.FAILED, reason)
             await self._release_everything()
             return 1
@@ -247,6 +254,10 @@ class Controller:
         self.journal.take_over()
         for ev in self.journal.read():
             self.model.apply(ev)
+            self.injection.replayed(ev)
+        if self.expect_epoch is not None and self.model.controller_epoch != self.expect_epoch:
+            raise TakenOver(f"another controller (epoch {self.model.controller_epoch}) took the job over after "
+                            f"`rlctl resume` read it at epoch {self.expect_epoch}; it runs the job")
         self.observing.catch_up()
         info = self.jobdir.read_controller()
         await self._bind(port=int(info.get("agent_port", 0)), resumed=True, **({"predecessor_killed": killed.pid} if killed else {}))
@@ -256,6 +267,8 @@ class Controller:
         self.orc.detector.reset_heartbeats(time.time())
         if self.model.life.state.terminal:
             self._done.set()
+        else:
+            self.injection.rearm(time.time())
 
     async def _bind(self, port: int, resumed: bool, **started: Any) -> None:
         """Listen for agents and the CLI. The new epoch is journaled before any agent is accepted."""
@@ -374,6 +387,7 @@ class Controller:
     async def _finish(self) -> None:
         if self.fenced_reason:
             return
+        self.injection.cancel_all("the job stopped before it was due")
         await self._release_everything()
         request = self.orc.stop or orc.StopRequest("stopped")
         self.orc.end(self.orc.final_state(), request.reason)
@@ -427,7 +441,11 @@ def _percentiles(values: Any) -> dict[str, float | int]:
             "n": len(ordered)}
 
 
-def _cannot_take_over(reason: JournalHeld) -> int:
+class TakenOver(RuntimeError):
+    """Another controller took the job over between `rlctl resume` reading it and this one starting."""
+
+
+def _cannot_take_over(reason: Exception) -> int:
     log.error("cannot take the job over: %s", reason)
     print(f"cannot take the job over: {reason}", file=sys.stderr, flush=True)  # what `rlctl resume` shows
     return 1

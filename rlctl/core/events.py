@@ -31,6 +31,9 @@ class EventKind(StrEnum):
     WORKER_EXITED = "WorkerExited"
     FAULT_INJECTED = "FaultInjected"
     FAULT_REFUSED = "FaultRefused"
+    FAULT_SCHEDULED = "FaultScheduled"
+    FAULT_ACCEPTED = "FaultAccepted"
+    FAULT_CANCELLED = "FaultCancelled"
     FAULT_SIGNAL = "FaultSignal"
     VERDICT = "Verdict"
     ACTION_TAKEN = "ActionTaken"
@@ -78,6 +81,11 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.WORKER_EXITED: ("slot", "wid", "exit_code", "signal"),
     EventKind.FAULT_INJECTED: ("fault_id", "node", "kind", "params"),
     EventKind.FAULT_REFUSED: ("fault_id", "node", "reason"),
+    # A delayed injection (``--after``), journaled when asked for; ``FaultInjected`` (same id) when due,
+    # or ``FaultCancelled`` (by the operator, or when it can no longer be carried out).
+    EventKind.FAULT_SCHEDULED: ("fault_id", "node", "kind", "params", "due_at"),
+    EventKind.FAULT_ACCEPTED: ("fault_id", "node"),  # the agent (or backend) carried it out
+    EventKind.FAULT_CANCELLED: ("fault_id", "node", "reason"),
     EventKind.CONNECTION_REFUSED: ("source", "node", "reason", "count"),
     EventKind.FAULT_SIGNAL: ("node", "kind", "detail"),
     EventKind.VERDICT: ("node", "slot", "verdict", "fault", "reason"),

@@ -36,6 +36,7 @@ MIN_XID, MAX_XID = 1, 255  # NVIDIA's documented XID codes are small positive in
 MAX_GPU_INDEX = 1023
 MAX_LINK_DELAY_MS = 60_000
 ECC_KINDS = ("sbe", "dbe")
+SHOWN_CHARS = 60  # the most of a bad value an error message prints
 
 # Which parameters each kind takes (``after`` and a target worker are common to all).
 _COMMON = frozenset({"after", "wid", "worker"})
@@ -66,8 +67,8 @@ class FaultParamError(ValueError):
 
 def validate_fault(kind: str, params: dict[str, Any]) -> dict[str, Any]:
     """Return ``params`` checked and normalised for ``kind``; raise FaultParamError otherwise."""
-    if kind not in _PARAMS:
-        raise FaultParamError("--kind", f"unknown fault kind {kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
+    if not isinstance(kind, str) or kind not in _PARAMS:
+        raise FaultParamError("--kind", f"unknown fault kind {shown(kind)}; valid kinds: {', '.join(FAULT_KINDS)}")
     if not isinstance(params, dict):
         raise FaultParamError("params", "must be an object of option values")
     allowed = _PARAMS[kind] | _COMMON
@@ -94,11 +95,11 @@ def validate_fault(kind: str, params: dict[str, Any]) -> dict[str, Any]:
             out[key] = _integer(key, value, 1, MAX_LINK_DELAY_MS)
         elif key == "kind":
             if value not in ECC_KINDS:
-                raise FaultParamError(_option(key), f"expected one of {', '.join(ECC_KINDS)}, got {value!r}")
+                raise FaultParamError(_option(key), f"expected one of {', '.join(ECC_KINDS)}, got {shown(value)}")
             out[key] = value
         else:
             if not isinstance(value, str) or not value:
-                raise FaultParamError(_option(key), f"expected a worker id, got {value!r}")
+                raise FaultParamError(_option(key), f"expected a worker id, got {shown(value)}")
             out[key] = value
     if kind == "xid" and "code" not in out:
         raise FaultParamError("--code", "--kind xid needs an XID code (e.g. --code 79)")
@@ -110,23 +111,41 @@ def _option(key: str) -> str:
 
 
 def _number(key: str, value: Any, low: float, high: float, low_open: bool) -> float:
+    bracket = "(" if low_open else "["
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise FaultParamError(_option(key), f"expected a number of seconds, got {value!r}")
-    number = float(value)
+        raise FaultParamError(_option(key), f"expected a number of seconds, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float: out of range, whatever the range
+        raise FaultParamError(_option(key), f"expected a value in {bracket}{low:g}, {high:g}], "
+                                            f"got {shown(value)}") from None
     if not math.isfinite(number):
-        raise FaultParamError(_option(key), f"expected a finite number, got {value!r}")
+        raise FaultParamError(_option(key), f"expected a finite number, got {shown(value)}")
     if number < low or (low_open and number == low) or number > high:
-        bracket = "(" if low_open else "["
-        raise FaultParamError(_option(key), f"expected a value in {bracket}{low:g}, {high:g}], got {number:g}")
+        raise FaultParamError(_option(key), f"expected a value in {bracket}{low:g}, {high:g}], got {shown(number)}")
     return number
 
 
 def _integer(key: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise FaultParamError(_option(key), f"expected an integer in [{low}, {high}], got {value!r}")
+    expected = f"expected an integer in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+        raise FaultParamError(_option(key), f"{expected}, got {shown(value)}")
     if not low <= value <= high:
-        raise FaultParamError(_option(key), f"expected an integer in [{low}, {high}], got {value}")
+        raise FaultParamError(_option(key), f"{expected}, got {shown(value)}")
     return int(value)
+
+
+def shown(value: Any) -> str:
+    """``value`` as an error message shows it, bounded: an integer of 400 digits or a megabyte of
+    text is named by its size, not printed."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        if value.bit_length() <= 64:
+            return str(value)
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        return f"{'a negative' if value < 0 else 'an'} integer of about {digits} digits"
+    if isinstance(value, float):
+        return f"{value:g}"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
