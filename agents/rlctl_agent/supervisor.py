@@ -66,6 +66,7 @@ class WorkerRecord:
     gpu: int | None = None
     suspended: bool = False
     exited: bool = False
+    log_start: int = 0  # where this worker's own lines begin in its log (a wid's log may hold an earlier start's)
 
     @property
     def adopted(self) -> bool:
@@ -84,20 +85,49 @@ class WorkerRecord:
     def state_entry(self) -> dict[str, Any]:
         return {"wid": self.wid, "slot": self.slot, "role": self.role, "pid": self.pid,
                 "start_time": self.start_time, "log_path": str(self.log_path), "log_offset": self.watcher.offset,
+                "log_start": self.log_start,
                 "phase": self.phase, "step": self.step, "progress": self.progress, "gpu": self.gpu}
 
 
 @dataclass(frozen=True)
 class WorkerExit:
-    """How a worker ended: ``worker_exited`` fields."""
+    """How a worker ended: ``worker_exited`` fields. ``error``: the last error it logged ("" if none)."""
 
     wid: str
     exit_code: int | None
     signal: str | None
     reason: str
+    error: str = ""
 
     def message_fields(self) -> dict[str, Any]:
-        return {"wid": self.wid, "exit_code": self.exit_code, "signal": self.signal, "reason": self.reason}
+        return {"wid": self.wid, "exit_code": self.exit_code, "signal": self.signal, "reason": self.reason,
+                "error": self.error}
+
+
+LOG_TAIL_BYTES = 8192
+ERROR_CHARS = 300
+
+
+def last_error(log_path: Path, since: int = 0) -> str:
+    """The last error a worker wrote to its log after byte ``since``: a Python traceback's final line
+    (``SafetensorError: header too large``) where the tail holds one, else the last line that says
+    error or fatal; "" when there is none (a worker killed by a signal mid-work usually logged none)."""
+    try:
+        with log_path.open("rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            start = max(since, size - LOG_TAIL_BYTES)
+            handle.seek(start)
+            tail = handle.read(size - start).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    if any(line.startswith("Traceback (most recent call last)") for line in lines):
+        after = lines[max(i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")):]
+        final = [line for line in after if not line.startswith(("File ", "Traceback", "^", "~"))]
+        if final:
+            return final[-1][:ERROR_CHARS]
+    flagged = [line for line in lines if any(word in line.lower() for word in ("error", "fatal"))]
+    return flagged[-1][:ERROR_CHARS] if flagged else ""
 
 
 def read_proc_stat(pid: int) -> tuple[str, int] | None:
@@ -179,7 +209,7 @@ class Supervisor:
         stat = read_proc_stat(popen.pid)
         record = WorkerRecord(wid=wid, slot=slot, role=role, pid=popen.pid, start_time=stat[1] if stat else 0,
                               log_path=log_path, watcher=WorkerLogWatcher(wid, log_path, offset), popen=popen,
-                              gpu=placed[0] if placed else self._pick_gpu(env))
+                              gpu=placed[0] if placed else self._pick_gpu(env), log_start=offset)
         self.workers[wid] = record
         self.save_state()
         log.info("started worker %s (role %s, slot %s) pid %d", wid, role, slot, popen.pid)
@@ -241,13 +271,14 @@ class Supervisor:
             if code is None:
                 return None
             record.exited = True
+            error = last_error(record.log_path, record.log_start) if code != 0 else ""
             if code < 0:
-                return WorkerExit(record.wid, None, signal_name(-code), "killed-by-signal")
-            return WorkerExit(record.wid, code, None, "exited")
+                return WorkerExit(record.wid, None, signal_name(-code), "killed-by-signal", error)
+            return WorkerExit(record.wid, code, None, "exited", error)
         if process_alive(record.pid, record.start_time):
             return None
         record.exited = True
-        return WorkerExit(record.wid, None, None, "untracked-exit")
+        return WorkerExit(record.wid, None, None, "untracked-exit", last_error(record.log_path, record.log_start))
 
     def forget_exited(self, keep: int = 1000) -> None:
         """Drop the oldest exited records beyond ``keep`` (kept so start_worker stays idempotent)."""
@@ -310,7 +341,7 @@ class Supervisor:
             start_time=int(entry["start_time"]), log_path=log_path,
             watcher=WorkerLogWatcher(wid, log_path, int(entry.get("log_offset", 0))),
             phase=str(entry.get("phase", "starting")), step=entry.get("step"), progress=entry.get("progress"),
-            gpu=entry.get("gpu"),
+            gpu=entry.get("gpu"), log_start=int(entry.get("log_start", 0)),
         )
 
 

@@ -87,7 +87,8 @@ class AgentInbox:
                     self.orc.record(EventKind.WORKER_STARTED, slot=slot.slot, wid=slot.wid,
                                     pid=int(message.get("pid") or 0))
             elif kind == "worker_exited":
-                self.orc.worker_exited(str(message.get("wid")), message.get("exit_code"), message.get("signal"))
+                self.orc.worker_exited(str(message.get("wid")), message.get("exit_code"), message.get("signal"),
+                                       str(message.get("error") or "")[:300])
             elif kind == "fault_signal":
                 code = message.get("code")
                 self.orc.fault_signal(node, str(message.get("kind")), int(code) if code is not None else None,

@@ -122,6 +122,7 @@ class Verdict:
     action: str
     reason: str
     evidence_since: float  # best estimate of when the fault began
+    wid: str | None = None  # the worker the evidence is about, where it names one
 
 
 def phi(silence_s: float, mean_s: float, std_s: float) -> float:
@@ -246,12 +247,13 @@ class Detector:
                 reason = (f"{worker.role} {worker.slot} stopped polling for {worker.request_age_s:.1f}s in phase "
                           f"{worker.phase} (bound {bound:.0f}s)")
                 return Verdict(worker.node, worker.slot, "failed", "worker-hang", "restart-worker", reason,
-                               now - worker.request_age_s)
+                               now - worker.request_age_s, worker.wid)
             return None
         if bound is None or worker.progress_age_s < bound:
             return None
         reason = f"{worker.role} {worker.slot} made no progress for {worker.progress_age_s:.1f}s in phase {worker.phase} (bound {bound:.0f}s)"
-        return Verdict(worker.node, worker.slot, "failed", "worker-hang", "restart-worker", reason, now - worker.progress_age_s)
+        return Verdict(worker.node, worker.slot, "failed", "worker-hang", "restart-worker", reason,
+                       now - worker.progress_age_s, worker.wid)
 
     def slow_verdicts(self, workers: list[WorkerObs], now: float,
                       rates: Mapping[str, float | None] | None = None) -> list[Verdict]:
@@ -283,7 +285,8 @@ class Detector:
                             f"{role} {worker.slot} runs at {rate:.1f}/s vs peers' median {median:.1f}/s "
                             f"(< {cfg.slow_ratio:.0%}) for {now - track.slow_since:.0f}s"
                         )
-                        out.append(Verdict(worker.node, worker.slot, "slow", "fail-slow", "replace-node", reason, track.slow_since))
+                        out.append(Verdict(worker.node, worker.slot, "slow", "fail-slow", "replace-node", reason,
+                                           track.slow_since, worker.wid))
                 else:
                     track.slow_since = None
         return out
@@ -329,12 +332,16 @@ def classify_signal(kind: str, code: int | None) -> tuple[str, str]:
     }.get(kind, (kind, "observe"))
 
 
-def exit_verdict(node: str, slot: str, role: str, exit_code: int | None, signal: str | None, now: float) -> Verdict | None:
-    """A worker exit: non-zero codes and signals are crashes; exit 0 is a normal finish."""
+def exit_verdict(node: str, slot: str, role: str, exit_code: int | None, signal: str | None, now: float,
+                 wid: str | None = None, error: str = "") -> Verdict | None:
+    """A worker exit: non-zero codes and signals are crashes; exit 0 is a normal finish. ``error``:
+    the last error the worker logged, quoted in the reason."""
     if exit_code == 0 and signal is None:
         return None
     how = f"signal {signal}" if signal else f"exit code {exit_code}"
-    return Verdict(node, slot, "failed", "worker-crash", "restart-worker", f"{role} {slot} died with {how}", now)
+    said = f" ({error})" if error else ""
+    return Verdict(node, slot, "failed", "worker-crash", "restart-worker", f"{role} {slot} died with {how}{said}", now,
+                   wid)
 
 
 def _inverse_upper_tail(p: float) -> float:

@@ -26,6 +26,8 @@ from rlctl.core.states import JobState, Lifecycle, NodeState, WorkerState
 __all__ = ["PROCESS_FAULTS", "FaultRecord", "GpuSummary", "JobModel", "NodeRecord", "SlotRecord", "TrainerStateOffer"]
 
 RECENT_EVENTS = 200
+# Exits recorded for a worker whose node failed or whose agent came back without it: the node's fault.
+NOT_THE_WORKERS_EXIT = frozenset({"node-failed", "lost-while-disconnected"})
 QUIET_EVENTS = frozenset({EventKind.HEARTBEAT_SUMMARY, EventKind.ITEMS_DISPATCHED, EventKind.SCORING_DISPATCHED, EventKind.TRAJECTORY_STORED, EventKind.REWARDS_STORED})
 
 
@@ -282,6 +284,7 @@ class JobModel(FaultLedger, WeightsRegistry):
         slot.phase, slot.phase_since, slot.progress_at, slot.pid = "starting", ev.at, ev.at, None
         slot.weights_version = -1
         slot.tensor_parallel = None
+        slot.serving = False
 
     def _on_EngineResized(self, ev: Event) -> None:
         slot = self._slot_for(ev)
@@ -323,6 +326,11 @@ class JobModel(FaultLedger, WeightsRegistry):
         target = WorkerState.EXITED if code == 0 and sig is None else WorkerState.FAILED
         if slot.life.state == WorkerState.STOPPING:
             target = WorkerState.EXITED
+            self._seen_with_stopped_worker(slot, ev.at)
+        elif target == WorkerState.FAILED and sig not in NOT_THE_WORKERS_EXIT and not self._injected_into(slot):
+            how = f"signal {sig}" if sig else f"exit code {code}"
+            error = str(ev.data.get("error") or "")
+            slot.count_failed_start(str(ev.data["wid"]), f"{how}; last error: {error}" if error else how)
         if slot.life.can_move(target):
             slot.life.move(target, ev.at, f"exit code {code}" if sig is None else f"signal {sig}")
         elif slot.life.can_move(WorkerState.EXITED):

@@ -1,9 +1,12 @@
 """The job model's faults: injected, refused, seen (a verdict), recovered, and what they cost.
 
 A mixin of ``JobModel`` over its state: the event handlers for faults (``_on_FaultInjected``,
-``_on_FaultRefused``, ``_on_FaultSignal``, ``_on_Verdict``, ``_on_FaultRecovered``), the rules that
-end a fault when its slot, node or the whole job is back, and the share of the job's progress a
-fault takes away (the ETTR ledger's weights). Pure: no I/O, no clock.
+``_on_FaultAccepted``, ``_on_FaultRefused``, ``_on_FaultSignal``, ``_on_Verdict``,
+``_on_FaultRecovered``), the rules that end a fault when its slot, node or the whole job is back,
+and the share of the job's progress a fault takes away (the ETTR ledger's weights). A delayed
+injection is no fault until it is carried out (``FaultScheduled`` and ``FaultCancelled`` change
+nothing here); an injection counts in the ledger only once its agent or backend carried it out
+(``FaultAccepted``) or a verdict saw it. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class FaultLedger:
         # job's progress away once.
         impacts: dict[tuple[str, str | None, bool], float] = {}
         for fault in self.open_faults():
+            if fault.awaiting_answer:
+                continue
             key = (fault.node, fault.slot if fault.kind in PROCESS_FAULTS else fault.kind, fault.detected_at is None)
             impacts[key] = max(impacts.get(key, 0.0), fault.impact)
         undetected = sum(impact for key, impact in impacts.items() if key[2])
@@ -81,7 +86,13 @@ class FaultLedger:
             occurred_at=ev.at + float(d["params"].get("after", 0.0)),
             injected=True,
             impact=self.fault_impact(slot),
+            awaiting_answer=bool(d.get("awaiting_answer", False)),
         )
+
+    def _on_FaultAccepted(self, ev: Event) -> None:
+        fault = self.faults.get(ev.data["fault_id"])
+        if fault is not None:
+            fault.awaiting_answer = False
 
     def _on_FaultRefused(self, ev: Event) -> None:
         fault = self.faults.get(ev.data["fault_id"])
@@ -117,6 +128,7 @@ class FaultLedger:
             twins = self._twins(fault, ev.at, replaced=d["verdict"] == "failed" and d.get("action") in REPLACING_ACTIONS)
             for seen in (fault, *twins):
                 seen.detected_at = ev.at
+                seen.awaiting_answer = False  # seen, so it happened (its agent's answer may come later)
                 seen.verdict = d.get("fault_kind", d["fault"])
                 seen.reason = d["reason"]
                 seen.action = d.get("action", "")
@@ -126,6 +138,9 @@ class FaultLedger:
                 for seen in (fault, *twins):
                     seen.slot, seen.impact = failed.slot, self.fault_impact(failed)
         slot = self.slots.get(d["slot"]) if d.get("slot") else None
+        if (slot is not None and d["verdict"] == "failed" and slot.wid and d.get("wid") == slot.wid
+                and not self._injected_into(slot)):
+            slot.count_failed_start(slot.wid, d["reason"])
         if slot is not None and slot.life is not None and slot.life.can_move(WorkerState.FAILED):
             slot.life.move(WorkerState.FAILED, ev.at, d["reason"][:80])
 
@@ -141,6 +156,23 @@ class FaultLedger:
         for fault in self.open_faults():
             if fault.node == node and fault.detected_at is None:
                 fault.detected_at, fault.verdict, fault.reason = at, "node-retired", reason[:200]
+                fault.awaiting_answer = False
+
+    def _injected_into(self, slot: SlotRecord) -> bool:
+        """Whether an open injected fault (an operator's chaos) is on ``slot``'s worker or node: its
+        worker's failure is explained, and it is no sign that the slot cannot start."""
+        return any(fault.injected and (fault.slot == slot.slot or (fault.node == slot.node and fault.kind not in PROCESS_FAULTS))
+                   for fault in self.open_faults())
+
+    def _seen_with_stopped_worker(self, slot: SlotRecord, at: float) -> None:
+        """``slot``'s worker was stopped (a plan replaces it, or the job stops): a fault of that process
+        that no verdict saw (a crash a moment before the stop came) is seen by its stop, and ends when
+        the slot's next worker serves, as the fault the plan handles does."""
+        for fault in self.open_faults():
+            if (fault.slot == slot.slot and fault.kind in PROCESS_FAULTS and fault.detected_at is None
+                    and fault.occurred_at <= at):
+                fault.detected_at, fault.verdict = at, "replaced"
+                fault.reason, fault.awaiting_answer = f"its worker {slot.wid} was stopped and replaced", False
 
     def _open_fault_for(self, node: str, slot: str | None) -> FaultRecord | None:
         for fault in self.open_faults():
@@ -149,6 +181,8 @@ class FaultLedger:
         return None
 
     def _recover_slot(self, slot: SlotRecord, at: float) -> None:
+        """``slot``'s worker has its role back: it serves, and the faults it was recovering from end."""
+        slot.serving, slot.failed_starts = True, 0
         for fault in self.open_faults():
             if fault.slot == slot.slot and fault.detected_at is not None and self.policy == "role":
                 self._recover_fault(fault, at)

@@ -168,28 +168,30 @@ class Orchestrator:
         self.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=None, signal=reason)
         self._worker_gone(slot, None, reason)
 
-    def worker_exited(self, wid: str, exit_code: int | None, signal_name: str | None) -> None:
-        """An agent reported that worker ``wid`` exited."""
+    def worker_exited(self, wid: str, exit_code: int | None, signal_name: str | None, error: str = "") -> None:
+        """An agent reported that worker ``wid`` exited; ``error``: the last error it logged."""
         slot = self.model.slot_of_wid(wid)
         if slot is None:
             return
-        self.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=exit_code, signal=signal_name)
+        self.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=exit_code, signal=signal_name,
+                    **({"error": error} if error else {}))
         if slot.wid in self.stopping_wids:
             # We asked it to stop. If nothing replaced it meanwhile (its node was unreachable when
             # the others were restarted) and the job wants the slot filled, start it now.
             if slot.slot not in self.recovery.busy_slots and self.wants_worker(slot):
                 self.shell.run_plan(in_order(some(self.start_worker(slot))))
             return
-        self._worker_gone(slot, exit_code, signal_name)
+        self._worker_gone(slot, exit_code, signal_name, error)
 
-    def _worker_gone(self, slot: SlotRecord, exit_code: int | None, signal_name: str | None) -> None:
+    def _worker_gone(self, slot: SlotRecord, exit_code: int | None, signal_name: str | None, error: str = "") -> None:
         if self.closed() or slot.node is None:
             return
         if exit_code == 0 and signal_name is None:
             return
         if self.recovery.handled_recently(slot):
             return
-        verdict = det.exit_verdict(slot.node, slot.slot, slot.role, exit_code, signal_name, self.shell.clock())
+        verdict = det.exit_verdict(slot.node, slot.slot, slot.role, exit_code, signal_name, self.shell.clock(),
+                                   slot.wid, error)
         if verdict is not None:
             self.handle(verdict)
 
@@ -198,7 +200,7 @@ class Orchestrator:
         """An agent's fault signal (XID, ECC, NCCL watchdog...): journaled, classified, acted on."""
         self.record(EventKind.FAULT_SIGNAL, node=node, kind=kind, detail=detail[:300], code=code, gpu=gpu, worker=worker)
         verdict = signal_verdict(self.model, node, kind, code, detail, self.shell.clock(),
-                                 gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else None)
+                                 gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else None, worker)
         if verdict is not None:
             self.handle(verdict)
 
@@ -266,16 +268,22 @@ class Orchestrator:
 
 
 def signal_verdict(model: JobModel, node: str, kind: str, code: int | None, detail: str, now: float,
-                   gpu: int | None = None) -> det.Verdict | None:
-    """An agent's fault signal classified, attributed to the worker on that GPU; ``observe``
-    actions give None."""
+                   gpu: int | None = None, worker: str | None = None) -> det.Verdict | None:
+    """An agent's fault signal classified, attributed to the worker it names (a log line's), else the
+    worker on that GPU; ``observe`` actions give None, and so does a signal of a worker that has
+    since been replaced (its process is gone: the signal is about nothing that runs)."""
     fault, action = det.classify_signal(kind, code)
     if action == "observe":
         return None
     slot = model.slot_on_gpu(node, gpu)
+    if worker and worker in model.wid_slots:
+        slot = model.slot_of_wid(worker)
+        if slot is None:
+            return None
     where = f"{node} GPU {gpu}" if gpu is not None else node
     reason = f"{kind}{' ' + str(code) if code is not None else ''} on {where}: {detail or fault}"
-    return det.Verdict(node, slot.slot if slot else None, "failed", fault, action, reason, now)
+    return det.Verdict(node, slot.slot if slot else None, "failed", fault, action, reason, now,
+                       slot.wid if slot else None)
 
 
 def restored_state(model: JobModel, node: str) -> NodeState:

@@ -38,10 +38,19 @@ class Claims:
         return cls(frozenset(slots), frozenset(str(s.args["node"]) for s in steps if s.kind == "move-slot"))
 
 
-def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int, claims: Claims = Claims()) -> list[Step]:
-    """The recovery steps for ``verdict`` under the job's policy, leaving alone what ``claims`` names."""
+DEFAULT_MAX_FAILED_STARTS = 3
+
+
+def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int, claims: Claims = Claims(),
+         max_failed_starts: int = DEFAULT_MAX_FAILED_STARTS) -> list[Step]:
+    """The recovery steps for ``verdict`` under the job's policy, leaving alone what ``claims`` names.
+    A slot whose workers failed ``max_failed_starts`` times in a row before they ever served can never
+    start (a corrupt model file, a broken environment): the job gives up on it, under either policy."""
     if verdict.action in ("observe", "probe"):
         return []
+    failing = model.slots.get(verdict.slot) if verdict.slot else None
+    if failing is not None and max_failed_starts > 0 and failing.failed_starts >= max_failed_starts:
+        return [Step("give-up", {"slot": failing.slot, "reason": cannot_start(failing)})]
     if model.policy == "full-restart":
         return _full_restart(model, verdict, claims)
     if verdict.action == "restart-agent":
@@ -81,6 +90,13 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int, claims: 
         return [Step("restart-worker", {"slot": slot.slot})]
     return (_retire_node(verdict, drain=verdict.action == "drain-replace")
             + _move(model, workers_on(model, verdict.node, slot), verdict.node, claims))
+
+
+def cannot_start(slot: SlotRecord) -> str:
+    """Why the job gives up on ``slot``: its role, how many starts failed and the last one's error."""
+    role = "warm standby" if slot.standby else slot.role
+    return (f"{role} {slot.slot} failed {slot.failed_starts} starts in a row and cannot start "
+            f"(last: {slot.last_error or 'no error reported'})")
 
 
 def _standby_failed(verdict: Verdict, slot: SlotRecord, node_bad: bool, max_restarts_per_slot: int) -> list[Step]:

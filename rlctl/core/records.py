@@ -75,6 +75,18 @@ class SlotRecord:
     standby: bool = False
     gpus: tuple[int, ...] = ()  # the node's GPUs (local indices) its worker holds; () on a node without GPUs
     tensor_parallel: int | None = None  # an engine's degree after its last resize (0: parked); None: the role's
+    serving: bool = False  # its worker has reached its role since it started (loaded, restored, holds the weights)
+    failed_starts: int = 0  # workers in a row that failed before they served (on any node)
+    last_error: str = ""  # how the last of those failed: the exit and the error it logged
+    failure_counted: str = ""  # the worker whose failure ``failed_starts`` last counted (each counts once)
+
+    def count_failed_start(self, wid: str, how: str) -> None:
+        """Worker ``wid`` of this slot failed before it served: one more failed start, counted once."""
+        if self.serving or not wid or self.failure_counted == wid:
+            return
+        self.failure_counted = wid
+        self.failed_starts += 1
+        self.last_error = f"worker {wid} on {self.node}: {how}"[:400]
 
 
 @dataclass
@@ -93,6 +105,9 @@ class FaultRecord:
     impact: float = 1.0
     trajectories_lost: int = 0
     refused: str = ""  # why the agent or backend refused to carry the injection out
+    # An injection handed to its agent (or backend) and not yet answered: open (a verdict may see it),
+    # but it takes nothing from the job until it is carried out, so a refused one costs nothing.
+    awaiting_answer: bool = False
 
     @property
     def open(self) -> bool:

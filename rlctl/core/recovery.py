@@ -8,6 +8,7 @@ recovered or ``REJUDGE_AFTER_S`` passed. Pure: the shell gives the time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rlctl.core import detector as det
@@ -71,6 +72,15 @@ class Tally:
         self.failed_plans = 0
 
 
+@dataclass(frozen=True)
+class Handling:
+    """A verdict being handled: the slot's worker it was about (None for a node's verdict), and the
+    plan's number, so that only that plan forgets it."""
+
+    wid: str | None
+    plan: int
+
+
 class Recovery:
     def __init__(self, spec: JobSpec, model: JobModel, scheduler: RoundScheduler, detector: det.Detector,
                  shell: Shell, workers: WorkerControl) -> None:
@@ -81,7 +91,8 @@ class Recovery:
         self.shell = shell
         self.workers = workers
         self.tally = Tally()
-        self._handled: dict[tuple[str, str, str], str | None] = {}  # verdict key -> the slot's worker then
+        self._handled: dict[tuple[str, str, str], Handling] = {}  # verdict key -> what is being done about it
+        self._plans_made = 0
         self._busy_slots: set[str] = set()
         self._claimed_nodes: set[str] = set()  # spare nodes plans under way move slots onto
         self._deferred: dict[str, tuple[det.Verdict, str | None]] = {}  # slot -> verdict met while a plan restored it
@@ -105,14 +116,26 @@ class Recovery:
         exit report is the same fault seen again). A worker the recovery started since is not covered:
         its failure is a new fault."""
         return (slot.life is not None and slot.life.state == WorkerState.EXITED and slot.slot not in self._busy_slots
-                and any(key[1] == slot.slot and wid == slot.wid for key, wid in self._handled.items()))
+                and any(key[1] == slot.slot and handling.wid == slot.wid for key, handling in self._handled.items()))
+
+    def _handled_already(self, key: tuple[str, str, str], verdict: det.Verdict) -> bool:
+        """Whether ``verdict`` is the failure a plan under way (or cooling down) handles: same node, slot
+        and fault, about the same worker. A worker that recovery started since is a new process: its
+        failure (a crash while it loads, say) is a new fault, never the old one seen again."""
+        handling = self._handled.get(key)
+        if handling is None:
+            return False
+        slot = self.model.slots.get(verdict.slot) if verdict.slot else None
+        newer_worker = (slot is not None and verdict.wid is not None and verdict.wid == slot.wid
+                        and verdict.wid != handling.wid)
+        return not newer_worker
 
     def handle(self, verdict: det.Verdict) -> None:
-        """Journal the verdict and start its recovery plan, once per (node, slot, fault)."""
+        """Journal the verdict and start its recovery plan, once per (node, slot, fault) and worker."""
         if self.workers.closed():
             return
         key = (verdict.node, verdict.slot or "", verdict.fault)
-        if key in self._handled:
+        if self._handled_already(key, verdict):
             return
         if verdict.slot and verdict.slot in self._busy_slots and verdict.action == "restart-worker":
             # The plan under way restores this slot. A fault nobody had seen yet is seen now (its
@@ -129,25 +152,32 @@ class Recovery:
     def _act(self, verdict: det.Verdict, key: tuple[str, str, str], fault_id: str) -> None:
         """Plan the recovery of a journaled verdict and start carrying it out."""
         slot = self.model.slots.get(verdict.slot) if verdict.slot else None
-        self._handled[key] = slot.wid if slot is not None else None
+        self._plans_made += 1
+        handling = self._handled[key] = Handling(slot.wid if slot is not None else None, self._plans_made)
         claimed = policy.Claims(frozenset(self._busy_slots), frozenset(self._claimed_nodes))
-        steps = policy.plan(self.model, verdict, self.spec.fault_tolerance.max_restarts_per_slot, claimed)
+        ft = self.spec.fault_tolerance
+        steps = policy.plan(self.model, verdict, ft.max_restarts_per_slot, claimed, ft.max_failed_starts)
         self.tally.plans.append((verdict, steps))
         if not steps:
-            self._handled.pop(key, None)
+            self._forget(key, handling)
             return
         if self.model.life.can_move(JobState.RECOVERING):
             self.record(EventKind.JOB_STATE_CHANGED, state=JobState.RECOVERING.value, reason=verdict.reason[:120])
         claims = policy.Claims.of(steps)
         self._busy_slots.update(claims.slots)
         self._claimed_nodes.update(claims.nodes)
-        self.shell.run_plan(self._run_plan(steps, verdict, fault_id, key, claims))
+        self.shell.run_plan(self._run_plan(steps, verdict, fault_id, key, claims, handling))
+
+    def _forget(self, key: tuple[str, str, str], handling: Handling) -> None:
+        """A plan's verdict may be judged again (unless a newer plan handles the same key now)."""
+        if self._handled.get(key) is handling:
+            del self._handled[key]
 
     def _journal(self, verdict: det.Verdict) -> str:
         fault_id = self._fault_id_for(verdict)
         self.record(EventKind.VERDICT, node=verdict.node, slot=verdict.slot, verdict=verdict.verdict, fault=fault_id,
                     fault_kind=verdict.fault, action=verdict.action, reason=verdict.reason,
-                    evidence_since=verdict.evidence_since)
+                    evidence_since=verdict.evidence_since, **({"wid": verdict.wid} if verdict.wid else {}))
         self.tally.verdicts[verdict.fault] = self.tally.verdicts.get(verdict.fault, 0) + 1
         return fault_id
 
@@ -161,7 +191,7 @@ class Recovery:
         return f"f-{verdict.fault}-{verdict.node}-{int(self.shell.clock() * 1000) % 10_000_000}"
 
     def _run_plan(self, steps: list[policy.Step], verdict: det.Verdict, fault_id: str, key: tuple[str, str, str],
-                  claims: policy.Claims) -> Plan:
+                  claims: policy.Claims, handling: Handling) -> Plan:
         restarting = False  # between a full restart's stop-all and its start-all
         try:
             for step in steps:
@@ -182,7 +212,7 @@ class Recovery:
         self.workers.update_job_state()
         self._take_up_deferred(claims.slots)
         yield from self._cool_down(fault_id)
-        self._handled.pop(key, None)
+        self._forget(key, handling)
 
     def _take_up_deferred(self, slots: frozenset[str]) -> None:
         """Act on a verdict that came in while a plan restored one of ``slots`` when the plan left that
@@ -198,7 +228,7 @@ class Recovery:
                     or self.model.nodes[verdict.node].life.state in NOT_RECOVERABLE_NODE:
                 continue
             key = (verdict.node, name, verdict.fault)
-            if key not in self._handled and not self.workers.closed():
+            if not self._handled_already(key, verdict) and not self.workers.closed():
                 self._act(verdict, key, fault_id or self._journal(verdict))
 
     def _cool_down(self, fault_id: str) -> Plan:
@@ -268,6 +298,8 @@ class Recovery:
         elif step.kind == "rollback":
             yield TrainingAbandoned()
             self.shell.commit_decided(self.scheduler.rollback(int(args["to_step"]), self.shell.clock()))
+        elif step.kind == "give-up":
+            self.workers.request_stop(f"failed: {args['reason']}")
         elif step.kind == "start-all":
             yield Requeue()
             # Nodes whose agent is not connected start their workers when it registers (agent_registered).

@@ -251,6 +251,12 @@ JOB_SCHEMA: dict[str, Field] = {
             "max_restarts_per_slot": Field(
                 "int", "Worker restarts on the same node before the node is replaced instead.", 2, minimum=0
             ),
+            "max_failed_starts": Field(
+                "int", "Workers of one slot that fail in a row before they ever serve (load, restore, hold the "
+                "weights), on any node, before the job gives up on that slot and fails with the last one's error: "
+                "a worker that can never start (a corrupt model file, a broken environment) must not restart "
+                "forever.", 3, minimum=1,
+            ),
             "slow_ratio": Field(
                 "float", "A node whose throughput is below this fraction of its peers' median is slow.", 0.35, minimum=0.01,
                 maximum=1.0,
@@ -563,6 +569,7 @@ class FaultToleranceSpec:
     min_silence_s: float
     confirm_with_probe: bool
     max_restarts_per_slot: int
+    max_failed_starts: int
     slow_ratio: float
     slow_window_s: float
     exclude_failed_nodes: bool

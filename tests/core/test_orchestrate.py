@@ -23,7 +23,8 @@ def orchestrator(policy: str = "role", spares: int = 0) -> tuple[orc.Orchestrato
     scheduler = make_scheduler(tail=False)
     model.scheduler = scheduler
     shell = RecordingShell(model)
-    spec = SimpleNamespace(fault_tolerance=SimpleNamespace(max_restarts_per_slot=3, exclude_failed_nodes=True),
+    spec = SimpleNamespace(fault_tolerance=SimpleNamespace(max_restarts_per_slot=3, max_failed_starts=3,
+                                                                   exclude_failed_nodes=True),
                            warm_spares=False)
     detector = det.Detector(det.DetectorConfig(heartbeat_interval_s=1.0, phi_threshold=8.0, min_silence_s=3.0,
                                                confirm_with_probe=True, phase_timeout_s={}, slow_ratio=0.5,
