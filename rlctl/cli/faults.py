@@ -17,7 +17,7 @@ from rlctl.cli.common import console, fail, job_status, print_json, resolve_job
 from rlctl.controller.api import ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from rlctl.core.faultparams import FAULT_KINDS, FaultParamError, validate_fault
+from rlctl.core.faultparams import ARMABLE_PHASES, FAULT_KINDS, FaultParamError, validate_fault
 from rlctl.core.injections import FAULT_EVENTS, InjectionState, book_of
 
 DEFAULT_CHAOS_KINDS = "crash,hang,node-down,xid,nccl-timeout"
@@ -30,6 +30,9 @@ def inject_fault(
     code: float = typer.Option(None, "--code", help="XID code for --kind xid (e.g. 79, 48, 13)."),
     after: float = typer.Option(0.0, "--after", help="Seconds to wait before the fault: the injection is scheduled "
                                                      "and this command answers at once with its fault id."),
+    at_phase: str = typer.Option(None, "--at-phase", metavar="PHASE", help="Arm the fault instead: it is carried "
+                                 "out when a worker of NODE (the one --worker names: a slot, worker id or role) next "
+                                 f"reports PHASE ({', '.join(ARMABLE_PHASES)}); answers at once with its fault id."),
     duration: float = typer.Option(None, "--duration", help="For hang/slow/partition: seconds until it heals."),
     factor: float = typer.Option(None, "--factor", help="For slow: slow-down factor (e.g. 4)."),
     ecc: str = typer.Option("dbe", "--ecc", help="For --kind ecc: sbe or dbe."),
@@ -62,7 +65,8 @@ def inject_fault(
         fail(f"missing {' and '.join(n for n, v in (('NODE', node), ('--kind', kind)) if v is None)} "
              "(or --list, or --cancel FAULT_ID)", code=2)
     params: dict[str, object] = {"after": after}
-    for key, value in (("code", code), ("duration", duration), ("factor", factor), ("gpu", gpu), ("worker", worker)):
+    for key, value in (("code", code), ("duration", duration), ("factor", factor), ("gpu", gpu), ("worker", worker),
+                       ("at_phase", at_phase)):
         if value is not None:
             params[key] = value
     if kind == "ecc":
@@ -79,7 +83,12 @@ def inject_fault(
         fail(str(exc))
     if json_out:
         print_json({k: result[k] for k in ("fault_id", "node", "kind")}
-                   | {"job_id": jobdir.job_id, "state": result.get("state", "carried-out"), "due_at": result.get("due_at")})
+                   | {"job_id": jobdir.job_id, "state": result.get("state", "carried-out"), "due_at": result.get("due_at"),
+                      "at_phase": result.get("at_phase")})
+    elif result.get("at_phase"):
+        console.print(f"armed {kind} for {node} of {jobdir.job_id}: carried out when {worker or 'a worker'} there "
+                      f"reports {result['at_phase']} (fault {result['fault_id']}; "
+                      f"`rlctl inject-fault --cancel {result['fault_id']}` cancels it)")
     elif result.get("state") == InjectionState.PENDING:
         console.print(f"scheduled {kind} into {node} of {jobdir.job_id} in {after:g} s (fault {result['fault_id']}; "
                       f"`rlctl inject-fault --cancel {result['fault_id']}` cancels it)")

@@ -49,6 +49,7 @@ class FaultInjection:
         self.spawn = spawn
         self.book = InjectionBook()
         self._timers: dict[str, asyncio.Task[Any]] = {}
+        self._firing: set[str] = set()  # armed injections being carried out now
 
     # ------------------------------------------------------------------------- requests
 
@@ -65,6 +66,12 @@ class FaultInjection:
             return {"ok": False, "error": f"the {self.backend.name} backend cannot inject {kind!r} (the lab can)"}
         delay = float(checked.pop("after", 0.0))
         fault_id = f"inj-{uuid.uuid4().hex[:8]}"
+        if checked.get("at_phase"):
+            running = sorted([slot.slot, slot.wid] for slot in model.slots.values() if slot.wid)
+            self._journal(EventKind.FAULT_SCHEDULED, fault_id=fault_id, node=node, kind=kind, params=checked,
+                          due_at=time.time(), passed_over=running)
+            return {"ok": True, "fault_id": fault_id, "node": node, "kind": kind, "state": InjectionState.PENDING.value,
+                    "at_phase": checked["at_phase"]}
         if delay > 0:
             self._journal(EventKind.FAULT_SCHEDULED, fault_id=fault_id, node=node, kind=kind, params=checked,
                           due_at=time.time() + delay)
@@ -100,10 +107,41 @@ class FaultInjection:
         """After a resume: pending injections still ahead are armed again; those that fell due while no
         controller ran are cancelled (carried out late, they would hit a job in another state)."""
         for injection in self.book.pending():
+            if injection.at_phase:
+                continue  # armed for a phase: it waits for the next worker that reports it
             if injection.due_at <= now:
                 self._cancel(injection, f"it fell due {now - injection.due_at:.0f} s ago, while no controller ran")
             else:
                 self._arm(injection)
+
+    def on_events(self, events: list[Event]) -> None:
+        """Carry out the armed injections (``--at-phase``) whose worker reports their phase in
+        ``events``: ``WorkerStarted`` is the phase ``starting``, ``WorkerPhase`` the others."""
+        for ev in events:
+            if ev.type == EventKind.WORKER_STARTED:
+                phase = "starting"
+            elif ev.type == EventKind.WORKER_PHASE:
+                phase = str(ev.data["phase"])
+            else:
+                continue
+            slot = self.model.slots.get(str(ev.data["slot"]))
+            if slot is None or self.model.life.state.terminal:
+                continue
+            wid = str(ev.data["wid"])
+            for injection in self.book.armed():
+                if injection.fault_id not in self._firing and injection.fires_for(slot.node, slot.slot, slot.role,
+                                                                                   wid, phase):
+                    self._firing.add(injection.fault_id)
+                    self.spawn(self._fire(injection, slot.node or injection.node, wid))
+
+    async def _fire(self, injection: Injection, node: str, wid: str) -> None:
+        params = {k: v for k, v in injection.params.items() if k not in ("worker", "wid")} | {"worker": wid}
+        try:
+            answer = await self._carry_out(injection.fault_id, node, injection.kind, params)
+        finally:
+            self._firing.discard(injection.fault_id)
+        if not answer["ok"]:
+            log.warning("armed fault %s on %s was refused: %s", injection.fault_id, injection.node, answer["error"])
 
     def cancel_all(self, reason: str) -> None:
         """The job stops: no pending injection will be carried out."""

@@ -140,6 +140,7 @@ class Controller:
         for ev in stored:
             self.model.apply(ev, decided=decided)
         self.observing.on_events(stored)
+        self.injection.on_events(stored)
         return stored
 
     def connected(self, node: str) -> bool:

@@ -38,8 +38,13 @@ MAX_LINK_DELAY_MS = 60_000
 ECC_KINDS = ("sbe", "dbe")
 SHOWN_CHARS = 60  # the most of a bad value an error message prints
 
-# Which parameters each kind takes (``after`` and a target worker are common to all).
-_COMMON = frozenset({"after", "wid", "worker"})
+# The worker phases an injection can wait for (``--at-phase``): ``starting`` is the moment its agent
+# reports the new process, the others are the phases workers report (``spec.PHASES_WITH_BOUNDS``).
+ARMABLE_PHASES = ("starting", "loading", "compiling", "weight-sync", "generating", "scoring", "training",
+                  "checkpointing", "standby")
+
+# Which parameters each kind takes (``after``, ``at_phase`` and a target worker are common to all).
+_COMMON = frozenset({"after", "at_phase", "wid", "worker"})
 _PARAMS: dict[str, frozenset[str]] = {
     "crash": frozenset(),
     "hang": frozenset({"duration"}),
@@ -53,7 +58,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "slow-link": frozenset({"duration", "delay_ms"}),
 }
 # The CLI's name for each parameter, so an error names the option the user typed.
-OPTION_NAMES = {"after": "--after", "duration": "--duration", "factor": "--factor", "code": "--code",
+OPTION_NAMES = {"after": "--after", "at_phase": "--at-phase", "duration": "--duration", "factor": "--factor", "code": "--code",
                 "kind": "--ecc", "gpu": "--gpu", "delay_ms": "--delay-ms", "wid": "--worker", "worker": "--worker"}
 
 
@@ -93,6 +98,10 @@ def validate_fault(kind: str, params: dict[str, Any]) -> dict[str, Any]:
             out[key] = _integer(key, value, 0, MAX_GPU_INDEX)
         elif key == "delay_ms":
             out[key] = _integer(key, value, 1, MAX_LINK_DELAY_MS)
+        elif key == "at_phase":
+            if value not in ARMABLE_PHASES:
+                raise FaultParamError(_option(key), f"expected one of {', '.join(ARMABLE_PHASES)}, got {shown(value)}")
+            out[key] = value
         elif key == "kind":
             if value not in ECC_KINDS:
                 raise FaultParamError(_option(key), f"expected one of {', '.join(ECC_KINDS)}, got {shown(value)}")
@@ -101,6 +110,8 @@ def validate_fault(kind: str, params: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(value, str) or not value:
                 raise FaultParamError(_option(key), f"expected a worker id, got {shown(value)}")
             out[key] = value
+    if out.get("at_phase") and out.get("after"):
+        raise FaultParamError("--at-phase", "waits for a worker's phase; it cannot be combined with --after")
     if kind == "xid" and "code" not in out:
         raise FaultParamError("--code", "--kind xid needs an XID code (e.g. --code 79)")
     return out

@@ -2,7 +2,7 @@
 
 ``rlctl inject-fault --list`` shows it, ``--cancel`` consults it, and a resumed controller re-arms
 the delayed injections still pending in it. States: ``pending`` (``FaultScheduled``, waiting for its
-``--after``), ``injecting`` (``FaultInjected``, handed to its agent or backend, no answer yet),
+``--after``, or for a worker of its node to reach its ``--at-phase``), ``injecting`` (``FaultInjected``, handed to its agent or backend, no answer yet),
 ``carried-out`` (``FaultAccepted``, or ``FaultInjected`` of a journal from before answers were
 journaled), ``refused`` (``FaultRefused``) and ``cancelled`` (``FaultCancelled``). Pure: no I/O.
 """
@@ -40,11 +40,30 @@ class Injection:
     state: InjectionState
     settled_at: float | None = None  # when it was carried out, refused or cancelled
     reason: str = ""  # why it was refused or cancelled
+    at_phase: str = ""  # armed: carried out when a worker of its node (its --worker) reports this phase
+    # The (slot, worker) pairs that ran when it was armed: it waits for a new worker of its slot (a
+    # warm standby that takes the slot over is one).
+    passed_over: frozenset[tuple[str, str]] = frozenset()
 
     def as_dict(self) -> dict[str, Any]:
         return {"fault_id": self.fault_id, "node": self.node, "kind": self.kind, "params": self.params,
                 "requested_at": self.requested_at, "due_at": self.due_at, "state": self.state.value,
-                "settled_at": self.settled_at, "reason": self.reason}
+                "settled_at": self.settled_at, "reason": self.reason, "at_phase": self.at_phase}
+
+    def fires_for(self, node: str | None, slot: str, role: str, wid: str, phase: str) -> bool:
+        """Whether this armed injection is carried out now that worker ``wid`` (of ``slot``, with
+        ``role``, on ``node``) reports ``phase``. A ``--worker`` that names a slot follows the slot to
+        whichever node runs its next worker (a warm standby taking it over, a replacement node); one
+        that names a worker id or a role, or none, waits on the injection's own node. Only a worker
+        that came to its slot after the arming counts."""
+        if self.state != InjectionState.PENDING or not self.at_phase or phase != self.at_phase:
+            return False
+        if (slot, wid) in self.passed_over:
+            return False
+        named = self.params.get("worker") or self.params.get("wid")
+        if named == slot:
+            return True
+        return node == self.node and (not named or named in (wid, role))
 
 
 FAULT_EVENTS = frozenset({EventKind.FAULT_SCHEDULED, EventKind.FAULT_INJECTED, EventKind.FAULT_ACCEPTED,
@@ -65,7 +84,10 @@ class InjectionBook:
         known = self.injections.get(str(d["fault_id"]))
         if ev.type == EventKind.FAULT_SCHEDULED:
             self.injections[d["fault_id"]] = Injection(d["fault_id"], d["node"], d["kind"], dict(d["params"]), ev.at,
-                                                       float(d["due_at"]), InjectionState.PENDING)
+                                                       float(d["due_at"]), InjectionState.PENDING,
+                                                       at_phase=str(d["params"].get("at_phase", "")),
+                                                       passed_over=frozenset((str(s), str(w)) for s, w in
+                                                                             d.get("passed_over", [])))
         elif ev.type == EventKind.FAULT_INJECTED:
             # Before answers were journaled, an injection was journaled once carried out (or about to be).
             state = InjectionState.INJECTING if d.get("awaiting_answer") else InjectionState.CARRIED_OUT
@@ -73,7 +95,7 @@ class InjectionBook:
                 self.injections[d["fault_id"]] = Injection(d["fault_id"], d["node"], d["kind"], dict(d["params"]),
                                                            ev.at, ev.at, state)
             else:
-                known.state = state
+                known.state, known.node = state, d["node"]  # an armed one is carried out where its slot runs
             if state == InjectionState.CARRIED_OUT:
                 self.injections[d["fault_id"]].settled_at = ev.at
         elif known is not None:
@@ -86,6 +108,10 @@ class InjectionBook:
 
     def pending(self) -> list[Injection]:
         return [i for i in self.injections.values() if i.state == InjectionState.PENDING]
+
+    def armed(self) -> list[Injection]:
+        """The pending injections that wait for a worker's phase rather than a time."""
+        return [i for i in self.pending() if i.at_phase]
 
     def listing(self, recent: int = RECENT_LISTED) -> list[Injection]:
         """Every injection not yet settled and the ``recent`` last asked for of the settled ones, in

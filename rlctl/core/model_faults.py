@@ -110,18 +110,20 @@ class FaultLedger:
             return
         named = self.faults.get(d["fault"])  # the open fault the verdict names, else the node's open fault
         fault = named if named is not None and named.open else self._open_fault_for(d["node"], d.get("slot"))
+        slot = self.slots.get(d["slot"]) if d.get("slot") else None
+        explained = slot is not None and self._injected_into(slot)  # before this verdict sees the injection
         if fault is None:
-            slot = self.slots.get(d["slot"]) if d.get("slot") else self.slot_on_node(d["node"])
+            hit = slot if slot is not None else self.slot_on_node(d["node"])
             # Never over a closed record of the same id (a refused injection): a new fault.
             fault_id = d["fault"] if d["fault"] not in self.faults else f"{d['fault']}@{ev.seq or ev.at}"
             fault = FaultRecord(
                 fault_id=fault_id,
                 kind=d.get("fault_kind", d["fault"]),
                 node=d["node"],
-                slot=slot.slot if slot else None,
+                slot=hit.slot if hit else None,
                 occurred_at=float(d.get("evidence_since", ev.at)),
                 injected=False,
-                impact=self.fault_impact(slot),
+                impact=self.fault_impact(hit),
             )
             self.faults[fault.fault_id] = fault
         if fault.detected_at is None:
@@ -137,9 +139,7 @@ class FaultLedger:
                 # The worker that failed: an injection's guess may have named its neighbour.
                 for seen in (fault, *twins):
                     seen.slot, seen.impact = failed.slot, self.fault_impact(failed)
-        slot = self.slots.get(d["slot"]) if d.get("slot") else None
-        if (slot is not None and d["verdict"] == "failed" and slot.wid and d.get("wid") == slot.wid
-                and not self._injected_into(slot)):
+        if slot is not None and d["verdict"] == "failed" and slot.wid and d.get("wid") == slot.wid and not explained:
             slot.count_failed_start(slot.wid, d["reason"])
         if slot is not None and slot.life is not None and slot.life.can_move(WorkerState.FAILED):
             slot.life.move(WorkerState.FAILED, ev.at, d["reason"][:80])
@@ -159,9 +159,11 @@ class FaultLedger:
                 fault.awaiting_answer = False
 
     def _injected_into(self, slot: SlotRecord) -> bool:
-        """Whether an open injected fault (an operator's chaos) is on ``slot``'s worker or node: its
-        worker's failure is explained, and it is no sign that the slot cannot start."""
-        return any(fault.injected and (fault.slot == slot.slot or (fault.node == slot.node and fault.kind not in PROCESS_FAULTS))
+        """Whether an injected fault (an operator's chaos) that no verdict has seen yet is on ``slot``'s
+        worker or node: the failure now reported is that injection, no sign that the slot cannot start.
+        Once seen, an injection explains nothing more: the next worker's failure counts."""
+        return any(fault.injected and fault.detected_at is None
+                   and (fault.slot == slot.slot or (fault.node == slot.node and fault.kind not in PROCESS_FAULTS))
                    for fault in self.open_faults())
 
     def _seen_with_stopped_worker(self, slot: SlotRecord, at: float) -> None:

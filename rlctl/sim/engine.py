@@ -27,7 +27,7 @@ from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
 from rlctl.core.states import JobState, NodeState
-from rlctl.sim import effects, inject
+from rlctl.sim import armed, effects, inject
 from rlctl.sim.clock import EventQueue
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.faults import FailureModel, SimFault
@@ -35,7 +35,7 @@ from rlctl.sim.layout import Layout, layout_costs, layout_for, node_name
 from rlctl.sim.observe import detector_for
 from rlctl.sim.pipeline import Pipeline
 from rlctl.sim.report import compare, summarize
-from rlctl.sim.site import FluidTask, SimConfig, SimStats
+from rlctl.sim.site import ArmedFaults, FluidTask, SimConfig, SimStats
 from rlctl.sim.truth import NodeTruth, WorkerTruth
 from rlctl.sim.workload import scheduler_config, synthetic_prompts
 
@@ -69,6 +69,7 @@ class Simulation:
         self.workers: dict[str, WorkerTruth] = {}
         self.events: list[Event] = []
         self.stats = SimStats()
+        self.armed = ArmedFaults()
         self.end_to_end_s: float | None = None
         self.fault_seq = 0
         self.next_node_index = self.layout.role_nodes + self.layout.spares
@@ -148,7 +149,7 @@ class Simulation:
             self.q.schedule(fault.at, self.inject, fault)
         self.q.schedule(self.config.duration_s, self.finish, "time limit reached", False)
         self.q.after(self.config.stall_s / 4, self._watch_progress, self._progress_mark(), self.now)
-        self.q.run(until=self.config.duration_s, stop=lambda: self.model.life.state.terminal)
+        self.q.run(until=self.config.duration_s, stop=self._ended)
         return summarize(self, wall_clock_s=time.perf_counter() - started)
 
     def _launch(self) -> None:
@@ -166,6 +167,14 @@ class Simulation:
         for name in names:
             self.nodes[name] = NodeTruth(name, beat_offset=self.rng.random() * self.interval)
             self.start_agent(name, self.cost.init.agent_start_s)
+
+    def _ended(self) -> bool:
+        """Whether the job has ended; a stop the core requested (a give-up, a lost trainer with no
+        node to restart it on) ends it now, as the live controller's stop does."""
+        stop = self.orc.stop
+        if stop is not None and not self.model.life.state.terminal:
+            self.orc.end(self.orc.final_state(), stop.reason)
+        return self.model.life.state.terminal
 
     def _progress_mark(self) -> tuple[int, int]:
         """What moves while a job is not deadlocked: the published version, and the faults that hit it
@@ -230,7 +239,9 @@ class Simulation:
         self.emit(EventKind.WORKER_STARTED, slot=slot.slot, wid=wid, pid=slot.generation)
         self.workers[wid] = WorkerTruth(wid, slot.slot, slot.role, slot.node, self.now)
         init = self.cost.init
-        self.q.after(init.standby_s if slot.standby else init.for_role(slot.role), self._worker_loaded, wid)
+        init_s = init.standby_s if slot.standby else init.for_role(slot.role)
+        self.q.after(init_s, self._worker_loaded, wid)
+        armed.worker_started(self, wid, init_s)
 
     def kill(self, worker: WorkerTruth) -> None:
         worker.alive = False
@@ -372,7 +383,10 @@ class Simulation:
     # ------------------------------------------------------------------------------- faults
 
     def inject(self, fault: SimFault) -> None:
-        inject.inject_fault(self, fault)
+        if fault.params.get("at_phase"):
+            armed.arm(self, fault)
+        else:
+            inject.inject_fault(self, fault)
 
 
 def simulate(spec: JobSpec, cost: CostModel, failures: FailureModel, config: SimConfig) -> dict[str, Any]:

@@ -31,6 +31,8 @@ SIM_FAULT_KINDS: dict[str, str] = {
     "network": "a link fails; NCCL errors out after the network error delay -> classify_signal('nccl-timeout')",
     "hang": "the worker freezes; progress stops -> Detector.worker_verdict when its phase is bounded",
     "slow": "the worker runs `factor` times slower for `duration` s -> Detector.slow_verdicts",
+    "corrupt-model": "the role's model files break: its worker dies and every later worker of the role (or a "
+                     "warm standby) exits while loading -> exit_verdict, then the failed-starts bound",
 }
 
 # Llama 3 405B, 54 days on 16,384 H100: 419 unplanned interruptions (arXiv 2407.21783, Table 5;

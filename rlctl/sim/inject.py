@@ -30,7 +30,7 @@ def inject_fault(sim: SimSite, fault: SimFault) -> None:
     """Apply a fault's ground truth, journal FaultInjected, and schedule what the controller sees."""
     if sim.stopping or sim.model.life.state.terminal:
         return
-    name = _pick_node(sim, fault)
+    name = pick_node(sim, fault)
     if name is None:
         sim.stats.faults_skipped += 1  # no role node it could hit (e.g. before allocation)
         return
@@ -45,7 +45,7 @@ def inject_fault(sim: SimSite, fault: SimFault) -> None:
     apply_fault(sim, fault, fault_id, name, slot, worker)
 
 
-def _pick_node(sim: SimSite, fault: SimFault) -> str | None:
+def pick_node(sim: SimSite, fault: SimFault) -> str | None:
     candidates = []
     for slot in sim.model.slots.values():
         if slot.standby or slot.node is None:
@@ -58,6 +58,8 @@ def _pick_node(sim: SimSite, fault: SimFault) -> str | None:
             continue
         if fault.role and slot.role != fault.role:
             continue
+        if fault.params.get("worker") and slot.slot != fault.params["worker"]:
+            continue  # aimed at one slot (``--worker``)
         worker = sim.workers.get(slot.wid or "")
         if fault.kind in WORKER_FAULTS and (worker is None or not worker.alive):
             continue  # a process that is not running cannot crash, hang or slow down
@@ -72,10 +74,12 @@ def apply_fault(sim: SimSite, fault: SimFault, fault_id: str, node: str, slot: S
                 worker: WorkerTruth | None) -> None:
     """The fault's ground truth, and the observation(s) it will produce."""
     kind, det_cost = fault.kind, sim.cost.detection
-    if kind == "crash":
+    if kind == "corrupt-model" and slot is not None:
+        sim.armed.broken_roles.add(slot.role)
+    if kind in ("crash", "corrupt-model"):
         if worker is not None:
             sim.kill(worker)
-            sim.q.after(det_cost.exit_report_s, _exit_reported, sim, worker.wid, 1)
+            sim.q.after(det_cost.exit_report_s, exit_reported, sim, worker.wid, 1)
     elif kind == "node-down":
         truth = sim.nodes[node]
         truth.up, truth.silent_since = False, sim.now
@@ -116,12 +120,12 @@ def apply_fault(sim: SimSite, fault: SimFault, fault_id: str, node: str, slot: S
 # ------------------------------------------------------------------------------ exits, signals
 
 
-def _exit_reported(sim: SimSite, wid: str, exit_code: int) -> None:
+def exit_reported(sim: SimSite, wid: str, exit_code: int, error: str = "") -> None:
     worker = sim.workers.get(wid)
     slot = sim.model.slots.get(worker.slot) if worker else None
     if worker is None or slot is None or slot.wid != wid or not sim.agent_connected(worker.node):
         return
-    sim.orc.worker_exited(wid, exit_code, None)
+    sim.orc.worker_exited(wid, exit_code, None, error)
 
 
 def _fault_signal(sim: SimSite, node: str, kind: str, code: int | None, detail: str, wid: str | None) -> None:

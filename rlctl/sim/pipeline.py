@@ -15,6 +15,7 @@ from rlctl.core.events import EventKind
 from rlctl.core.model_weights import state_not_older
 from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
 from rlctl.core.states import JobState
+from rlctl.sim import armed
 from rlctl.sim.site import FluidTask, SimSite
 from rlctl.sim.workload import elastic_round_s, expected_step_s, jittered, round_timing, sample_length
 
@@ -304,6 +305,7 @@ class Pipeline:
             return  # no weights yet: synced when the trainer publishes the first version
         worker.syncing = True
         self.sim.q.after(self.sim.cost.weights.sync_s, self._rollout_synced, wid)
+        armed.reached_phase(self.sim, wid, "weight-sync")
 
     def _rollout_synced(self, wid: str) -> None:
         current = self.sim.current(wid)
@@ -323,6 +325,9 @@ class Pipeline:
         if current is None:
             return
         worker, slot = current
+        armed.reached_phase(self.sim, wid, "loading")
+        if self.sim.current(wid) is None:
+            return  # an armed fault hit it as it began to restore
         plan = self.sim.model.restore_plan(lambda step: self.sim.scheduler.batch_for(step) is not None)
         checkpoint_step, target, replay = plan.checkpoint_step, plan.target, plan.replay
         seconds, state_step = 0.0, None

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from rlctl.core.detector import Detector
 from rlctl.core.events import Event, EventKind
+from rlctl.core.injections import Injection
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.rounds import RoundScheduler
@@ -34,6 +35,14 @@ class SimConfig:
     seed: int = 0
     gpus: int | None = None
     record_events: bool = False
+
+
+@dataclass
+class ArmedFaults:
+    """Faults waiting for a worker's phase (``rlctl.sim.armed``), and the roles whose model files are broken."""
+
+    waiting: list[tuple[Injection, SimFault]] = field(default_factory=list)
+    broken_roles: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -83,6 +92,7 @@ class SimSite(Protocol):
     nodes: dict[str, NodeTruth]
     workers: dict[str, WorkerTruth]
     stats: SimStats
+    armed: ArmedFaults
     interval: float
     end_to_end_s: float | None
 

@@ -192,3 +192,61 @@ def test_a_restart_on_a_node_without_its_agent_is_left_to_the_agents_registratio
     core.agent_registered("node02", 2, {}, set())
     started = [e for e in step_through(shell, shell.pending.pop()) if isinstance(e, fx.StartWorker)]
     assert [(e.slot, e.node) for e in started] == [("rollout-0", "node02")]
+
+
+def restart_until_started(shell: RecordingShell) -> str:
+    """Step the pending restart plan until it started the slot's new worker and waits in its cool-down
+    (its verdict still handled); the new worker's id."""
+    plan = shell.pending.pop()
+    wid = ""
+    while not (isinstance(effect := plan.send(None), fx.Sleep) and wid):
+        if isinstance(effect, fx.StartWorker):
+            wid = effect.wid
+    shell.pending.append(plan)
+    return wid
+
+
+def test_a_restarted_worker_that_crashes_while_it_loads_is_restarted_again() -> None:
+    """The live repro of issue 30: a crash, and a second crash of the new worker while its restart
+    plan cools down. The second exit was taken for the first fault seen again and dropped: the slot
+    stayed failed, the job 'recovering' to its end."""
+    core, shell = orchestrator()
+    slot = core.model.slots["rollout-0"]
+    slot.serving = True
+    core.worker_exited(slot.wid or "", None, "SIGKILL")
+    new_wid = restart_until_started(shell)
+    shell.commit([event(EventKind.WORKER_STARTED, shell.now, slot="rollout-0", wid=new_wid, pid=4242)])
+    core.worker_exited(new_wid, None, "SIGKILL")
+    verdicts = [e for e in shell.journal if e.type == EventKind.VERDICT]
+    assert [v.data.get("wid") for v in verdicts][-1] == new_wid
+    assert len(shell.pending) == 2, "the new worker's crash got no plan of its own"
+    started = [e for e in step_through(shell, shell.pending.pop()) if isinstance(e, fx.StartWorker)]
+    assert [e.slot for e in started] == ["rollout-0"] and started[0].wid != new_wid
+
+
+def test_a_slot_whose_workers_never_start_gives_the_job_up_naming_the_worker_and_its_error() -> None:
+    core, shell = orchestrator()
+    slot = core.model.slots["rollout-0"]
+    slot.serving = True
+    core.worker_exited(slot.wid or "", 1, None, error="RuntimeError: CUDA out of memory")  # a serving worker: no count
+    for attempt in range(1, 4):
+        new_wid = step_and_start(shell)
+        assert core.stop is None, f"gave up after {attempt - 1} failed starts"
+        core.worker_exited(new_wid, 1, None, error="safetensors_rust.SafetensorError: header too large")
+        assert slot.failed_starts == attempt
+    effects = step_through(shell, shell.pending.pop())
+    assert not [e for e in effects if isinstance(e, fx.StartWorker)]
+    assert core.stop is not None and core.stop.reason.startswith("failed: ")
+    assert new_wid in core.stop.reason and "3 starts" in core.stop.reason
+    assert "SafetensorError: header too large" in core.stop.reason
+    assert any(e.type == EventKind.JOB_STATE_CHANGED and e.data["state"] == "stopping" for e in shell.journal)
+
+
+def step_and_start(shell: RecordingShell) -> str:
+    """Run the pending restart plans to their end; the id of the worker the last one started."""
+    wid = ""
+    while shell.pending:
+        for effect in step_through(shell, shell.pending.pop()):
+            if isinstance(effect, fx.StartWorker):
+                wid = effect.wid
+    return wid
