@@ -7,6 +7,7 @@ the Jinja templates in ``templates/`` (or the copy a wheel installs). Pure: rend
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
@@ -33,6 +34,15 @@ def find_template_dir(candidates: list[Path] | None = None) -> Path:
             return candidate
     raise BackendError("the sbatch templates are missing: looked for "
                        f"{ROLE_TEMPLATE} and {TASK_TEMPLATE} in {', '.join(map(str, candidates))}")
+
+
+@dataclass(frozen=True)
+class RenderedScript:
+    """One script as ``allocate`` would write it: where, how it is run, and its text."""
+
+    path: Path
+    runner: str  # "sbatch --parsable" for a role's array; "" for the task script its srun runs
+    text: str
 
 
 class SbatchScripts:
@@ -88,12 +98,18 @@ class SbatchScripts:
             roles.append((SPARE_ROLE, request.spares, spare_gpus))
         return roles
 
+    def rendered(self, request: AllocationRequest) -> list[RenderedScript]:
+        """Every sbatch script ``allocate`` would submit, then the task script. Pure."""
+        scripts = [RenderedScript(self.slurm_dir / f"{role}.sbatch", "sbatch --parsable",
+                                  self.render_role_script(request.job_id, role, count, gpus, exclude=request.exclude))
+                   for role, count, gpus in self.role_counts(request)]
+        return [*scripts, RenderedScript(self.task_script, "", self.render_task_script(request.job_id))]
+
     def plan_text(self, request: AllocationRequest) -> str:
-        """Every sbatch script ``allocate`` would submit, plus the task script. No side effects."""
+        """Every sbatch script ``allocate`` would submit, plus the task script, each under a
+        ``### path`` line. No side effects."""
         parts = []
-        for role, count, gpus in self.role_counts(request):
-            parts.append(f"### {self.slurm_dir}/{role}.sbatch  (sbatch --parsable)\n")
-            parts.append(self.render_role_script(request.job_id, role, count, gpus, exclude=request.exclude))
-        parts.append(f"### {self.task_script}\n")
-        parts.append(self.render_task_script(request.job_id))
+        for script in self.rendered(request):
+            parts.append(f"### {script.path}  ({script.runner})\n" if script.runner else f"### {script.path}\n")
+            parts.append(script.text)
         return "\n".join(parts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import typer
 from rich.markup import escape
 
 from rlctl.cli.common import STATE_DIR_OPTION, console, err_console, fail, print_json, resolve_job
+from rlctl.cli.outdir import OutDirError, check_target, write_folder
 from rlctl.controller.api import ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir, new_job_id, state_root
 from rlctl.controller.predecessor import EXIT_FENCED
@@ -19,11 +21,14 @@ from rlctl.controller.store import Journal
 from rlctl.core.spec import JobSpec, SpecError
 
 CONTROLLER_READY_TIMEOUT_S = 60.0
+PLAN_FILE = "plan.json"  # beside the rendered scripts in ``launch --dry-run --out DIR``
 
 
 def launch(
     job_file: Path = typer.Argument(..., help="The job spec (job.toml)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (and rendered sbatch scripts) without starting anything."),
+    out: Path = typer.Option(None, "--out", help="With --dry-run: also write each rendered script and the plan "
+                             "(plan.json) into this new or empty folder."),
     foreground: bool = typer.Option(False, "--foreground", help="Run the controller in this process (for debugging)."),
     watch: bool = typer.Option(False, "--watch", help="Follow the live status view after launching."),
     state_dir: str = typer.Option(None, "--state-dir", help="Where job directories live (default: job.state_dir or $RLCTL_HOME)."),
@@ -32,6 +37,13 @@ def launch(
     """Validate JOB_FILE, plan roles onto nodes and start the job."""
     from rlctl.specfile import load_job_file
 
+    if out is not None:
+        if not dry_run:
+            fail("--out writes what a dry run renders: use it with --dry-run", code=2)
+        try:
+            check_target(out, "--out")
+        except OutDirError as exc:
+            fail(str(exc), code=2)
     try:
         spec = load_job_file(job_file)
     except SpecError as exc:
@@ -40,13 +52,8 @@ def launch(
         raise typer.Exit(2)
     _check_observability(spec)
     checks = _preflight(spec)
-    plan = _plan_text(spec, checks)
     if dry_run:
-        if json_out:
-            print_json({"job": spec.name, "backend": spec.backend, "nodes": spec.nodes_needed, "plan": plan,
-                        "checks": checks})
-        else:
-            console.print(plan, highlight=False)
+        _dry_run(spec, checks, out, json_out)
         return
     ensure_model(spec)
     root = state_root(state_dir or spec.state_dir)
@@ -140,18 +147,45 @@ def _workload_lines(checks: dict[str, object]) -> list[str]:
     return lines
 
 
-def _plan_text(spec: JobSpec, checks: dict[str, object] | None = None) -> str:
+def _dry_run(spec: JobSpec, checks: dict[str, object], out: Path | None, json_out: bool) -> None:
+    """Print the plan and the backend's rendering (the sbatch scripts) verbatim; with ``out``, also
+    write each rendered script and ``plan.json`` into that folder, whole or not at all."""
     from rlctl.jobfile import render_launch
 
-    *plan_lines, rendered = render_launch(spec)
-    lines = [
+    rendering = render_launch(spec)
+    plan = "\n".join([*_plan_lines(spec, rendering.plan_lines, checks), rendering.backend_text])
+    summary: dict[str, object] = {"job": spec.name, "backend": spec.backend, "nodes": spec.nodes_needed, "plan": plan,
+                                  "checks": checks}
+    if out is not None:
+        files = {**rendering.files, PLAN_FILE: json.dumps({**summary, "files": sorted(rendering.files)}, indent=1,
+                                                          default=str) + "\n"}
+        try:
+            written = write_folder(out, files, "--out")
+        except OutDirError as exc:
+            fail(str(exc), code=2)
+        summary.update(out=str(out), files=[path.name for path in written])
+    if json_out:
+        print_json(summary)
+        return
+    _print_verbatim(plan)
+    if out is not None:
+        err_console.print(f"wrote {', '.join(files)} to {out}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _print_verbatim(text: str) -> None:
+    """File content exactly as rendered: no wrapping at the terminal's (or $COLUMNS') width, no
+    markup, highlighting or tab expansion, piped or not."""
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()
+
+
+def _plan_lines(spec: JobSpec, plan_lines: list[str], checks: dict[str, object]) -> list[str]:
+    return [
         *plan_lines,
         (f"rollout: batch {spec.rollout.batch_prompts} prompts x {spec.rollout.group_size} samples, "
          f"tail batching {'on' if spec.rollout.tail_batching.enabled else 'off'}"),
-        *_workload_lines(checks or {}),
-        rendered,
+        *_workload_lines(checks),
     ]
-    return "\n".join(lines)
 
 
 def _spawn_controller(jobdir: JobDir, resume: bool = False, expect_epoch: int | None = None) -> subprocess.Popen[bytes]:
