@@ -10,6 +10,7 @@ import typer
 from rlctl import __version__
 from rlctl.cli import launch as launch_cmd
 from rlctl.cli import status as status_cmd
+from rlctl.cli import stop as stop_cmd
 
 app = typer.Typer(
     name="rlctl",
@@ -24,7 +25,7 @@ app.command("status")(status_cmd.status)
 app.command("jobs")(status_cmd.jobs)
 app.command("nodes")(status_cmd.nodes)
 app.command("events")(status_cmd.events)
-app.command("stop")(status_cmd.stop)
+app.command("stop")(stop_cmd.stop)
 app.command("resume")(launch_cmd.resume)
 
 

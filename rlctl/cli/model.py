@@ -13,11 +13,12 @@ from pathlib import Path
 import typer
 
 from rlctl.cli.common import console, fail, print_json, resolve_job
+from rlctl.core.checkpoint_names import STEP_FOLDER_PREFIX
 
 model_app = typer.Typer(help="Make or check a Hugging Face model folder.", no_args_is_help=True)
 data_app = typer.Typer(help="Make prompt data in verl's layout.", no_args_is_help=True)
 
-STEP_PREFIX = "step-"
+STEP_PREFIX = STEP_FOLDER_PREFIX
 TRAINER_ONLY_FILES = ("trainer_state.pt",)
 
 

@@ -18,6 +18,7 @@ from rlctl.core.events import EventKind
 
 DETAIL_NODES = 24
 ATTENTION_STATES = frozenset({"suspect", "failed", "draining", "starting", "allocating"})
+GONE_STATES = frozenset({"released"})  # given back: no heartbeat or phase of theirs means anything now
 STATE_STYLE = {
     "running": "green", "active": "green", "ready": "cyan", "standby": "cyan", "succeeded": "bold green",
     "starting": "yellow", "recovering": "yellow", "suspect": "yellow", "stopping": "yellow", "pending": "dim",
@@ -62,6 +63,23 @@ def held_out_text(status: dict[str, Any]) -> Text:
     return text
 
 
+def reward_function_text(status: dict[str, Any]) -> Text:
+    """The reward function's failures: a red line while most recent calls fail (the job trains on
+    zeros), a dim count once any call failed, nothing otherwise."""
+    calls = status.get("reward_function") or {}
+    text = Text()
+    if not calls.get("failures"):
+        return text
+    if calls.get("failing"):
+        text.append(f"reward function {calls['function']} failing: ", style="bold red")
+        text.append(f"{calls['window_failures']} of the last {calls['window_calls']} calls failed, "
+                    f"{calls['consecutive_failures']} in a row; last error: {calls['last_error']}", style="red")
+    else:
+        text.append(f"reward function {calls['function']}: {calls['failures']} of {calls['calls']} calls failed; "
+                    f"last error: {calls['last_error']}", style="dim")
+    return text
+
+
 def header(status: dict[str, Any]) -> Panel:
     job = status["job"]
     ledger = job.get("ledger_s", {})
@@ -77,7 +95,8 @@ def header(status: dict[str, Any]) -> Panel:
     controller = status.get("controller", {})
     if not controller.get("live"):
         sub.append("   (controller not running: view rebuilt from the journal)", style="yellow")
-    rows = [line] + [text for text in (reward_text(status), held_out_text(status)) if text.plain] + [sub]
+    rows = [line] + [text for text in (reward_function_text(status), reward_text(status), held_out_text(status))
+                     if text.plain] + [sub]
     return Panel(Group(*rows), title="rlctl", border_style="blue")
 
 
@@ -127,7 +146,7 @@ def round_panel(status: dict[str, Any]) -> Panel:
     line = Text()
     line.append(f"step {rnd['step']}  ")
     line.append(f"{rnd['kind']} round", style=f"bold {kind_style}")
-    line.append(f"  cap {rnd['max_new_tokens']} tokens  groups {done}/{rnd['groups_target']}  "
+    line.append(f"  cap {rnd['max_new_tokens']} tokens  {groups_text(rnd)}  "
                 f"samples {rnd['samples_generated']}/{rnd['samples_total']}  longest {rnd['longest_response']}  "
                 f"deferred {rnd['deferred']}  long queue {rnd['long_queue']}  pool {rnd['pool']}  epoch {rnd['epoch']}")
     rows: list[Any] = [line]
@@ -137,6 +156,14 @@ def round_panel(status: dict[str, Any]) -> Panel:
                          f"{held_out['samples_scored']}/{held_out['samples_total']} scored", style="green"))
     rows.append(ProgressBar(total=target, completed=min(done, target), width=60))
     return Panel(Group(*rows), title="rollout round", border_style=kind_style)
+
+
+def groups_text(rnd: dict[str, Any]) -> str:
+    """A round's finished groups against its target; groups finished beyond the target (the
+    over-provisioned ones that completed before the round closed) are counted apart."""
+    done, target = rnd["groups_done"], rnd["groups_target"]
+    extra = f" (+{done - target} extra)" if done > target else ""
+    return f"groups {min(done, target)}/{target}{extra}"
 
 
 # (wide header, narrow header, width) in the order columns drop out as the terminal narrows.
@@ -156,7 +183,8 @@ def nodes_table(status: dict[str, Any], width: int = 120) -> Table:
             if node not in shown:
                 groups.setdefault((node["role"], node["state"]), []).append(node)
         for (role, state), members in sorted(groups.items()):
-            ages = [n["heartbeat_age_s"] for n in members if n["heartbeat_age_s"] is not None]
+            ages = [n["heartbeat_age_s"] for n in members
+                    if n["heartbeat_age_s"] is not None and n["state"] not in GONE_STATES]
             utils = [n["gpu_util"] for n in members if n["gpu_util"] is not None]
             group: dict[str, str | Text] = {"node": f"{len(members)} nodes", "role": role, "state": styled(state),
                      "heartbeat": f"max {max(ages):.1f}s" if ages else "-",
@@ -166,10 +194,11 @@ def nodes_table(status: dict[str, Any], width: int = 120) -> Table:
         mem = "-"
         if node.get("gpu_mem_total"):
             mem = f"{node['gpu_mem_used'] / 2**30:.1f}/{node['gpu_mem_total'] / 2**30:.0f}G"
-        age = node["heartbeat_age_s"]
+        gone = node["state"] in GONE_STATES
+        age = None if gone else node["heartbeat_age_s"]
         cells: dict[str, str | Text] = {
             "node": node["name"], "role": node["role"], "state": styled(node["state"]),
-            "worker": styled(node.get("worker_state")), "phase": node.get("phase") or "-",
+            "worker": styled(node.get("worker_state")), "phase": "-" if gone else node.get("phase") or "-",
             "heartbeat": f"{age:.1f}s" if age is not None else "-",
             "GPU util": f"{node['gpu_util']:.0f}%" if node.get("gpu_util") is not None else "-",
             "GPU temp": f"{node['gpu_temp_c']:.0f}C" if node.get("gpu_temp_c") is not None else "-",
@@ -185,7 +214,8 @@ def events_table(status: dict[str, Any]) -> Table:
     table.add_column("type", width=18)
     table.add_column("detail", overflow="fold")
     for ev in status.get("events", [])[-8:]:
-        style = "red" if ev["type"] in (EventKind.VERDICT, EventKind.FAULT_INJECTED) else ("yellow" if ev["type"] == EventKind.ACTION_TAKEN else "")
+        red = (EventKind.VERDICT, EventKind.FAULT_INJECTED, EventKind.REWARD_FUNCTION_FAILING)
+        style = "red" if ev["type"] in red else ("yellow" if ev["type"] == EventKind.ACTION_TAKEN else "")
         table.add_row(str(ev["seq"]), Text(ev["type"], style=style), ev["summary"])
     return table
 
@@ -200,7 +230,7 @@ def status_line(status: dict[str, Any]) -> str:
     if held_out_text(status).plain:
         parts.append(held_out_text(status).plain)
     if "step" in rnd:
-        parts.append(f"{rnd['kind']} round {rnd['groups_done']}/{rnd['groups_target']} longest {rnd['longest_response']}")
+        parts.append(f"{rnd['kind']} round {groups_text(rnd)} longest {rnd['longest_response']}")
     unhealthy = [n["name"] for n in status["nodes"] if n["state"] in ("suspect", "failed")]
     if unhealthy:
         parts.append("attention: " + ",".join(unhealthy))

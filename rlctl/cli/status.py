@@ -1,4 +1,4 @@
-"""`rlctl status`, `jobs`, `nodes`, `events`, `stop`, `resume`: reading and steering running jobs."""
+"""`rlctl status`, `jobs`, `nodes`, `events`: reading running jobs (`stop` is in rlctl.cli.stop)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,11 @@ from rlctl.cli.common import (
     STATE_DIR_OPTION,
     client_for,
     console,
-    err_console,
-    fail,
     job_status,
     print_json,
     resolve_job,
 )
 from rlctl.cli.render import nodes_table, render_status, status_line, styled
-from rlctl.controller.api import ApiError
 from rlctl.controller.jobdir import JobDir, list_jobs, state_root
 from rlctl.controller.store import Journal
 
@@ -125,68 +122,6 @@ def events(
         return
     finally:
         journal.close()
-
-
-def stop(
-    job: str = typer.Argument(..., help="Job id or unique prefix."),
-    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until every node is released."),
-    json_out: bool = typer.Option(False, "--json"),
-    state_dir: str = STATE_DIR_OPTION,
-) -> None:
-    """Stop a job: workers stopped, agents shut down, nodes released. Nothing the job produced is deleted.
-    With no live controller, the job is stopped through its backend and the stop is journaled."""
-    jobdir = resolve_job(job, state_dir)
-    client = client_for(jobdir)
-    try:
-        client.call("stop", reason="stopped by the operator")
-    except ApiError as exc:
-        snap = job_status(jobdir)
-        if snap["job"]["state"] in ("succeeded", "stopped", "failed"):
-            if json_out:
-                print_json({"job_id": jobdir.job_id, "state": snap["job"]["state"], "already_ended": True})
-            else:
-                console.print(f"{jobdir.job_id} already ended ({snap['job']['state']})")
-            return
-        _stop_offline(jobdir, str(exc), json_out)
-        return
-    state = "stopping"
-    if wait:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and client.available():
-            time.sleep(0.2)
-        state = job_status(jobdir)["job"]["state"]
-    if json_out:
-        print_json({"job_id": jobdir.job_id, "state": state})
-    else:
-        console.print(f"{jobdir.job_id}: {state}")
-
-
-def _stop_offline(jobdir: JobDir, why: str, json_out: bool) -> None:
-    """No controller answers: stop the job through its backend (which also fences a paused one)."""
-    import asyncio
-
-    from rlctl.controller.offline import OfflineStopError, stop_offline
-    from rlctl.core.spec import SpecError
-    from rlctl.jobfile import make_backend
-    from rlctl.specfile import load_job_dir_spec
-
-    try:
-        spec = load_job_dir_spec(jobdir)
-        backend = make_backend(spec, jobdir)
-    except (SpecError, OSError) as exc:
-        fail(f"{jobdir.job_id}: no controller answers ({why}) and its job file cannot be read: {exc}")
-    err_console.print(f"no controller answers for {jobdir.job_id} ({why}); stopping it through the "
-                      f"{spec.backend} backend", highlight=False)
-    try:
-        result = asyncio.run(stop_offline(jobdir, spec, backend, "stopped by the operator (no controller ran)"))
-    except OfflineStopError as exc:
-        fail(f"{jobdir.job_id}: the {spec.backend} backend could not release the job's nodes: {exc}")
-    if json_out:
-        print_json({"job_id": jobdir.job_id, "state": result.state, "step": result.step, "offline": True,
-                    "nodes_released": result.nodes_released, "workers_stopped": result.workers_stopped})
-    else:
-        console.print(f"{jobdir.job_id}: {result.state} at step {result.step} ({result.nodes_released} node(s) "
-                      f"released through the backend, {result.workers_stopped} worker(s) stopped)")
 
 
 def _brief(data: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """The local API between the CLI and a running controller: a 0600 unix socket, JSON lines.
 
-Requests: ``status``, ``diagnostics``, ``stop``, ``inject`` (node, kind, params), ``injections``
+Requests: ``status``, ``diagnostics``, ``stop`` (reason; ``checkpoint``, default true: the trainer
+checkpoints first, within ``timeout_s``), ``inject`` (node, kind, params), ``injections``
 (the pending and recent ones) and ``cancel`` (a pending injection's fault id), each answered by the
 handler the controller gave the server. Every request gets one answer: a request that is not one
 JSON object of the right shape (not JSON, nested deeper than ``MAX_REQUEST_NESTING``, NaN or a
@@ -30,6 +31,7 @@ log = logging.getLogger("rlctl.controller.api")
 MAX_REQUEST_BYTES = 1024 * 1024
 MAX_REQUEST_NESTING = 16  # a request is an object of scalars and one object of fault parameters
 MAX_TEXT_CHARS = 1000  # a stop reason, a node name, a fault id
+STOP_TIMEOUT_RANGE_S = (1.0, 86_400.0)  # a stop checkpoint's timeout (as [job] stop_checkpoint_timeout_s)
 
 
 class ApiError(RuntimeError):
@@ -46,7 +48,8 @@ class ApiHandlers:
 
     status: Callable[[], dict[str, Any]]
     diagnostics: Callable[[float], dict[str, Any]]
-    stop: Callable[[str], None]
+    # (reason, checkpoint first, its timeout or None for the job's) -> what the stop does
+    stop: Callable[[str, bool, float | None], dict[str, Any]]
     inject: Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
     injections: Callable[[], list[dict[str, Any]]]
     cancel: Callable[[str], dict[str, Any]]
@@ -118,8 +121,15 @@ class ApiServer:
         if op == "diagnostics":
             return {"ok": True, "diagnostics": self.handlers.diagnostics(_number(request, "since_mono"))}
         if op == "stop":
-            self.handlers.stop(_text(request, "reason", required=False) or "stopped by the operator")
-            return {"ok": True}
+            checkpoint = request.get("checkpoint", True)
+            if not isinstance(checkpoint, bool):
+                raise BadRequest(f"checkpoint is a boolean, got {_json_type(checkpoint)}")
+            timeout_s = None if request.get("timeout_s") is None else _number(request, "timeout_s")
+            low, high = STOP_TIMEOUT_RANGE_S
+            if timeout_s is not None and not low <= timeout_s <= high:
+                raise BadRequest(f"timeout_s is in [{low:g}, {high:g}] seconds, got {timeout_s:g}")
+            reason = _text(request, "reason", required=False) or "stopped by the operator"
+            return {"ok": True, "stop": self.handlers.stop(reason, checkpoint, timeout_s)}
         if op == "inject":
             node, kind = _text(request, "node"), _text(request, "kind")
             params = request.get("params")

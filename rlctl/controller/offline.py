@@ -4,7 +4,9 @@
 journal over (which fences a controller that is only paused or cut off), rebuilds the job's model,
 releases every node through the backend (local processes killed, ``scancel``, or SSH to each host
 to stop its agent and workers), and journals what the controller would have: the workers stopped,
-the nodes released, the job ``stopped``. The decisions are the orchestration core's own
+the nodes released, the job ``stopped``. Nothing can ask the trainer for a stop checkpoint (it
+talks to the job only through the controller): a ``StopCheckpoint`` event says so, with the last
+checkpoint and the steps trained since that are lost. The decisions are the orchestration core's own
 (``Orchestrator.stop_worker``, ``release_events_for_end``, ``end``); this module is their shell
 when there is no controller.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from rlctl.backends.base import Backend, BackendError, NodeInfo
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.predecessor import JournalHeld, take_write_lock
+from rlctl.controller.stopsave import tidy_checkpoints
 from rlctl.controller.store import Journal
 from rlctl.core import detector as det
 from rlctl.core import effects as fx
@@ -27,6 +30,7 @@ from rlctl.core.orchestrate import LIVE_WORKER, Orchestrator
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.spec import JobSpec
 from rlctl.core.states import JobState, NodeState
+from rlctl.core.stopsave import StopSaveOutcome, StopSavePlan, outcome_data
 
 log = logging.getLogger("rlctl.controller.offline")
 
@@ -42,6 +46,7 @@ class OfflineStop:
     nodes_released: int
     workers_stopped: int
     already_ended: bool
+    checkpoint: dict[str, object] | None = None  # the StopCheckpoint event's data (None: the job had ended)
 
 
 class JournalShell:
@@ -106,10 +111,16 @@ async def stop_offline(jobdir: JobDir, spec: JobSpec, backend: Backend, reason: 
         for stop in stops:
             orc.record(EventKind.WORKER_EXITED, slot=stop.slot, wid=stop.wid, exit_code=None, signal="SIGKILL",
                        reason="stopped with the job (no controller ran)")
+        tidy_checkpoints(jobdir.checkpoints)
+        unsaved = StopSavePlan(False, model.published_version, model.checkpoint_step, 0.0, "")
+        saved = outcome_data(StopSaveOutcome.NO_CONTROLLER, unsaved, model.checkpoint_step, 0.0,
+                             "the controller is gone, and only it can ask the trainer to save")
+        orc.record(EventKind.STOP_CHECKPOINT, **saved)
         orc.release_events_for_end()
         orc.end(JobState.STOPPED, reason)
         log.info("stopped %s offline: %d node(s) released, %d worker(s) stopped", job_id, len(live), len(stops))
-        return OfflineStop(model.life.state.value, model.step, len(live), len(stops), already_ended=False)
+        return OfflineStop(model.life.state.value, model.step, len(live), len(stops), already_ended=False,
+                           checkpoint=saved)
     finally:
         await backend.close()
         journal.close()

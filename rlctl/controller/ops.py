@@ -6,24 +6,32 @@ journals its events before it replies, and answers from the job model. See docs/
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 from rlctl.controller.env_ops import EnvOps
 from rlctl.controller.op_rules import WAIT_S, OpError, require_role, takes_work
+from rlctl.controller.stopsave import StopSave
 from rlctl.core.colocation import engine_may_generate, trainer_may_step
 from rlctl.core.elastic import ElasticConfig, current_degree, layout_change
 from rlctl.core.envcalls import answer_deadline_s
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import SlotRecord
 from rlctl.core.orchestrate import Orchestrator
+from rlctl.core.reward_health import DEFAULT_MAX_CONSECUTIVE_FAILURES, judge
+from rlctl.core.stopsave import keeps_serving
 
 
 class DataOps:
-    def __init__(self, orchestrator: Orchestrator, on_weights_published: Callable[[float], None]) -> None:
-        """``on_weights_published(now)`` is told each time the trainer published a new version."""
+    def __init__(self, orchestrator: Orchestrator, on_weights_published: Callable[[float], None],
+                 stop_save: StopSave | None = None) -> None:
+        """``on_weights_published(now)`` is told each time the trainer published a new version;
+        ``stop_save``: the operator's stop checkpoint the trainer is asked for while the job stops."""
         self.orc = orchestrator
         self.on_weights_published = on_weights_published
+        self.stop_save = stop_save
+        self._served_groups: dict[int, int] = {}  # step -> groups of its batch handed to a trainer rank
         self._replies: dict[tuple[str, str], dict[str, Any]] = {}
         self.last_request_at: dict[str, float] = {}
         self.env = EnvOps(orchestrator)  # env.call, env.poll, env.get_work, env.submit
@@ -183,7 +191,8 @@ class DataOps:
     def op_reward_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """Store scores. A score with ``error`` (the reward function raised, timed out or died) is
         journaled as ``RewardFunctionFailed`` naming the function, the sample and the error; the
-        sample keeps its zero score, or with ``on_error = "fail"`` the job stops as failed."""
+        sample keeps its zero score, or with ``on_error = "fail"`` the job stops as failed. Then the
+        reward-health rule judges the calls so far (``_judge_reward_calls``)."""
         if not slot.standby:  # a warm standby or a rollout worker scores too when it helps (helper_backlog)
             require_role(slot, "reward", "rollout")
         scores = list(args.get("scores", []))
@@ -203,7 +212,18 @@ class DataOps:
                 return {"accepted": 0}
         events = self.orc.scheduler.submit_scores(slot.wid or "", scores, now)
         self.orc.shell.commit_decided(events)
+        self._judge_reward_calls(now)
         return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == EventKind.REWARDS_STORED)}
+
+    def _judge_reward_calls(self, now: float) -> None:
+        """Journal that the reward function started or stopped failing on most calls, and fail the
+        job after ``[reward] max_consecutive_failures`` failures in a row (rlctl.core.reward_health)."""
+        bound = int(self.orc.spec.reward.get("max_consecutive_failures", DEFAULT_MAX_CONSECUTIVE_FAILURES))
+        judgement = judge(self.orc.model.reward_calls, bound, now)
+        if judgement.events:
+            self.orc.shell.commit(judgement.events)
+        if judgement.give_up is not None:
+            self.orc.request_stop(judgement.give_up)
 
     # ------------------------------------------------------------------------------ trainer
 
@@ -255,9 +275,13 @@ class DataOps:
         step = int(args["step"])
         if step >= self.orc.model.total_steps:
             return {"stop": True}
+        stopping = self._trainer_stop(step, 0)
+        if stopping is not None:
+            return stopping
         batch = self.orc.scheduler.batch_for(step)
         if batch is None or (self.orc.spec.colocated and not trainer_may_step(self.orc.model, self.orc.scheduler, slot)):
             return {"wait_s": WAIT_S}
+        self._served(step, len(batch.prompt_ids))
         return {"step": step, "round": batch.kind, "weights_version": batch.weights_version,
                 "samples": self._train_samples(batch.prompt_ids, batch.samples)}
 
@@ -271,6 +295,9 @@ class DataOps:
         step, have, parts = int(args["step"]), int(args.get("have", 0)), max(1, int(args.get("parts", 1)))
         if step >= self.orc.model.total_steps:
             return {"stop": True}
+        stopping = self._trainer_stop(step, have)
+        if stopping is not None:
+            return stopping
         scheduler = self.orc.scheduler
         batch = scheduler.batch_for(step)
         rnd = scheduler.round
@@ -287,9 +314,29 @@ class DataOps:
         if not closed and len(part) < size:
             return {"wait_s": WAIT_S}
         wanted = set(part)
+        self._served(step, have + len(part))
         return {"step": step, "round": kind, "weights_version": version, "closed": closed,
                 "groups": len(ready) if closed else target, "target_groups": target,
                 "samples": self._train_samples(ready, [s for s in pool if s.prompt_id in wanted], order=part)}
+
+    def _trainer_stop(self, step: int, have: int) -> dict[str, Any] | None:
+        """While the job stops: the stop, asking for the stop checkpoint while one is pending; None
+        when the part of ``step`` from group ``have`` is still served (a replay of a published step,
+        or another rank of the group got it: ``keeps_serving``) or the job is not stopping."""
+        if not self.orc.stopping or keeps_serving(step, have, self._served_groups.get(step, 0),
+                                                  self.orc.model.published_version):
+            return None
+        return self._stop_reply(trainer=True)
+
+    def _stop_reply(self, trainer: bool) -> dict[str, Any]:
+        if trainer and self.stop_save is not None and self.stop_save.pending:
+            return {"stop": True, "checkpoint": True, "checkpoint_step": self.orc.model.checkpoint_step}
+        return {"stop": True}
+
+    def _served(self, step: int, groups: int) -> None:
+        self._served_groups[step] = max(self._served_groups.get(step, 0), groups)
+        for old in [s for s in self._served_groups if s < step - 1]:
+            del self._served_groups[old]
 
     def _train_samples(self, prompt_ids: list[str], samples: list[Any], order: list[str] | None = None) -> list[dict[str, Any]]:
         """Samples as the trainer takes them (``TrainSample`` fields plus correctness), grouped in
@@ -327,6 +374,13 @@ class DataOps:
         self.orc.shell.commit([event(EventKind.CHECKPOINTED, now, step=int(args["step"]), path=str(args["path"]))])
         return {}
 
+    def op_trainer_stop_saved(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """The trainer's answer to the stop checkpoint (``step``, ``written``, ``write_s``, ``error``)."""
+        require_role(slot, "trainer")
+        if self.stop_save is not None:
+            self.stop_save.trainer_answered(args, now)
+        return {}
+
     def op_trainer_restored(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         require_role(slot, "trainer")
         replayed = [int(s) for s in args.get("replayed_steps", [])]
@@ -339,10 +393,15 @@ class DataOps:
     # ------------------------------------------------------------------------------ weights
 
     def op_weights_held(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """A worker holds ``version``; after a pull, with its bytes, seconds and the lane it took
+        (``rlctl.roles.rollout.pull_record``). The first pull of the job that could have taken a
+        faster lane is also journaled as a ``WeightsSlowerLane`` warning."""
         pulled = ({"bytes": int(args["bytes"]), "seconds": float(args.get("seconds", 0.0)),
-                   "holders": int(args.get("holders", 1))} if "bytes" in args else {})
-        self.orc.shell.commit([event(EventKind.WEIGHTS_HELD, now, version=int(args["version"]), slot=slot.slot,
-                                     source=dict(args["source"]), **pulled)])
+                   "holders": int(args.get("holders", 1)), **_lane_fields(args)} if "bytes" in args else {})
+        held = event(EventKind.WEIGHTS_HELD, now, version=int(args["version"]), slot=slot.slot,
+                     source=dict(args["source"]), **pulled)
+        warning = self.orc.model.slower_lane_warning(slot.slot, held.data, now) if pulled else None
+        self.orc.shell.commit([held] if warning is None else [held, warning])
         return {}
 
     def op_weights_source(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
@@ -358,9 +417,31 @@ class DataOps:
     def op_job_wait(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """A worker with nothing left to do waits here until the job ends."""
         if self.orc.model.life.state.terminal or self.orc.stopping:
-            return {"stop": True}
+            return self._stop_reply(trainer=slot.role == "trainer" and not slot.standby)
         return {"wait_s": 0.5}
 
     def op_job_info(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         model = self.orc.model
         return {"step": model.step, "total_steps": model.total_steps, "state": model.life.state.value}
+
+
+LANE_NAME_MAX = 32
+LANES_MAX = 16
+LANE_CLASS = re.compile(r"[a-z_]{1,16}")  # a lane class (a Prometheus label value: kept to short names)
+
+
+def _lane_fields(args: dict[str, Any]) -> dict[str, Any]:
+    """The lane a pull reported (``weights.held``), bounded and typed: what the journal keeps of it."""
+    fields: dict[str, Any] = {}
+    for key in ("lane", "faster_lane"):
+        if isinstance(args.get(key), str):
+            fields[key] = args[key] if LANE_CLASS.fullmatch(args[key]) else "other"
+    if isinstance(args.get("path"), str):
+        fields["path"] = args["path"][:LANE_NAME_MAX]
+    if isinstance(args.get("lanes"), list):
+        fields["lanes"] = [str(lane)[:LANE_NAME_MAX * 2] for lane in args["lanes"][:LANES_MAX]]
+    if isinstance(args.get("gbps"), (int, float)):
+        fields["gbps"] = float(args["gbps"])
+    if isinstance(args.get("same_node"), bool):
+        fields["same_node"] = args["same_node"]
+    return fields

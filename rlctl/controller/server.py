@@ -42,6 +42,7 @@ from rlctl.controller.observing import ObservabilityError, Observing
 from rlctl.controller.ops import DataOps
 from rlctl.controller.predecessor import EXIT_FENCED, JournalHeld, take_write_lock, this_process
 from rlctl.controller.seam import Workload
+from rlctl.controller.stopsave import StopSave, tidy_checkpoints
 from rlctl.controller.store import Journal, JournalFenced
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
 from rlctl.controller.workers import WorkerLauncher
@@ -54,7 +55,9 @@ from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
 from rlctl.core.spec import JobSpec
+from rlctl.core.stall import StallGuard
 from rlctl.core.states import JobState, NodeState
+from rlctl.core.stopsave import LEADER_SLOT, leader_hung, plan_stop_save
 
 log = logging.getLogger("rlctl.controller")
 
@@ -91,7 +94,8 @@ class Controller:
             deque(maxlen=400_000) if os.environ.get("RLCTL_MEASURE_HEARTBEAT_LATENCY") == "1" else None)
         # (measured at, seconds the event loop was late waking the tick, seconds the tick took).
         self.tick_lags: deque[tuple[float, float, float]] = deque(maxlen=36_000)
-        self.ops = DataOps(self.orc, self.on_weights_published)
+        self.stop_save = StopSave(self.model, self.record, lambda node: self.hub.connected(node), self._trainer_hung)
+        self.ops = DataOps(self.orc, self.on_weights_published, self.stop_save)
         self.inbox = AgentInbox(self.orc, self.ops, self._relay, self.heartbeat_latency)
         self.hub = AgentHub(secret=jobdir.secret(), known_node=self.inbox.may_join, on_hello=self.inbox.on_hello,
                             on_message=self.inbox.on_message, on_gone=self.inbox.on_gone,
@@ -103,9 +107,10 @@ class Controller:
         self.effects = EffectRunner(self.model, backend, self.hub, self.launcher, self.node_infos, self.record, self.spawn)
         self.detection = Detection(self.orc, self.hub.connected, backend, self.node_infos, self.ops.last_request_at,
                                    Resumed(resume), self.spawn)
+        self.stall_guard = StallGuard(spec.fault_tolerance.stall_s)
         self.injection = FaultInjection(self.model, self.record, backend, self.node_infos, self.hub.command, self.spawn)
         self.api = ApiServer(jobdir.api_socket, ApiHandlers(
-            status=self.snapshot, diagnostics=self.diagnostics, stop=self.orc.request_stop, inject=self.injection.inject,
+            status=self.snapshot, diagnostics=self.diagnostics, stop=self.operator_stop, inject=self.injection.inject,
             injections=self.injection.listing, cancel=self.injection.cancel))
         self.observing = Observing(spec, jobdir, self.model, self.orc.detector.config.lag_limit_s)
         self.agent_port = 0
@@ -189,6 +194,27 @@ class Controller:
 
     def request_stop(self, reason: str, succeeded: bool = False) -> None:
         self.orc.request_stop(reason, succeeded)
+
+    def _trainer_hung(self, now: float) -> str:
+        """Why the trainer that writes the stop checkpoint is hung ('' when it is not)."""
+        slot = self.model.slots.get(LEADER_SLOT)
+        asked_at = self.ops.last_request_at.get(slot.wid or "") if slot is not None else None
+        return leader_hung(self.model, self.orc.detector, asked_at, now)
+
+    def operator_stop(self, reason: str, checkpoint: bool, timeout_s: float | None) -> dict[str, Any]:
+        """``rlctl stop``: the job stops, the trainer first checkpointing the version it holds unless
+        ``checkpoint`` is False (``--now``, which also cuts short a stop checkpoint under way)."""
+        if self.orc.closed():
+            if not checkpoint:
+                self.stop_save.cancel("rlctl stop --now while the trainer was saving")
+            return {"already": True, "state": self.model.life.state.value, "saving": self.stop_save.pending,
+                    "plan": self.stop_save.plan.as_dict() if self.stop_save.plan is not None else None}
+        plan = plan_stop_save(self.model, checkpoint,
+                              self.spec.stop_checkpoint_timeout_s if timeout_s is None else timeout_s)
+        self.orc.request_stop(reason)
+        self.stop_save.begin(plan, time.time())
+        return {"already": False, "state": self.model.life.state.value, "saving": self.stop_save.pending,
+                "plan": plan.as_dict()}
 
     # ----------------------------------------------------------------------------- startup
 
@@ -306,6 +332,8 @@ class Controller:
     # --------------------------------------------------------------------------------- weights
 
     def on_weights_published(self, now: float) -> None:
+        if self.stopping:
+            return  # the step the trainer finished while the job stops: saved, not evaluated
         self._maybe_start_held_out(now)
         self._maybe_finish(now)
 
@@ -352,6 +380,9 @@ class Controller:
             self._maybe_start_held_out(now)
             self._maybe_finish(now)
             self.detection.detect(now)
+        if not self.stopping and (stalled := self.stall_guard.check(model, now)) is not None:
+            self.commit(stalled.events)
+            self.request_stop(stalled.reason)
         if model.life.state == JobState.STARTING:
             self.detection.detect_startup(now)
         self.orc.update_job_state()
@@ -389,7 +420,9 @@ class Controller:
         if self.fenced_reason:
             return
         self.injection.cancel_all("the job stopped before it was due")
+        await self.stop_save.wait()
         await self._release_everything()
+        await asyncio.to_thread(tidy_checkpoints, self.jobdir.checkpoints)
         request = self.orc.stop or orc.StopRequest("stopped")
         self.orc.end(self.orc.final_state(), request.reason)
         self._done.set()

@@ -5,7 +5,10 @@ ETTR = productive / wall-clock since launch. Categories: ``productive``, ``init`
 its successor's start). The ledger accrues elapsed time with weights that sum to one (a second in
 which one of two rollouts is down is half productive, half recovery), and can re-classify past
 productive seconds as ``lost`` when their work is thrown away (a rollback to a checkpoint).
-Pure: time is passed in.
+Time in which the job makes no training progress although every worker is up (a reward function
+that fails or times out on most calls) is never productive: ``without_progress`` turns an
+instant's productive share into ``lost``, and ``lose_productive_since`` gives back what was counted
+productive since the progress stopped (docs/ettr.md says why ``lost``). Pure: time is passed in.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ class EttrLedger:
             self.seconds[category] += elapsed * weight / total
         self.last_at = now
 
+    def lose_productive_since(self, productive_mark: float) -> float:
+        """Every productive second counted since the ledger's productive total was ``productive_mark``
+        goes to ``lost``; returns how much moved."""
+        return self.reclassify(self.seconds["productive"] - productive_mark, "productive", "lost")
+
     def reclassify(self, seconds: float, source: str, target: str) -> float:
         """Move up to ``seconds`` from ``source`` to ``target``; return how much moved."""
         moved = max(0.0, min(seconds, self.seconds[source]))
@@ -61,3 +69,14 @@ class EttrLedger:
         copy = EttrLedger(started_at=self.started_at, last_at=self.last_at, seconds=dict(self.seconds))
         copy.advance(now, weights)
         return copy
+
+
+def without_progress(weights: dict[str, float]) -> dict[str, float]:
+    """``weights`` for an instant in which the job makes no training progress: the share that would
+    have been productive is ``lost`` (detection and recovery keep theirs)."""
+    share = weights.get("productive", 0.0)
+    if share <= 0:
+        return weights
+    split = {k: v for k, v in weights.items() if k != "productive"}
+    split["lost"] = split.get("lost", 0.0) + share
+    return split

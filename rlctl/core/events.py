@@ -45,6 +45,8 @@ class EventKind(StrEnum):
     PROMPT_DEFERRED = "PromptDeferred"
     REWARDS_STORED = "RewardsStored"
     REWARD_FUNCTION_FAILED = "RewardFunctionFailed"
+    REWARD_FUNCTION_FAILING = "RewardFunctionFailing"
+    REWARD_FUNCTION_RECOVERED = "RewardFunctionRecovered"
     ENV_FAILED = "EnvFailed"
     SCORING_DISPATCHED = "ScoringDispatched"
     BATCH_FORMED = "BatchFormed"
@@ -52,6 +54,7 @@ class EventKind(StrEnum):
     WEIGHTS_PUBLISHED = "WeightsPublished"
     WEIGHTS_HELD = "WeightsHeld"
     WEIGHTS_SOURCE_FAILED = "WeightsSourceFailed"
+    WEIGHTS_SLOWER_LANE = "WeightsSlowerLane"
     STEP_TRAINED = "StepTrained"
     CHECKPOINTED = "Checkpointed"
     TRAINER_RESTORED = "TrainerRestored"
@@ -64,6 +67,7 @@ class EventKind(StrEnum):
     HEARTBEAT = "Heartbeat"
     ENGINE_RESIZED = "EngineResized"
     JOB_STALLED = "JobStalled"
+    STOP_CHECKPOINT = "StopCheckpoint"
 
 
 # Every event type the journal may hold, with the data keys it must carry.
@@ -98,6 +102,9 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.PROMPT_DEFERRED: ("prompt_id", "step"),
     EventKind.REWARDS_STORED: ("scores",),
     EventKind.REWARD_FUNCTION_FAILED: ("function", "item_id", "prompt_id", "error", "on_error"),
+    # Most of the recent reward calls failed (rlctl.core.reward_health), and when that was over.
+    EventKind.REWARD_FUNCTION_FAILING: ("function", "failures", "calls", "consecutive", "last_error", "reason"),
+    EventKind.REWARD_FUNCTION_RECOVERED: ("function", "failures", "calls", "reason"),
     EventKind.ENV_FAILED: ("item_id", "turn", "slot", "error", "action"),
     EventKind.SCORING_DISPATCHED: ("slot", "wid", "item_ids"),
     EventKind.BATCH_FORMED: ("step", "kind", "prompt_ids", "returned_prompt_ids"),
@@ -105,6 +112,8 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.WEIGHTS_PUBLISHED: ("version", "slot", "source"),
     EventKind.WEIGHTS_HELD: ("version", "slot", "source"),
     EventKind.WEIGHTS_SOURCE_FAILED: ("version", "source", "reporter", "error"),
+    # A warning, once per job: a pull went over tcp while a faster lane was there (rlctl.weights.lanes).
+    EventKind.WEIGHTS_SLOWER_LANE: ("slot", "version", "lane", "faster_lane", "same_node", "gbps", "reason"),
     EventKind.STEP_TRAINED: ("step", "metrics"),
     EventKind.CHECKPOINTED: ("step", "path"),
     EventKind.TRAINER_RESTORED: ("slot", "checkpoint_step", "replayed_steps"),
@@ -116,6 +125,9 @@ EVENT_TYPES: dict[EventKind, tuple[str, ...]] = {
     EventKind.HEARTBEAT: ("node",),
     EventKind.ENGINE_RESIZED: ("slot", "wid", "tensor_parallel", "gpus", "seconds"),
     EventKind.JOB_STALLED: ("since_version", "seconds"),
+    # An operator's stop: whether the trainer checkpointed the version it held before it was stopped
+    # (``outcome``: rlctl.core.stopsave.StopSaveOutcome), the wait and the newest checkpoint after it.
+    EventKind.STOP_CHECKPOINT: ("outcome", "step", "checkpoint_step", "seconds", "timeout_s", "reason"),
 }
 # Applied to the model but never journaled: one per node per second is too many to keep. What they
 # changed is journaled in summary (HeartbeatSummary); a resumed controller starts their clocks anew.

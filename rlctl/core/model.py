@@ -15,11 +15,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlctl.core.ettr import EttrLedger
+from rlctl.core.ettr import EttrLedger, without_progress
 from rlctl.core.events import TRANSIENT_EVENTS, Event, EventKind
 from rlctl.core.model_faults import PROCESS_FAULTS, FaultLedger
-from rlctl.core.model_weights import WeightsRegistry
+from rlctl.core.model_weights import LaneTotals, WeightsRegistry
 from rlctl.core.records import FaultRecord, GpuSummary, NodeRecord, SlotRecord, TrainerStateOffer
+from rlctl.core.reward_health import RewardCalls
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.states import JobState, Lifecycle, NodeState, WorkerState
 
@@ -54,6 +55,8 @@ class JobModel(FaultLedger, WeightsRegistry):
     weight_sync_bytes: int = 0
     weight_sync_seconds: float = 0.0
     weight_syncs: int = 0
+    weight_sync_lanes: dict[str, LaneTotals] = field(default_factory=dict)  # pulls by the lane they took
+    slower_lane_warned: bool = False  # the job said once that its pulls could take a faster lane
     training_seconds: dict[int, float] = field(default_factory=dict)
     productive_at_version: dict[int, float] = field(default_factory=dict)
     productive_since: float | None = None
@@ -66,6 +69,7 @@ class JobModel(FaultLedger, WeightsRegistry):
     workers_started: int = 0
     last_seq: int = 0
     scheduler: RoundScheduler | None = None
+    reward_calls: RewardCalls = field(default_factory=RewardCalls)
     # node -> names of the slots on it; rebuilt after any handler moves a slot (None: stale).
     _node_slots: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
 
@@ -122,6 +126,12 @@ class JobModel(FaultLedger, WeightsRegistry):
         if self.nodes[node].life.state != NodeState.READY:
             return None
         return NodeState.ACTIVE if self.slot_on_node(node) is not None else NodeState.STANDBY
+
+    def ettr_weights(self) -> dict[str, float]:
+        """The faults' split of this instant (``FaultLedger.ettr_weights``); while the reward function
+        is failing the job trains on zeros or not at all, and nothing of it is productive."""
+        weights = FaultLedger.ettr_weights(self)
+        return without_progress(weights) if self.reward_calls.failing else weights
 
     def live_ledger(self, now: float) -> EttrLedger:
         if self.life.state.terminal:
@@ -338,6 +348,23 @@ class JobModel(FaultLedger, WeightsRegistry):
         slot.pid = None
         for holders in self.weights_holders.values():
             holders.pop(slot.slot, None)
+
+    def _on_RewardFunctionFailed(self, ev: Event) -> None:
+        self.reward_calls.failed(str(ev.data["function"]), str(ev.data["error"]), ev.at, self.ledger.seconds["productive"])
+
+    def _on_RewardsStored(self, ev: Event) -> None:
+        returned = sum(1 for score in ev.data["scores"] if not score.get("failed"))
+        self.reward_calls.returned(returned, self.ledger.seconds["productive"])
+
+    def _on_RewardFunctionFailing(self, ev: Event) -> None:
+        """Since the window's oldest failure the job made no progress worth keeping: that time is lost."""
+        mark = self.reward_calls.first_failure_productive_s()
+        self.reward_calls.failing_since = ev.at
+        if mark is not None:
+            self.ledger.lose_productive_since(mark)
+
+    def _on_RewardFunctionRecovered(self, ev: Event) -> None:
+        self.reward_calls.failing_since = None
 
     def _on_ActionTaken(self, ev: Event) -> None:
         d = ev.data

@@ -209,6 +209,8 @@ class RoundScheduler(RoundState):
             metrics = score.get("metrics")
             if isinstance(metrics, dict) and metrics:
                 entry["metrics"] = {str(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+            if score.get("error"):
+                entry["failed"] = True  # the function failed: the zero is not its score (rlctl.core.reward_health)
             accepted.append(entry)
         if accepted:
             self._emit(out, event(EventKind.REWARDS_STORED, at, scores=accepted))

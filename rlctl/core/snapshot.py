@@ -40,6 +40,7 @@ def snapshot(model: JobModel, now: float, controller: dict[str, Any] | None = No
         "rewards": {str(step): m.get("mean_reward") for step, m in sorted(model.step_metrics.items())},
         "reward_trend": reward_trend(model.step_metrics),
         "held_out": list(model.scheduler.held_out_results) if model.scheduler is not None else [],
+        "reward_function": model.reward_calls.as_dict(),
         "faults": [_fault(f) for f in model.faults.values()],
         "events": [_event_line(e) for e in list(model.recent)[-RECENT_IN_SNAPSHOT:]],
         "controller": controller or {"live": False},

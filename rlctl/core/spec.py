@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.core.elastic import EngineCurve
+from rlctl.core.reward_health import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from rlctl.core.schema import Field, Problem, render_markdown, validate_table
 
 ROLE_NAMES = ("trainer", "rollout", "reward", "env")
@@ -89,6 +90,14 @@ JOB_SCHEMA: dict[str, Field] = {
                 "~/.rlctl/jobs",
             ),
             "checkpoint_every": Field("int", "Trainer checkpoint interval in steps.", 5, minimum=1),
+            "stop_checkpoint_timeout_s": Field(
+                "float",
+                "How long `rlctl stop` waits for the trainer to finish the step it is on and checkpoint the "
+                "version it holds before it stops it (`rlctl stop --timeout` overrides it; `--now` skips the "
+                "checkpoint). On timeout the trainer is stopped anyway and the previous checkpoint stays.",
+                300.0,
+                minimum=1.0,
+            ),
         },
     ),
     "cluster": Field(
@@ -257,6 +266,12 @@ JOB_SCHEMA: dict[str, Field] = {
                 "a worker that can never start (a corrupt model file, a broken environment) must not restart "
                 "forever.", 3, minimum=1,
             ),
+            "stall_s": Field(
+                "float", "A running (or recovering) job that publishes no new version and meets no new fault "
+                "for this long has deadlocked (every worker waits, so no detector fires): it fails, naming its "
+                "last progress, and the time since its last version counts as lost. 0 turns the guard off. "
+                "Keep it above the longest step plus the longest load.", 3600.0, minimum=0.0,
+            ),
             "slow_ratio": Field(
                 "float", "A node whose throughput is below this fraction of its peers' median is slow.", 0.35, minimum=0.01,
                 maximum=1.0,
@@ -401,6 +416,14 @@ JOB_SCHEMA: dict[str, Field] = {
             "on_error": Field("choice", "A function that raises or times out: `zero` scores the sample 0 and goes "
                               "on; `fail` stops the job as failed. Either way an event names the function, the "
                               "sample and the error.", "zero", choices=("zero", "fail")),
+            "max_consecutive_failures": Field(
+                "int", "With `on_error = \"zero\"`: the job fails after this many reward calls in a row raised, "
+                "died or timed out, with a message naming the function, the count and the last error (0: never). "
+                "The default fails a raising function within a second and a hung one within two minutes at the "
+                "default `timeout_s` on one reward worker, yet outlasts a whole group of a prompt the function "
+                "cannot score; raise it for groups larger than about 16. Whatever it is, `rlctl status` and the "
+                "events say when most recent calls fail, and that time is `lost` in the ETTR ledger.",
+                DEFAULT_MAX_CONSECUTIVE_FAILURES, minimum=0),
             "helper_backlog": Field("int", "Reward scheduling: when this many generated samples wait for a score "
                                     "(a slow verifier), idle capacity scores small chunks too, each worker in "
                                     "its own sandbox: rollout workers with nothing to generate (back to "
@@ -570,6 +593,7 @@ class FaultToleranceSpec:
     confirm_with_probe: bool
     max_restarts_per_slot: int
     max_failed_starts: int
+    stall_s: float
     slow_ratio: float
     slow_window_s: float
     exclude_failed_nodes: bool
@@ -624,6 +648,7 @@ class JobSpec:
     seed: int
     state_dir: str
     checkpoint_every: int
+    stop_checkpoint_timeout_s: float
     backend: str
     roles: dict[str, RoleSpec]
     spare_nodes: int
@@ -871,6 +896,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         seed=values["job"]["seed"],
         state_dir=values["job"]["state_dir"],
         checkpoint_every=values["job"]["checkpoint_every"],
+        stop_checkpoint_timeout_s=float(values["job"]["stop_checkpoint_timeout_s"]),
         backend=values["cluster"]["backend"],
         roles=roles,
         spare_nodes=values["spares"]["nodes"],

@@ -18,6 +18,11 @@ CPU, NCCL on GPU): every rank trains its part of the same batch; weights, gradie
 state are sharded over the ranks (FSDP2, ``[workload] sharding``). Every rank takes part in
 publishing and checkpointing (the weights are gathered to rank 0); rank 0 alone serves the weights,
 writes the checkpoint folder and reports to the controller.
+
+When the operator stops the job (``rlctl stop``), the controller answers the trainer's next request
+``{"stop": true, "checkpoint": true}``: the trainer (every rank of a group, which the controller
+keeps on the same step) checkpoints the version it holds unless it is saved already, rank 0
+answers ``trainer.stop_saved``, and the trainer exits.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class TrainerRole:
         self.version = 0
         self.round_kind = ""  # the kind of round the last fetched batch came from (short, long, sync)
         self.last_metrics: dict[str, float] | None = None  # the last trained step's, until published
+        self.saved_version = -1  # the newest version checkpointed (written or restored from)
+        # The controller's newest checkpoint when it asked for the stop checkpoint (None: not asked).
+        self.stop_checkpoint_asked: int | None = None
         self.checkpoint_every = int(settings.get("checkpoint_every", 5))
         self.replicate_state = bool(settings.get("replicate_trainer_state", True))  # JobSpec.trainer_state_replicated
         self.stream = bool(settings.get("stream", False))
@@ -93,12 +101,15 @@ class TrainerRole:
         batches up to the controller's published version."""
         replayed: list[int] = []
         unpublished: dict[str, float] | None = None
+        checkpoint_step = init.get("checkpoint_step")
+        self.saved_version = int(checkpoint_step) if checkpoint_step is not None else -1
         state_step = self.restore_held_state(init)
         if state_step is None:
             state_step = self.restore_replica(init)
         if state_step is None and init.get("checkpoint"):
             self.w.phase("loading")
             self.version = self.trainer.load_checkpoint(init["checkpoint"])
+            self.saved_version = self.version
             if self.version > int(init.get("target_version", 0)):
                 unpublished = self.checkpoint_metrics(init["checkpoint"])
         for step in init.get("replay_batches", []):
@@ -154,7 +165,7 @@ class TrainerRole:
         """Every rank takes its part of the state the warm standby holds (``state_replica``). The
         ranks first agree that every one of them received its part; only then do they load, so a
         failed transfer leaves them all on the checkpoint path. Returns the restored step."""
-        from rlctl.weights import WeightError, fetch_sync
+        from rlctl.weights import WeightError, fetch_bundle_sync, unflatten
         from rlctl.workload.rank_state import META_KEY, load_rank_state
 
         offer = init.get("state_replica")
@@ -166,7 +177,11 @@ class TrainerRole:
             self.w.phase("loading", step)
             try:
                 shards = offer["source"]["shards"]
-                version, state = fetch_sync(dict(shards[rank]), timeout=REPLICA_FETCH_TIMEOUT_S) if len(shards) == world else (-1, {})
+                # Into the state server's reused (pinned on CUDA) buffers: the load reads pinned memory,
+                # and the next offer_state is staged into the same memory.
+                bundle = (fetch_bundle_sync(dict(shards[rank]), timeout=REPLICA_FETCH_TIMEOUT_S,
+                                            pool=self.state_serving().pool) if len(shards) == world else None)
+                version, state = (bundle.manifest.version, unflatten(bundle.manifest, bundle.buffer)) if bundle else (-1, {})
                 if version == step and META_KEY in state:
                     data = state
             except (WeightError, OSError, KeyError, IndexError, TypeError, ValueError) as exc:
@@ -202,7 +217,7 @@ class TrainerRole:
                 if self.offload is not None:
                     self.offload.reload()
                 return [TrainSample.from_dict(s) for s in reply["samples"]]
-            if wait_or_stop(reply):
+            if self.stop_asked(reply):
                 return None
 
     def fetch_and_train(self, step: int) -> dict[str, float] | None:
@@ -222,7 +237,7 @@ class TrainerRole:
             self.w.phase("waiting-for-batch", step)
             reply = self.w.request("trainer.get_stream", step=step, have=have, parts=self.stream_parts)
             if not reply or "samples" not in reply:
-                if wait_or_stop(reply):
+                if self.stop_asked(reply):
                     return None
                 continue
             samples = [TrainSample.from_dict(s) for s in reply["samples"]]
@@ -256,7 +271,7 @@ class TrainerRole:
             assert self.server is not None
             descriptor = self.group_source(self.server.publish(self.version, self.trainer.shard_for_publish()))
         else:
-            weights = self.trainer.state_dict_for_publish()
+            weights = self.trainer.weights_to_publish()  # staged by the server: no host copy here
             descriptor = self.server.publish(self.version, weights) if self.server is not None else None
         state_source = self.offer_state() if self.replicate_state else None
         if descriptor is None or not self.leader:
@@ -284,13 +299,18 @@ class TrainerRole:
     def offer_state(self) -> dict[str, Any] | None:
         """Serve this rank's part of the trainer state of this version for the warm standby to copy;
         rank 0 gets the source of all parts."""
-        from rlctl.weights import WeightServerThread
         from rlctl.workload.rank_state import rank_state
+
+        return self.group_source(self.state_serving().publish(self.version, rank_state(self.trainer)))
+
+    def state_serving(self) -> Any:
+        """The server of this rank's part of the trainer state, started on first use."""
+        from rlctl.weights import WeightServerThread
 
         if self.state_server is None:
             self.state_server = WeightServerThread(self.settings.weights_transport, host=self.settings.weights_host)
             self.state_server.start()
-        return self.group_source(self.state_server.publish(self.version, rank_state(self.trainer)))
+        return self.state_server
 
     def close(self) -> None:
         for server in (self.server, self.state_server):
@@ -313,8 +333,34 @@ class TrainerRole:
             if self.last_metrics is not None:
                 extra[STEP_METRICS_FILE] = json.dumps({"round": self.round_kind, "metrics": self.last_metrics}).encode()
         self.trainer.save_checkpoint(path, extra)
+        self.saved_version = self.version
         if self.leader:
             self.w.request("trainer.checkpointed", step=self.version, path=str(path))
+
+    def stop_asked(self, reply: dict[str, Any] | None) -> bool:
+        """``wait_or_stop``, noting whether the stop asks for the stop checkpoint."""
+        if reply and reply.get("stop") and reply.get("checkpoint"):
+            self.stop_checkpoint_asked = int(reply.get("checkpoint_step", -1))
+        return wait_or_stop(reply)
+
+    def save_on_stop(self) -> None:
+        """The stop checkpoint, when the controller asked for it: the version held is written unless
+        it is saved already; rank 0 answers with what it did. A failed write is reported, not raised
+        (the previous checkpoint stays whole)."""
+        if self.stop_checkpoint_asked is None:
+            return
+        due = stop_checkpoint_due(self.version, max(self.saved_version, self.stop_checkpoint_asked))
+        began, error = time.monotonic(), ""
+        if due:
+            try:
+                self.checkpoint()
+            except Exception as exc:  # noqa: BLE001 - told to the controller, which journals it
+                error = f"{type(exc).__name__}: {exc}"
+                print(f"rlctl trainer: the stop checkpoint of step {self.version} failed: {error}", file=sys.stderr,
+                      flush=True)
+        if self.leader:
+            self.w.request("trainer.stop_saved", step=self.version, written=due and not error,
+                           write_s=round(time.monotonic() - began, 3), error=error)
 
     def run(self) -> int:
         init = self.wait_until_active()
@@ -324,6 +370,7 @@ class TrainerRole:
             step = self.version
             metrics = self.train_streamed(step) if self.stream else self.fetch_and_train(step)
             if metrics is None:
+                self.save_on_stop()
                 return 0
             self.version = step + 1
             self.last_metrics = metrics
@@ -333,9 +380,16 @@ class TrainerRole:
         self.w.phase("idle", self.version)
         # Keep serving the final weights until the job ends: the final held-out evaluation's
         # rollouts may still have to fetch them.
-        while not wait_or_stop(self.w.request("job.wait")):
+        while not self.stop_asked(self.w.request("job.wait")):
             pass
+        self.save_on_stop()
         return 0
+
+
+def stop_checkpoint_due(version: int, saved: int) -> bool:
+    """Whether the stop checkpoint writes anything: a version past the initial weights that no
+    checkpoint holds yet (``saved``: the newest checkpointed version, -1 for none)."""
+    return version > 0 and version > saved
 
 
 def main() -> int:

@@ -26,6 +26,7 @@ from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
+from rlctl.core.stall import StallGuard
 from rlctl.core.states import JobState, NodeState
 from rlctl.sim import armed, effects, inject
 from rlctl.sim.clock import EventQueue
@@ -70,6 +71,7 @@ class Simulation:
         self.events: list[Event] = []
         self.stats = SimStats()
         self.armed = ArmedFaults()
+        self.stall_guard = StallGuard(config.stall_s)
         self.end_to_end_s: float | None = None
         self.fault_seq = 0
         self.next_node_index = self.layout.role_nodes + self.layout.spares
@@ -148,7 +150,7 @@ class Simulation:
         for fault in self.failures.initial(self.config.duration_s, self.layout.role_gpus):
             self.q.schedule(fault.at, self.inject, fault)
         self.q.schedule(self.config.duration_s, self.finish, "time limit reached", False)
-        self.q.after(self.config.stall_s / 4, self._watch_progress, self._progress_mark(), self.now)
+        self.q.after(self.config.stall_s / 4, self._watch_progress)
         self.q.run(until=self.config.duration_s, stop=self._ended)
         return summarize(self, wall_clock_s=time.perf_counter() - started)
 
@@ -176,25 +178,19 @@ class Simulation:
             self.orc.end(self.orc.final_state(), stop.reason)
         return self.model.life.state.terminal
 
-    def _progress_mark(self) -> tuple[int, int]:
-        """What moves while a job is not deadlocked: the published version, and the faults that hit it
-        (a job thrashing through faults is recovering, its time already counted as such, not stalled)."""
-        return self.model.published_version, self.stats.faults_injected
-
-    def _watch_progress(self, mark: tuple[int, int], since: float) -> None:
-        """End a job that has trained no step and met no fault for ``stall_s`` (a scheduling deadlock:
-        every worker waits, so no detector fires): the time since its last version produced nothing and
-        is ``lost``, never productive."""
+    def _watch_progress(self) -> None:
+        """The stall guard (``rlctl.core.stall``, the live controller's): a job that has trained no
+        step and met no fault for ``stall_s`` has deadlocked and ends, failed; its time since its last
+        version is ``lost``. Judged every quarter of ``stall_s`` of virtual time."""
         if self.model.life.state.terminal:
             return
-        if (now_mark := self._progress_mark()) != mark:
-            mark, since = now_mark, self.now
-        elif (stalled := self.now - since) >= self.config.stall_s:
-            self.stats.stalled_s = stalled
-            self.emit(EventKind.JOB_STALLED, since_version=mark[0], seconds=round(stalled, 3))
-            self.finish(f"failed: stalled, no step trained for {stalled:.0f} s after v{mark[0]}", False)
+        stalled = self.stall_guard.check(self.model, self.now)
+        if stalled is not None:
+            self.stats.stalled_s = self.now - self.stall_guard.since
+            self.commit(stalled.events)
+            self.finish(stalled.reason, False)
             return
-        self.q.after(self.config.stall_s / 4, self._watch_progress, mark, since)
+        self.q.after(self.config.stall_s / 4, self._watch_progress)
 
     def finish(self, reason: str, succeeded: bool) -> None:
         """The job ends now (its workers need no stopping: nothing runs after the clock stops)."""

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlctl.core.checkpoint_names import retired_name, staged_name
 from rlctl.workload.fsdp import (
     SHARDINGS,
     full_state_dict,
@@ -480,6 +481,17 @@ class Trainer:
         return max(len(micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in samples[rank::world]],
                                      self.config.micro_batch_tokens)) for rank in range(world))
 
+    def weights_to_publish(self) -> dict[str, Tensor]:
+        """The model weights as they are, on the trainer's device (version = ``self.step``), for a
+        weight server to stage: publishing copies them (chunked, into its reused pinned host
+        buffers on CUDA: ``rlctl.weights.staging``), so no host copy is made here. In a group as
+        ``state_dict_for_publish``: sharded weights gathered, rank 0 gets them, the others ``{}``."""
+        if self.sharded:
+            return full_state_dict(self.model)
+        if self.dist.rank != 0:
+            return {}
+        return {name: t.detach() for name, t in self.model.state_dict().items()}
+
     def state_dict_for_publish(self) -> dict[str, Tensor]:
         """Detached, contiguous CPU copies of the model weights (version = ``self.step``). In a group
         every rank calls it (sharded weights are gathered); rank 0 gets them, the others ``{}``."""
@@ -530,7 +542,7 @@ class Trainer:
         target = Path(path)
         payload = self.checkpoint_payload()
         del payload["model"]  # the weights are the folder's safetensors
-        staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        staging = target.with_name(staged_name(target.name, str(os.getpid())))
         shutil.rmtree(staging, ignore_errors=True)
         try:
             self.model.save(staging)  # type: ignore[operator]
@@ -547,7 +559,7 @@ class Trainer:
         """Every rank: gather the full weights to rank 0, write its optimizer shard; rank 0 writes
         the HF folder and the trainer state, then renames the staged folder into place."""
         leader = self.dist.rank == 0
-        staging = target.with_name(f".{target.name}.tmp-group")  # one name every rank agrees on
+        staging = target.with_name(staged_name(target.name, "group"))  # one name every rank agrees on
         weights = full_state_dict(self.model)
         reference = full_state_dict(self.ref_model) if self.ref_model is not None else None
         rng_states: list[Any] = [None] * self.dist.world_size
@@ -661,7 +673,7 @@ def read_hf_weights(folder: Path, like: Mapping[str, Tensor],
 
 def _replace_folder(staging: Path, target: Path) -> None:
     """Move a finished folder into place; a folder already there (a re-written step) is replaced."""
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    old = target.with_name(retired_name(target.name, str(os.getpid())))
     if target.exists():
         os.replace(target, old)
     os.replace(staging, target)

@@ -122,3 +122,31 @@ def test_a_warm_standby_scores_a_chunk_of_a_long_reward_queue_and_is_still_a_sta
         ops.op_reward_submit(standby, {"scores": [{"item_id": s["item_id"], "reward": 1.0} for s in reply["score"]]}, 2.5)
     assert shares == [2, 1, 1, 1], "an even share while at least helper_backlog samples wait, then none"
     assert c.scheduler.scoring_backlog() == 1 and reply["standby"]
+
+
+def test_reward_calls_failing_in_a_row_are_said_and_fail_the_job_at_max_consecutive_failures() -> None:
+    """Every score of a batch failed: the zeros are stored (``on_error = "zero"``) but counted as
+    failed calls, not returned ones; the journal says the function is failing, naming it, the count
+    and the last error; at ``[reward] max_consecutive_failures`` the job is asked to stop as failed."""
+    ops, c = _ops()
+    stops = _with_reward_policy(ops, c, "zero")
+    ops.orc.spec.reward["max_consecutive_failures"] = 5  # type: ignore[index]
+    rollout, reward = c.model.slots["rollout-0"], c.model.slots["reward-0"]
+    items = ops.op_rollout_get_work(rollout, {"capacity": 16}, 2.0)["items"]
+    ops.op_rollout_submit(rollout, {"results": [{"item_id": i["item_id"], "response_tokens": [5, 2], "truncated": False,
+                                                 "weights_version": 0} for i in items]}, 2.1)
+    to_score = ops.op_reward_get_work(reward, {"capacity": 2}, 2.2)["items"]
+    ok = [{"item_id": i["item_id"], "reward": 1.0, "correct": True} for i in to_score]
+    assert ops.op_reward_submit(reward, {"scores": ok}, 2.3) == {"accepted": 2} and not stops
+    to_score = ops.op_reward_get_work(reward, {"capacity": 16}, 2.4)["items"]
+    assert len(to_score) == len(items) - 2 >= 5
+    bad = [{"item_id": i["item_id"], "reward": 0.0, "correct": False, "error": "timed out after 5 s",
+            "function": "rewards.py:compute_score"} for i in to_score]
+    assert ops.op_reward_submit(reward, {"scores": bad}, 2.5) == {"accepted": len(bad)}
+    calls = c.model.reward_calls
+    assert calls.calls == len(items) and calls.failures == len(bad) == calls.consecutive_failures
+    [failing] = [e for e in c.shell.journal if e.type == "RewardFunctionFailing"]
+    assert failing.data["function"] == "rewards.py:compute_score" and failing.data["failures"] == len(bad)
+    assert failing.data["last_error"] == "timed out after 5 s"
+    assert stops == [(f"failed: reward function rewards.py:compute_score failed {len(bad)} calls in a row "
+                      "([reward] max_consecutive_failures = 5); last error: timed out after 5 s")]

@@ -96,6 +96,7 @@ def test_refusals_fencing_offline_stop_and_no_resume_of_an_ended_job(tmp_path: P
     wait_for(lambda: not pid_alive(new_pid), 10, "the controller to die")
     stopped = rlctl_json(state_dir, "stop", job)
     assert stopped["state"] == "stopped" and stopped["offline"] is True and stopped["nodes_released"] >= 5
+    assert stopped["checkpoint"]["outcome"] == "no-controller"  # and what is lost: rlctl.core.stopsave.describe
     wait_for(lambda: not processes_under(jobdir.path), 20, "every process of the job to exit")
     final = status(state_dir, job)
     assert final["job"]["state"] == "stopped" and all(n["state"] == "released" for n in final["nodes"])
@@ -127,3 +128,24 @@ def test_a_backend_refusal_at_launch_is_one_message(tmp_path: Path, state_dir: P
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
     assert "did not start: ssh backend:" in result.stderr and "[cluster.ssh] hosts" in result.stderr, result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) <= 6, result.stderr
+
+
+def test_a_job_that_moves_nothing_for_stall_s_fails_naming_its_last_progress(tmp_path: Path, state_dir: Path) -> None:
+    """The live controller's stall guard (``rlctl.core.stall``, the simulator's too): with ``stall_s``
+    far below the job's start-up, the job fails as stalled, journals ``JobStalled`` and releases
+    every node, instead of waiting forever on a deadlock no detector sees."""
+    job_file = write_job(tmp_path, name="stalls", spares=0)
+    job_file.write_text(job_file.read_text().replace("[fault_tolerance]\n", "[fault_tolerance]\nstall_s = 1.0\n"))
+    launched = rlctl_json(state_dir, "launch", str(job_file))
+    job = launched["job_id"]
+    try:
+        wait_for(lambda: status(state_dir, job)["job"]["state"] == "failed", 90, "the stall guard to fail the job")
+        jobdir = JobDir(Path(launched["job_dir"]))
+        stalled = events_of(jobdir, "JobStalled")
+        assert len(stalled) == 1 and stalled[0].data["since_version"] == 0
+        ended = [e for e in events_of(jobdir, "JobStateChanged") if e.data["state"] == "failed"][-1]
+        assert ended.data["reason"].startswith("failed: stalled: no step trained and no fault met for "), ended.data
+        assert "stall_s = 1" in ended.data["reason"] and "v0 (0/400 steps)" in ended.data["reason"]
+        wait_for(lambda: not processes_under(tmp_path / "jobs"), 30, "every process of the job to end")
+    finally:
+        rlctl(state_dir, "stop", job, check=False)

@@ -108,13 +108,14 @@ def _handlers() -> ApiHandlers:
         return {"ok": True, "fault_id": "f", "node": node, "kind": kind}
 
     return ApiHandlers(status=lambda: {"job": {}}, diagnostics=lambda since: {"since": since},
-                       stop=lambda reason: None, inject=inject, injections=list,
+                       stop=lambda reason, checkpoint, timeout_s: {"reason": reason, "checkpoint": checkpoint},
+                       inject=inject, injections=list,
                        cancel=lambda fault_id: {"ok": False, "error": f"no injection {fault_id}"})
 
 
 _SERVER = ApiServer(Path("/nonexistent/api.sock"), _handlers())
 OPS = ["status", "diagnostics", "stop", "inject", "injections", "cancel", "x"]
-FIELDS = ["since_mono", "reason", "node", "kind", "params", "fault_id"]
+FIELDS = ["since_mono", "reason", "node", "kind", "params", "fault_id", "checkpoint", "timeout_s"]
 
 
 @FUZZ
