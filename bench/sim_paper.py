@@ -7,6 +7,7 @@ same job, cost model and failure seed; medians over seeds. RobustRL reports ETTR
 
     python bench/sim_paper.py                 # the headline (median of 5 seeds), with a colocated row (role policy)
     python bench/sim_paper.py --sweep         # + failure-rate and cluster-size sweeps, table + plot
+    python bench/sim_paper.py --calibrate gpucheck.json   # weights.* measured (a GPU-check report or a job dir)
 
 The last stdout line is one JSON object with the figures.
 """
@@ -18,12 +19,14 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rlctl.sim.calibrate import measured_weights
 from rlctl.sim.costmodel import CostModel, load_cost_model
 from rlctl.sim.engine import SimConfig, simulate
 from rlctl.sim.faults import StepFailures
@@ -103,6 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=Path, default=ROOT / "examples" / "quickstart.toml")
     parser.add_argument("--cost-model", type=Path, default=None)
+    parser.add_argument("--calibrate", type=Path, default=None,
+                        help="take weights.* (pull rate, overhead, staging) from a GPU-check report or a job's pulls")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sweep", action="store_true", help="also sweep failure rate (0-20%%) and GPUs (64-8192)")
@@ -111,8 +116,14 @@ def main() -> None:
     args = parser.parse_args()
     spec = load_job_file(args.job)
     cost = load_cost_model(args.cost_model)
+    measured = measured_weights(args.calibrate) if args.calibrate is not None else None
+    if measured is not None:
+        cost = replace(cost, weights=measured.applied(cost.weights))
     started = time.perf_counter()
     result: dict[str, Any] = {"bench": "sim_paper", "headline": headline(spec, cost, list(range(1, args.seeds + 1)), args.steps)}
+    result["weights"] = {"calibration": measured.as_dict() if measured is not None else None,
+                         "bandwidth_gbps": cost.weights.bandwidth_bytes_per_s / 1e9,
+                         "overhead_s": cost.weights.overhead_s, "stage_gbps": cost.weights.stage_bytes_per_s / 1e9}
     if args.sweep:
         result["sweep"] = sweep(spec, cost, list(range(1, args.sweep_seeds + 1)), args.sweep_duration_h * 3600)
     result["bench_wall_s"] = round(time.perf_counter() - started, 2)

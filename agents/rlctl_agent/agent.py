@@ -4,7 +4,8 @@ One asyncio event loop runs everything; only the GPU provider's blocking event w
 thread. Loops:
 - the controller link (connect, authenticate, read commands, reconnect);
 - heartbeats every ``heartbeat_interval_s`` with workers' phase/progress and GPU samples;
-- a watch loop (every 0.1 s) that tails worker logs for NCCL signals and reaps exited workers;
+- a watch loop (every 0.1 s) that tails worker logs for NCCL signals, kills a worker whose NCCL
+  watchdog fired (``nccl_kill_after_s`` later; ``rlctl_agent.watch``) and reaps exited workers;
 - a GPU event loop that forwards XID/ECC/remap/throttle/lost signals.
 
 Exit: ``shutdown`` stops the workers and exits 0; SIGTERM/SIGINT make the agent exit and leave
@@ -34,6 +35,7 @@ from .gpu import GpuProvider, WorkerLoad, make_gpu_provider
 from .relay import WorkerRelay
 from .signals import Signal
 from .supervisor import Supervisor, SupervisorError, WorkerExit, WorkerRecord, parse_signal
+from .watch import WorkerWatch
 
 log = logging.getLogger("rlctl_agent")
 
@@ -55,6 +57,7 @@ class Agent:
         self.incarnation = int(time.time() * 1000)
         self.gpu: GpuProvider = make_gpu_provider(config.gpu_provider, config.node, config.sim_gpus, self._gpu_loads)
         self.supervisor = Supervisor(config, gpu_count=len(self.gpu.facts()["gpus"]))
+        self.watch = WorkerWatch(self.supervisor, config.nccl_kill_after_s)
         self.relay = WorkerRelay(config.socket_path, self)
         self.link = ControllerLink(config, self.incarnation, self._hello_facts, self._on_command,
                                    on_welcome=self._on_controller_welcome, highest_epoch=self._saved_epoch())
@@ -139,10 +142,9 @@ class Agent:
     async def _watch_loop(self) -> None:
         last_save = time.monotonic()
         while True:
-            for record in self.supervisor.live():
-                self._send_signals(record.watcher.poll())
-            for exit_ in self.supervisor.poll():
-                self._send_signals(self.supervisor.workers[exit_.wid].watcher.poll())
+            found = self.watch.scan(time.monotonic())
+            self._send_signals(found.signals)
+            for exit_ in found.exits:
                 self._report_exit(exit_)
             if time.monotonic() - last_save >= STATE_SAVE_INTERVAL_S:
                 self.supervisor.save_state()

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 GPU_PROVIDERS = ("auto", "nvml", "sim", "none")
+# After a worker's NCCL watchdog line is read: time left for its flight-recorder dump before the agent
+# kills it (rlctl_agent.watch). Read every 0.1 s, the worker is gone about 1.2 s after torch wrote it.
+DEFAULT_NCCL_KILL_AFTER_S = 1.0
 _MAX_CONFIG_BYTES = 1024 * 1024
 
 
@@ -38,6 +41,7 @@ class AgentConfig:
     secret: bytes = field(default=b"", repr=False)
     tls_cert_pem: str = ""  # the controller's certificate, pinned; empty: plain TCP
     orphan_timeout_s: float = 1800.0  # no controller reachable this long: stop the workers, exit
+    nccl_kill_after_s: float = DEFAULT_NCCL_KILL_AFTER_S  # a worker's NCCL watchdog fired this long ago: kill it
 
     @property
     def logs_dir(self) -> Path:
@@ -124,6 +128,7 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> AgentConfig:
         sim_gpus = int(raw.get("sim_gpus", 0))
         interval = float(raw.get("heartbeat_interval_s", 1.0))
         orphan_timeout = float(raw.get("orphan_timeout_s", 1800.0))
+        nccl_kill_after = float(raw.get("nccl_kill_after_s", DEFAULT_NCCL_KILL_AFTER_S))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"agent config {source}: {exc}") from None
     if not 0 < port < 65536:
@@ -132,6 +137,8 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> AgentConfig:
         raise ConfigError(f"agent config {source}: sim_gpus must be >= 0 and heartbeat_interval_s > 0")
     if not orphan_timeout > 0:
         raise ConfigError(f"agent config {source}: orphan_timeout_s must be > 0")
+    if not 0 <= nccl_kill_after <= 60:
+        raise ConfigError(f"agent config {source}: nccl_kill_after_s must be in [0, 60], got {nccl_kill_after}")
     tls_cert_pem = str(raw.get("tls_cert_pem", ""))
     if tls_cert_pem:
         try:
@@ -150,4 +157,5 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> AgentConfig:
         secret=secret,
         tls_cert_pem=tls_cert_pem,
         orphan_timeout_s=orphan_timeout,
+        nccl_kill_after_s=nccl_kill_after,
     )

@@ -10,16 +10,23 @@ glog prefix ``[rank1]:[E1003 18:37:01.833 ProcessGroupNCCL.cpp:607]`` in front):
 - ``[PG 0 Rank 25] Heartbeat monitor timed out! Process will be terminated after dumping debug
   info. workMetaList_.size()=2`` and ``ProcessGroupNCCL's watchdog got stuck for 600 seconds ...``
 - flight recorder: ``ProcessGroupNCCL preparing to dump debug info. Include stack trace: 1, only
-  active collectives: 0``, ``ProcessGroupNCCL dumping nccl trace to <path>`` and ``Finished flight
-  recorder successfully. Output can be analyzed using the fr_trace script.``
+  active collectives: 0``, ``ProcessGroupNCCL dumping nccl trace to <path>``, and the end of a dump:
+  ``Finished flight recorder successfully. Output can be analyzed using the fr_trace script.``
+  (older) or ``Finished writing Flight Recorder debug info to <path>`` (newer releases, at
+  INFO level, so shown only with ``TORCH_CPP_LOG_LEVEL=INFO``).
 
 A timeout is printed several times (log line, exception text, ``what():``); ``WorkerLogWatcher``
-reports each (kind, rank, seq) once per worker.
+reports each (kind, rank, seq) once per worker. It also remembers the first timeout and when the
+agent read it, and whether a flight-recorder dump finished since: ``kill_due`` says when the agent
+must kill the worker (see ``rlctl_agent.watch``). torch itself ends such a process only after
+sleeping four times ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (40 s at a 10 s dump wait; see
+docs/gpu.md, "NCCL teardown").
 """
 
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +51,7 @@ _WATCHDOG_STUCK = re.compile(r"watchdog got stuck for (?P<seconds>\d+) seconds w
 _DUMP_START = re.compile(r"ProcessGroupNCCL preparing to dump debug info")
 _DUMP_TARGET = re.compile(r"ProcessGroupNCCL dumping nccl trace to (?P<target>\S+)")
 _DUMP_DONE = re.compile(r"Finished flight recorder successfully")
+_DUMP_WRITTEN = re.compile(r"Finished writing Flight Recorder debug info to (?P<target>\S+)")
 _PREFIX_RANK = re.compile(r"^\s*\[rank(?P<rank>\d+)\]:")
 _LOG_PREFIX_RANK = re.compile(r"\[(?:PG (?:ID )?(?P<pg>\d+)[^\]]*?)?\bRank (?P<rank>\d+)\]")
 
@@ -85,7 +93,8 @@ class NcclEvent:
 
 def parse_line(line: str) -> NcclEvent | None:
     """Recognise one log line; None when it is not a ProcessGroupNCCL failure message."""
-    if "NCCL" not in line and "flight recorder" not in line and "Heartbeat monitor" not in line:
+    if ("NCCL" not in line and "flight recorder" not in line and "Flight Recorder" not in line
+            and "Heartbeat monitor" not in line):
         return None
     text = line.strip()[:_MAX_LINE_CHARS]
     rank, pg = _rank_and_pg(text)
@@ -101,9 +110,14 @@ def parse_line(line: str) -> NcclEvent | None:
                          timeout_ms=int(match["seconds"]) * 1000)
     if _DUMP_START.search(text) or _DUMP_DONE.search(text):
         return NcclEvent(NCCL_FLIGHT_RECORDER, "dump", text, rank=rank, pg=pg)
-    if match := _DUMP_TARGET.search(text):
+    if match := _DUMP_TARGET.search(text) or _DUMP_WRITTEN.search(text):
         return NcclEvent(NCCL_FLIGHT_RECORDER, "dump", text, rank=rank, pg=pg, extra={"target": match["target"]})
     return None
+
+
+def dump_finished(line: str) -> bool:
+    """Whether ``line`` says a flight-recorder dump was written out."""
+    return bool(_DUMP_DONE.search(line) or _DUMP_WRITTEN.search(line))
 
 
 def _rank_and_pg(text: str) -> tuple[int | None, int | None]:
@@ -161,26 +175,51 @@ class LogTailer:
         return [line.decode("utf-8", errors="replace") for line in lines]
 
 
+@dataclass(frozen=True)
+class WatchdogFired:
+    """A worker's first NCCL-timeout message and when the agent read it (``time.monotonic()`` seconds)."""
+
+    line: str
+    seen_at: float
+
+
 class WorkerLogWatcher:
-    """Turns new lines of one worker's log into ``fault_signal`` bodies, once per failure."""
+    """Turns new lines of one worker's log into ``fault_signal`` bodies, once per failure, and
+    remembers the first NCCL timeout (``fired``) and the end of a flight-recorder dump after it."""
 
     def __init__(self, wid: str, path: Path, offset: int = 0) -> None:
         self.wid = wid
         self.tailer = LogTailer(path, offset)
         self._seen: set[tuple[Any, ...]] = set()
+        self.fired: WatchdogFired | None = None
+        self._dump_written_after_fire = False
 
     @property
     def offset(self) -> int:
         """How far the log has been read (persisted so a restarted agent resumes there)."""
         return self.tailer.offset
 
-    def poll(self) -> list[Signal]:
-        """Signals for the NCCL messages appended since the last call."""
+    def poll(self, now: float | None = None) -> list[Signal]:
+        """Signals for the NCCL messages appended since the last call; ``now`` (monotonic seconds,
+        default the clock) is recorded as the time a first timeout was read."""
         signals = []
         for line in self.tailer.read_lines():
             event = parse_line(line)
-            if event is None or event.dedupe_key in self._seen:
+            if event is None:
+                continue
+            if event.kind == NCCL_TIMEOUT and self.fired is None:
+                self.fired = WatchdogFired(event.line, time.monotonic() if now is None else now)
+            elif self.fired is not None and dump_finished(line):
+                self._dump_written_after_fire = True
+            if event.dedupe_key in self._seen:
                 continue
             self._seen.add(event.dedupe_key)
             signals.append(make_signal(event.kind, None, event.line[:2000], worker=self.wid, detail=event.detail()))
         return signals
+
+    def kill_due(self, now: float, after_s: float) -> bool:
+        """Whether a worker whose NCCL watchdog fired must be killed now: ``after_s`` after the agent
+        read the timeout, or as soon as a flight-recorder dump has been written since."""
+        if self.fired is None:
+            return False
+        return self._dump_written_after_fire or now >= self.fired.seen_at + after_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,11 @@ def sim(
     cost_model: Path = typer.Option(None, "--cost-model", help="Cost-model TOML (docs/cost-model.md)."),
     failure_model: str = typer.Option("step", "--failure-model", help="step | gpu-hours | trace"),
     trace: Path = typer.Option(None, "--trace", help="Fault trace (JSON lines / JSON list) or a job journal.db."),
-    calibrate: Path = typer.Option(None, "--calibrate", help="A real job's directory: measure its cost model from "
-                                   "its journal, replay its faults, compare predicted and measured ETTR."),
+    calibrate: Path = typer.Option(None, "--calibrate", help="Measured figures. A GPU-check report (the JSON of "
+                                   "`python -m rlctl.gpucheck`): its measured weight pull, overhead and staging rates "
+                                   "replace the cost model's, then JOB_FILE is simulated as usual. A real job's "
+                                   "directory: its whole cost model measured from its journal (weights from its own "
+                                   "pulls), its faults replayed, predicted and measured ETTR compared."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: Path = typer.Option(None, "--plot", help="Write a ledger plot (PNG)."),
 ) -> None:
@@ -36,22 +40,27 @@ def sim(
     from rlctl.sim.engine import POLICIES, SimConfig, compare_policies, simulate
     from rlctl.sim.faults import parse_duration
     from rlctl.sim.report import plot_ledger
+    from rlctl.sim.weight_rates import MeasuredWeights, WeightRatesError, from_gpucheck, is_gpucheck_report
     from rlctl.specfile import load_job_file
 
     try:
         spec = load_job_file(job_file)
     except SpecError as exc:
         fail(str(exc), code=2)
-    if calibrate is not None:
+    if calibrate is not None and not is_gpucheck_report(calibrate):
         _calibrate(calibrate, spec, seed, json_out)
         return
     if policy not in (*POLICIES, "both"):
         fail(f"--policy must be role, full-restart or both, got {policy!r}", code=2)
+    measured: MeasuredWeights | None = None
     try:
         cost = load_cost_model(cost_model)
+        if calibrate is not None:
+            measured = from_gpucheck(calibrate)
+            cost = replace(cost, weights=measured.applied(cost.weights))
         horizon = parse_duration(duration)
         make_failure_model(failure_model, rate, seed, trace)
-    except (CostModelError, ValueError, OSError) as exc:
+    except (CostModelError, WeightRatesError, ValueError, OSError) as exc:
         fail(str(exc), code=2)
     total = None if steps is None else (steps or 10**9)
     config = SimConfig(policy=policy if policy != "both" else "role", steps=total, duration_s=horizon, seed=seed, gpus=gpus)
@@ -60,20 +69,37 @@ def sim(
         result: dict[str, Any] = compare_policies(spec, cost, make, config)
     else:
         result = simulate(spec, cost, make(seed), config)
+    if measured is not None:
+        result["calibration"] = measured.as_dict()
     if plot is not None:
         plot_ledger(result, plot)
     if json_out:
         print_json(result)
         return
     _render(result)
+    if measured is not None:
+        _render_measured(measured)
+
+
+def _render_measured(measured: Any) -> None:
+    figures = measured.as_dict()
+    stage = f", staging {figures['stage_gbps']} GB/s ({figures['stage_figure']})" if figures["stage_gbps"] else ""
+    console.print(f"weights measured on {figures['hardware']} ({figures['source']}): pull {figures['pull_gbps']} GB/s, "
+                  f"overhead {figures['overhead_s']} s{stage}", highlight=False)
 
 
 def _calibrate(target: Path, spec: Any, seed: int, json_out: bool) -> None:
     from rlctl.sim.calibrate import journal_path, predict_from_journal
 
+    if target.suffix == ".json":
+        fail(f"{target}: not a GPU-check report (expected the JSON of `python -m rlctl.gpucheck`, a job directory "
+             "or its journal.db)", code=2)
     if not journal_path(target).exists():
         fail(f"{target}: no journal.db there", code=2)
-    result = predict_from_journal(target, spec, seed=seed)
+    try:
+        result = predict_from_journal(target, spec, seed=seed)
+    except ValueError as exc:  # rlctl.journal_reader.JournalUnreadable: not a journal it can read
+        fail(str(exc), code=2)
     if json_out:
         print_json(result)
         return

@@ -13,9 +13,15 @@ GPU, PyTorch and no internet, and prints ONE JSON object: per part, ``status`` (
 - ``torch_train_step``: one GRPO ``Trainer.train_step`` on the GPU, seconds per step;
 - ``ucx_cuda``: a CUDA state dict published and fetched through the rlctl UCX transport
   (device->host staging, transfer, host->device), GB/s;
+- ``weights_stage``: a 1 GiB bf16 CUDA state published through a weight server (chunked side-stream
+  copy into reused pinned buffers) and loaded back from them, against GB/s goals each way;
+- ``weights_pull_local``: a 0.5B- and an 8B-shape bf16 state published here, pulled by a joiner
+  process on this node, loaded on the GPU: bit-exact, the lane named, end-to-end GB/s goal;
 - ``nccl_watchdog``: an NCCL process group with the settings of ``rlctl.workload.nccl_env`` and a
-  deliberately stalled collective; the torch watchdog's report is classified by the agent's
-  ``nccl.py`` parser;
+  deliberately stalled collective, its ranks run by the agent's own supervisor and watch loop: the
+  torch watchdog's report is classified as ``nccl-timeout`` and the rank killed, stall to gone <= 10 s;
+- ``local_job``: a whole job on the one GPU (trainer, two rollouts, reward, warm standby; a 0.5B-shape
+  Qwen3) through a trainer crash and a rollout crash: it must succeed with no trajectory lost;
 - ``vllm_engine``: ``VllmEngine`` tokens/s and in-place weight update, where vllm is installed.
 
 Without a GPU every part is skipped with its reason and the exit status is 0; the exit status

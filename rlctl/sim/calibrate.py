@@ -1,11 +1,12 @@
 """Calibration: measure a cost model from a real job's journal, replay its faults, predict its ETTR.
 
-``measure_cost_model`` reads the journal (rlctl.controller.store.Journal) and takes the step,
+``measure_cost_model`` reads the journal (``rlctl.journal_reader``) and takes the step,
 training, checkpoint, init, detection and recovery times the live run actually had, the weight-sync
 line through its own pulls and the time its trainer took to read a checkpoint back;
 ``trace_from_journal`` turns its ``FaultInjected`` events into a fault trace (by role, so the
 simulator's node names need not match); ``predict_from_journal`` simulates the same job with both
-and compares the predicted ETTR with the journal's own ledger.
+and compares the predicted ETTR with the journal's own ledger. ``measured_weights`` takes only the
+weight-transfer rates, from a job's pulls or from a GPU-check report (``rlctl.sim.weight_rates``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlctl.controller.store import Journal
 from rlctl.core.events import Event, EventKind
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.spec import JobSpec
+from rlctl.journal_reader import JournalUnreadable, read_journal
 from rlctl.sim.costmodel import CostModel, DetectionCost, GenerationCost, InitCost, StepCost, WeightsCost
 from rlctl.sim.engine import simulate
 from rlctl.sim.faults import (
@@ -35,6 +36,7 @@ from rlctl.sim.faults import (
     fault_from_record,
 )
 from rlctl.sim.site import SimConfig
+from rlctl.sim.weight_rates import MeasuredWeights, PullSample, WeightRatesError, from_gpucheck, is_gpucheck_report
 
 # What a journal without the figures gets (journals before pulls carried bytes and seconds, or a
 # job that never restored from a checkpoint): a tiny model's sync and checkpoint read.
@@ -57,11 +59,7 @@ def read_events(target: Path) -> list[Event]:
     if target.suffix == ".jsonl":
         rows = [json.loads(line) for line in target.read_text().splitlines() if line.strip()]
         return [Event(type=r["type"], at=float(r["at"]), data=r["data"], seq=int(r.get("seq", 0))) for r in rows]
-    journal = Journal(journal_path(target), readonly=True)
-    try:
-        return list(journal.read())
-    finally:
-        journal.close()
+    return read_journal(journal_path(target))
 
 
 def replay(events: list[Event], spec: JobSpec | None) -> JobModel:
@@ -166,19 +164,42 @@ def weights_from_pulls(events: list[Event], senders: int = 1, pullers: int = 1) 
     at 7x the time). A journal without pull figures keeps the old constants. The measured rate is
     what a pull got with ``pullers`` pulling from ``senders`` at once; the link is set so that the
     cost model's contention (``WeightsCost.pull_s``) gives that rate back in the same layout."""
-    pulls = [(float(e.data["bytes"]), float(e.data["seconds"])) for e in events
-             if e.type == EventKind.WEIGHTS_HELD and "bytes" in e.data and float(e.data.get("seconds", 0.0)) > 0]
-    if not pulls or all(size <= 0 for size, _ in pulls):
+    pulls = pull_samples(events)
+    if not pulls:
         return replace(WeightsCost(), bytes=0.0, overhead_s=FALLBACK_SYNC_S)
-    size = statistics.median(b for b, _ in pulls)
-    rate, overhead = size / statistics.median(t for _, t in pulls), 0.0
-    if len({b for b, _ in pulls}) >= 2:
-        slope, intercept = statistics.linear_regression([b for b, _ in pulls], [t for _, t in pulls])
-        if slope > 0:
-            rate, overhead = 1.0 / slope, max(0.0, intercept)
-    shape = WeightsCost(bytes=size, overhead_s=overhead, senders=max(1, senders), pullers=max(1, pullers))
-    contention = max(1.0, shape.pullers / (shape.senders * shape.sender_efficiency))
-    return replace(shape, bandwidth_bytes_per_s=rate * contention)
+    measured = MeasuredWeights(source="the job's journal", hardware="the job's own nodes", pulls=tuple(pulls),
+                               senders=max(1, senders), pullers=max(1, pullers))
+    shape = WeightsCost(bytes=statistics.median(p.nbytes for p in pulls), senders=measured.senders,
+                        pullers=measured.pullers)
+    return measured.applied(shape)
+
+
+def pull_samples(events: list[Event]) -> list[PullSample]:
+    """The job's pulls: every ``WeightsHeld`` with ``bytes`` and ``seconds`` above 0."""
+    return [PullSample(float(e.data["bytes"]), float(e.data["seconds"]), f"WeightsHeld seq {e.seq}")
+            for e in events if e.type == EventKind.WEIGHTS_HELD and float(e.data.get("bytes", 0)) > 0
+            and float(e.data.get("seconds", 0.0)) > 0]
+
+
+def measured_weights(target: Path) -> MeasuredWeights:
+    """The weight-transfer rates measured at ``target``: a GPU-check report (JSON), or a job's own
+    pulls (its directory, ``journal.db`` or a JSON-lines export). Raises WeightRatesError naming
+    the file when it holds none."""
+    if is_gpucheck_report(target):
+        return from_gpucheck(target)
+    if target.suffix == ".json":
+        raise WeightRatesError(f"{target}: not a GPU-check report (expected the JSON of `python -m rlctl.gpucheck`, "
+                               "a job directory or its journal.db)")
+    try:
+        events = read_events(target)
+    except JournalUnreadable as exc:
+        raise WeightRatesError(str(exc)) from None
+    pulls = pull_samples(events)
+    if not pulls:
+        raise WeightRatesError(f"{target}: the job's journal holds no pull with bytes and seconds (WeightsHeld)")
+    model = replay(events, None)
+    return MeasuredWeights(source=str(journal_path(target)), hardware="the job's own nodes", pulls=tuple(pulls),
+                           senders=max(1, len(model.slots_of("trainer"))), pullers=max(1, len(model.slots_of("rollout"))))
 
 
 def _checkpoint_loads(events: list[Event], model: JobModel) -> list[float]:

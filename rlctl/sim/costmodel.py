@@ -62,11 +62,16 @@ class WeightsCost:
     """A weight version moved point to point: each trainer rank serves its shard, every rollout
     engine pulls the whole version striped over all ranks. A pull is bound by the receiver's link,
     or by each sender's link shared by every puller at once, whichever is slower; a sender achieves
-    ``sender_efficiency`` of its link (fitted from a measured striped pull, ``rlctl.sim.measured``)."""
+    ``sender_efficiency`` of its link (fitted from a measured striped pull, ``rlctl.sim.measured``).
+    Where the bytes go through host memory (``stage_bytes_per_s`` > 0), each sender first copies its
+    share device to host and the receiver then copies the whole version host to device, neither
+    overlapped with the transfer; 0 means no host copy on the critical path (a transport that carries
+    GPU memory, or staging hidden behind the transfer)."""
 
     bytes: float = 16e9
     bandwidth_bytes_per_s: float = 25e9  # one link, a sender's or a receiver's
     overhead_s: float = 1.0
+    stage_bytes_per_s: float = 0.0  # GPU<->host copy at each end of a pull (0: none on the critical path)
     sender_efficiency: float = field(default_factory=sender_efficiency)
     state_serve_bytes_per_s: float = 2.6e9  # a rank's part of the trainer state copied and checksummed for its standby
     senders: int = 1  # trainer ranks that serve a version (the simulated layout sets it: one per trainer GPU)
@@ -76,7 +81,14 @@ class WeightsCost:
         """``pullers`` receivers each pulling ``nbytes`` split evenly over the senders."""
         receiver_s = nbytes / self.bandwidth_bytes_per_s
         sender_s = nbytes * pullers / (max(1, self.senders) * self.bandwidth_bytes_per_s * self.sender_efficiency)
-        return self.overhead_s + max(receiver_s, sender_s)
+        return self.overhead_s + self.staging_s(nbytes) + max(receiver_s, sender_s)
+
+    def staging_s(self, nbytes: float) -> float:
+        """Host staging around a pull of ``nbytes``: a sender's share device to host, then the whole
+        version host to device at the receiver (0 without staging)."""
+        if self.stage_bytes_per_s <= 0:
+            return 0.0
+        return nbytes / max(1, self.senders) / self.stage_bytes_per_s + nbytes / self.stage_bytes_per_s
 
     @property
     def sync_s(self) -> float:
@@ -182,8 +194,13 @@ SOURCES: dict[str, str] = {
                                 "re-captured (seconds), the trainer's sharded Adam state out and back (<1 s): ~6 s, "
                                 "an assumption",
     "weights.bytes": "[D] 8B parameters in BF16 = 16 GB (reliability.md 4)",
-    "weights.bandwidth_bytes_per_s": "[D] 25 GB/s point to point (reliability.md 4: 0.64 s for 16 GB)",
-    "weights.overhead_s": "[P] NeMo-RL nccl_reshard Qwen3-4B 0.21-0.34 s; 1 s including bookkeeping",
+    "weights.bandwidth_bytes_per_s": "[D] assumed: 25 GB/s point to point (reliability.md 4: 0.64 s for 16 GB); "
+                                     "rlctl measured 0.76 GB/s on one H200 node (tcp/lo; docs/cost-model.md): "
+                                     "--calibrate sets it from a GPU-check report or a job's pulls",
+    "weights.overhead_s": "[P] assumed from NeMo-RL nccl_reshard Qwen3-4B 0.21-0.34 s; 1 s including bookkeeping "
+                          "(--calibrate fits it when the pulls moved two sizes or more)",
+    "weights.stage_bytes_per_s": "[D] assumed: 0, no host copy on the critical path (GPU-direct transfers); rlctl "
+                                 "today stages through host memory at 1.14 GB/s on an H200 (--calibrate sets it)",
     "weights.sender_efficiency": f"[M] fitted at load from rlctl's measured striped pull ({STRIPED_PULL.command}: "
                                  f"{', '.join(f'{s:g} s' for s in STRIPED_PULL.seconds)} from "
                                  f"{', '.join(map(str, STRIPED_PULL.holders))} holders of 1 GB at 1 Gbit/s each): "

@@ -2,9 +2,15 @@
 
 Role: the one place that decides how a trainer group's ``ProcessGroupNCCL`` detects and reports
 a hang, so that an NCCL hang becomes a *fast, classified* fault (the agent's ``nccl.py`` parses
-the watchdog message and the flight-recorder dump) instead of a 10-to-24-minute silent stall.
-Pure: no environment reads or writes, no torch import; the caller (the controller when it
-builds a trainer worker's env, or ``init_distributed_from_env``) applies the result.
+the watchdog message and the flight-recorder dump, and kills the rank a second later) instead of
+a 10-to-24-minute silent stall. Pure apart from ``installed_torch_version``: no environment reads
+or writes, no torch import; the caller (the controller when it builds a trainer worker's env, or
+``init_distributed_from_env``) applies the result.
+
+Names by torch version: torch 2.8 renamed the flight recorder's variables to ``TORCH_FR_*``
+(``TORCH_FR_BUFFER_SIZE``, ``TORCH_FR_DUMP_TEMP_FILE``; the old ``TORCH_NCCL_*`` spellings still
+work but warn "is deprecated"). ``trainer_nccl_settings(bounds, torch_version)`` writes the names
+that version reads; without a version it writes the old ones, which every release reads.
 
 What each value is, against the PyTorch defaults (shared notes, reliability.md section 2):
 
@@ -19,15 +25,19 @@ What each value is, against the PyTorch defaults (shared notes, reliability.md s
     kill lands 2 to 3 periods (16 to 24 minutes) after the stall. rlctl uses
     ``watchdog_stuck_s`` (default 120 s: the kill lands 4 to 6 min after the stall), long enough
     that a busy driver (a checkpoint write, a long cudaMalloc) never trips it.
-``TORCH_NCCL_TRACE_BUFFER_SIZE``
+``TORCH_FR_BUFFER_SIZE`` (``TORCH_NCCL_TRACE_BUFFER_SIZE`` before torch 2.8)
     The flight recorder's ring buffer, in collectives. Default 2000 in current PyTorch but 0
     (off) in older releases, so it is set explicitly; 2000 entries cover many steps of a trainer
     group (a few collectives per step) at a few hundred bytes each.
 ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` and ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``
     Dump the flight recorder when the watchdog sees a timeout or an error (needs a non-zero
-    trace buffer). The dump wait (default 15 s) is how long a rank waits for its own dump before
-    tearing down; rlctl keeps 15 s unless the bound says otherwise.
-``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``
+    trace buffer). The dump wait (default 15 s) bounds the heartbeat monitor's wait for the dump;
+    the watchdog thread then sleeps *four times* this wait before it throws and the process
+    aborts (ProcessGroupNCCL.cpp, ``Watchdog::runLoop``), so torch alone ends a timed-out rank
+    PG timeout + a few seconds + 4 x dump wait after the stall (48.8 s at a 5 s timeout and a 10 s
+    wait on an H200). The agent does not wait for that: it kills the rank 1 s after the
+    watchdog line (``rlctl_agent.watch``). rlctl keeps 15 s unless the bound says otherwise.
+``TORCH_FR_DUMP_TEMP_FILE`` (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` before torch 2.8)
     Where dumps go: PyTorch appends the rank to this prefix. Default ``/tmp/nccl_trace_rank_``,
     which on a shared node mixes jobs; rlctl puts it in the worker's own directory so the agent
     can attach the dump to the ``nccl-flight-recorder`` signal.
@@ -42,13 +52,24 @@ PG timeout (``init_process_group(timeout=...)``)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
+from importlib import metadata
 from pathlib import Path
 
 DEFAULT_TRACE_BUFFER = 2000
 DEFAULT_DUMP_WAIT_MS = 15_000
 DUMP_FILE_PREFIX = "nccl_trace_rank_"
+
+# The flight recorder's variables under the names torch read before 2.8 and from 2.8 on.
+FR_NAMES_SINCE = (2, 8)
+TRACE_BUFFER_VAR = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
+DUMP_FILE_VAR = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
+# Each name and its other spelling: an operator's value under either name is kept by ``merged_env``.
+_OTHER_SPELLING = {old: new for old, new in (TRACE_BUFFER_VAR, DUMP_FILE_VAR)} | {
+    new: old for old, new in (TRACE_BUFFER_VAR, DUMP_FILE_VAR)}
+_RELEASE = re.compile(r"^(\d+)\.(\d+)")
 
 
 @dataclass(frozen=True)
@@ -91,7 +112,28 @@ class NcclSettings:
     @property
     def dump_prefix(self) -> str:
         """The flight-recorder dump file prefix (PyTorch appends the rank)."""
-        return self.env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+        return self.env.get(DUMP_FILE_VAR[1]) or self.env[DUMP_FILE_VAR[0]]
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as ``2.11.0+cu130`` or ``2.8.0a0+git1234``."""
+    match = _RELEASE.match(version.strip())
+    if match is None:
+        raise ValueError(f"not a torch version: {version!r} (expected MAJOR.MINOR...)")
+    return int(match[1]), int(match[2])
+
+
+def reads_fr_names(torch_version: str | None) -> bool:
+    """Whether that torch reads the ``TORCH_FR_*`` names (2.8 and later); False when unknown."""
+    return torch_version is not None and torch_release(torch_version) >= FR_NAMES_SINCE
+
+
+def installed_torch_version() -> str | None:
+    """The version of the torch installed beside this code (no import of torch), None without one."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def pg_timeout_s(bounds: NcclBounds) -> float:
@@ -100,26 +142,32 @@ def pg_timeout_s(bounds: NcclBounds) -> float:
     return min(bounds.max_timeout_s, max(bounds.min_timeout_s, wanted))
 
 
-def trainer_nccl_settings(bounds: NcclBounds) -> NcclSettings:
-    """The NCCL/ProcessGroupNCCL env and PG timeout for a trainer group (see the module docstring)."""
+def trainer_nccl_settings(bounds: NcclBounds, torch_version: str | None = None) -> NcclSettings:
+    """The NCCL/ProcessGroupNCCL env and PG timeout for a trainer group (see the module docstring),
+    with the flight recorder's variables named as ``torch_version`` reads them (the pre-2.8 names,
+    which every version reads, when it is None)."""
+    new_names = int(reads_fr_names(torch_version))
     env = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
         "TORCH_NCCL_ENABLE_MONITORING": "1",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(1, round(bounds.watchdog_stuck_s))),
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(bounds.trace_buffer),
+        TRACE_BUFFER_VAR[new_names]: str(bounds.trace_buffer),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(max(1, round(bounds.dump_wait_s * 1000))),
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(bounds.dump_dir) / DUMP_FILE_PREFIX),
+        DUMP_FILE_VAR[new_names]: str(Path(bounds.dump_dir) / DUMP_FILE_PREFIX),
     }
     return NcclSettings(env=env, pg_timeout=timedelta(seconds=pg_timeout_s(bounds)))
 
 
 def merged_env(base: dict[str, str], settings: NcclSettings, override: bool = False) -> dict[str, str]:
-    """``base`` plus the settings; values already in ``base`` win unless ``override`` (an operator's
-    explicit ``TORCH_NCCL_*`` in the job env is respected)."""
+    """``base`` plus the settings; values already in ``base`` (under either spelling of a renamed
+    variable) win unless ``override``: an operator's explicit ``TORCH_NCCL_*``/``TORCH_FR_*`` is kept."""
     merged = dict(base)
     for key, value in settings.env.items():
-        if override or key not in merged:
+        if override:
+            merged.pop(_OTHER_SPELLING.get(key, key), None)
+            merged[key] = value
+        elif key not in merged and _OTHER_SPELLING.get(key) not in merged:
             merged[key] = value
     return merged
 

@@ -34,7 +34,8 @@ class GrpoWorkload:
 
     def trainer_env(self, training_s: float, checkpoint_s: float, dump_dir: Path) -> dict[str, str]:
         """PyTorch NCCL watchdog and flight-recorder settings sized from the phase bounds."""
-        from rlctl.workload.nccl_env import NcclBounds, trainer_nccl_settings
+        from rlctl.workload.nccl_env import NcclBounds, installed_torch_version, trainer_nccl_settings
 
-        settings = trainer_nccl_settings(NcclBounds(max_step_s=training_s, checkpoint_s=checkpoint_s, dump_dir=dump_dir))
+        bounds = NcclBounds(max_step_s=training_s, checkpoint_s=checkpoint_s, dump_dir=dump_dir)
+        settings = trainer_nccl_settings(bounds, installed_torch_version())  # the workers run this torch
         return {**settings.env, "RLCTL_PG_TIMEOUT_S": str(int(settings.pg_timeout.total_seconds()))}

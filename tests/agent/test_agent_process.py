@@ -271,6 +271,26 @@ def test_inject_nccl_timeout_kills_worker_with_watchdog_text(controller: Control
     assert controller.wait_type("fault_signal", kind="nccl-flight-recorder")["worker"] == "w1"
 
 
+def test_worker_whose_nccl_watchdog_fired_is_killed_within_two_seconds(controller: ControllerStub,
+                                                                       spawn_agent: Spawn, workdir: Path) -> None:
+    """torch would keep such a rank alive for 4x its dump wait (40 s and more); the agent kills it
+    within 2 s of the watchdog line, after reporting the signal, and reports the exit as nccl-timeout."""
+    spawn_agent()
+    controller.wait_type("hello")
+    pid = start_worker(controller, "w1", "--watchdog-after", "0.3")
+    exited = controller.wait_type("worker_exited", wid="w1", timeout=15.0)
+    reported_at = time.time()
+    log_text = (workdir / "logs" / "w1.log").read_text()
+    line_at = float(log_text.split("watchdog-line-at ", 1)[1].split()[0])
+    assert reported_at - line_at <= 2.0, f"killed {reported_at - line_at:.2f} s after the watchdog line"
+    assert process_gone(pid)
+    assert (exited["reason"], exited["signal"], exited["exit_code"]) == ("nccl-timeout", "SIGKILL", None)
+    assert "Watchdog caught collective operation timeout" in exited["error"]
+    kinds = [(m["type"], m.get("kind")) for m in controller.messages if m.get("worker") == "w1" or m.get("wid") == "w1"]
+    assert kinds.index(("fault_signal", "nccl-timeout")) < kinds.index(("worker_exited", None))
+    assert "killing it" in (workdir / "agent.log").read_text()
+
+
 # ---- controller restart ----------------------------------------------------------------------
 
 def test_controller_restart_delivers_exit_that_happened_meanwhile(controller: ControllerStub,

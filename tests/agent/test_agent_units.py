@@ -84,6 +84,48 @@ def test_log_watcher_reports_each_timeout_once(tmp_path: Path) -> None:
     assert watcher.poll() == []  # a repeat, and a line not finished yet
 
 
+# torch 2.11 on an H200 (docs/gpu.md, the first GPU run's nccl_watchdog part): the lines as logged.
+TORCH_211_RANK0 = [
+    "gpucheck-nccl stall-start 1795706277.149 rank=0 mode=stream-stalled",
+    ("[rank0]:[E1126 15:18:02.564161906 ProcessGroupNCCL.cpp:689] [Rank 0] Watchdog caught collective operation "
+     "timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1024, NumelOut=1024, Timeout(ms)=5000) ran for 5069 "
+     "milliseconds before timing out."),
+    ("[rank0]:[E1126 15:18:02.564377524 ProcessGroupNCCL.cpp:2303] [PG ID 0 PG GUID 0(default_pg) Rank 0]  failure "
+     "detected by watchdog at work sequence id: 2 PG status: last enqueued work: 2, last completed work: 1"),
+    ("[rank0]:[E1126 15:18:05.158678209 ProcessGroupNCCL.cpp:1628] [PG ID 0 PG GUID 0(default_pg) Rank 0] "
+     "ProcessGroupNCCL preparing to dump debug info. Include stack trace: 1, only active collectives: 0"),
+]
+DUMP_WRITTEN = ("[rank0]:[I1126 15:18:05.301 FlightRecorder.cpp:131] Finished writing Flight Recorder debug info to "
+                "/tmp/w/nccl_trace_rank_0")
+
+
+def test_torch_2_11_lines_arm_the_kill_and_a_written_dump_makes_it_due_at_once(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    log.write_text("\n".join(TORCH_211_RANK0) + "\n")
+    watcher = WorkerLogWatcher("w", log)
+    assert not watcher.kill_due(100.0, 1.0)
+    signals = watcher.poll(now=100.0)
+    assert [(s["kind"], s["detail"]["trigger"]) for s in signals] == [(NCCL_TIMEOUT, "watchdog-timeout"),
+                                                                      (NCCL_FLIGHT_RECORDER, "dump")]
+    assert watcher.fired is not None and watcher.fired.seen_at == 100.0 and "SeqNum=2" in watcher.fired.line
+    assert not watcher.kill_due(100.9, 1.0) and watcher.kill_due(101.0, 1.0)
+    with log.open("a") as handle:
+        handle.write(DUMP_WRITTEN + "\n")
+    assert watcher.poll(now=100.2) == []  # the dump's end is the same failure's flight-recorder signal
+    assert watcher.kill_due(100.2, 1.0)
+    written = parse_line(DUMP_WRITTEN)
+    assert written is not None and written.kind == NCCL_FLIGHT_RECORDER
+    assert written.detail()["target"] == "/tmp/w/nccl_trace_rank_0"
+
+
+def test_a_dump_before_any_timeout_never_arms_the_kill(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    log.write_text(DUMP_START + "\n" + DUMP_WRITTEN + "\n")
+    watcher = WorkerLogWatcher("w", log)
+    assert {s["kind"] for s in watcher.poll(now=0.0)} == {NCCL_FLIGHT_RECORDER}
+    assert watcher.fired is None and not watcher.kill_due(1e9, 0.0)
+
+
 def test_sdk_watchdog_text_is_what_the_agent_parses(tmp_path: Path) -> None:
     text = worker.torch_watchdog_timeout_text(rank=5, seq=99, op_type="REDUCE_SCATTER", numel=64, timeout_ms=30000)
     log = tmp_path / "w.log"
@@ -150,6 +192,9 @@ def test_config_must_be_private_and_complete(tmp_path: Path) -> None:
         parse_config({**body, "secret_hex": "zz"})
     with pytest.raises(ConfigError, match="gpu_provider"):
         parse_config({**body, "gpu_provider": "cuda"})
+    assert config.nccl_kill_after_s == 1.0 and parse_config({**body, "nccl_kill_after_s": 0}).nccl_kill_after_s == 0
+    with pytest.raises(ConfigError, match="nccl_kill_after_s"):
+        parse_config({**body, "nccl_kill_after_s": -1})
 
 
 def test_worker_sdk_outside_an_agent_raises_not_managed() -> None:

@@ -101,7 +101,7 @@ def test_nvml_sanity_rules() -> None:
 
 
 def test_nccl_part_classifies_a_real_watchdog_log(tmp_path: Path) -> None:
-    from rlctl.gpucheck.nccl_part import _classify
+    from rlctl.gpucheck.nccl_part import classify_logs as _classify
 
     log = tmp_path / "rank0.log"
     log.write_text(
@@ -116,6 +116,91 @@ def test_nccl_part_classifies_a_real_watchdog_log(tmp_path: Path) -> None:
     assert timeout["trigger"] == "watchdog-timeout" and timeout["op_type"] == "ALLREDUCE"
     assert timeout["timeout_ms"] == 5000 and timeout["seq"] == 2
     assert any(s["kind"] == "nccl-flight-recorder" for s in signals)
+
+
+@pytest.mark.timeout(120)
+def test_the_nccl_part_kills_a_rank_through_the_agents_watch_loop_on_cpu(tmp_path: Path) -> None:
+    import sys
+
+    from rlctl.gpucheck.nccl_part import missed_goals, nccl_settings, run_figures, watchdog_kill_run
+
+    # The nccl_watchdog part's harness with a CPU stand-in rank: stall, the watchdog line 1 s later, then a hang.
+    standin = str(Path(__file__).with_name("watchdog_standin.py"))
+    settings = nccl_settings(tmp_path, "2.11.0+cu130")
+    run = watchdog_kill_run(1, settings, tmp_path, lambda rank, world, port: [
+        sys.executable, standin, "--rank", str(rank), "--timeout-s", "1.0"])
+    figures = run_figures(run, settings)
+    assert missed_goals(figures) == [], figures
+    assert figures["killed_by_agent"] and figures["exit"]["reason"] == "nccl-timeout", figures
+    assert figures["exit"]["signal"] == "SIGKILL" and figures["exit_codes"] == [-9]
+    assert 1.0 <= figures["watchdog_line_read_s"] <= figures["worker_gone_s"] <= 4.0, figures
+    assert figures["kill_after_line_s"] <= 2.0, figures
+    assert figures["env"]["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in figures["env"]
+
+
+def test_an_nccl_figure_past_its_goal_fails_the_part() -> None:
+    from rlctl.gpucheck.nccl_part import missed_goals
+
+    passing = {"warmup_ok": True, "watchdog_classified": True, "stall_seen": True, "worker_gone_s": 6.3,
+               "exit": {"reason": "nccl-timeout", "signal": "SIGKILL"}}
+    assert missed_goals(passing) == []
+    assert run_part("nccl_watchdog", lambda: _raise_missed(passing))["status"] == "ok"
+    cases = [({"worker_gone_s": 48.8}, "gone 48.8 s after the stall (goal <= 10 s)"),
+             ({"worker_gone_s": None}, "was not gone"),
+             ({"stall_seen": False, "worker_gone_s": None}, "never reached the stall"),
+             ({"exit": {"reason": "killed-by-signal", "signal": "SIGABRT"}}, "'killed-by-signal'"),
+             ({"watchdog_classified": False}, "no watchdog timeout")]
+    for change, words in cases:
+        figures = {**passing, **change}
+        result = run_part("nccl_watchdog", lambda figures=figures: _raise_missed(figures))
+        assert result["status"] == "failed" and words in result["error"], result["error"]
+        assert result["worker_gone_s"] == figures["worker_gone_s"]  # the figures stay in the report
+
+
+def _raise_missed(figures: dict[str, Any]) -> dict[str, Any]:
+    from rlctl.gpucheck.nccl_part import missed_goals
+
+    if problems := missed_goals(figures):
+        raise CheckFailed("; ".join(problems), figures)
+    return figures
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_local_job_part_runs_a_whole_job_through_two_crashes_on_cpu(tmp_path: Path) -> None:
+    from rlctl.gpucheck.local_job_part import CPU_TWIN, missed_goals, run_local_job
+    from tests.hf_models import gsm8k_data, tiny_model
+
+    # The GPU check's local_job part with the tiny Qwen3 on CPU (about a minute on two cores).
+    figures = run_local_job(CPU_TWIN, tmp_path, model=tiny_model(), train_file=gsm8k_data() / "train.parquet")
+    assert missed_goals(figures) == [], figures
+    assert (figures["state"], figures["steps_done"], figures["trajectories_lost"]) == ("succeeded", CPU_TWIN.steps, 0)
+    assert figures["faults"]["trainer_crash"]["verdict"] == "worker-crash" and figures["faults"]["trainer_crash"]["recovered_at"]
+    assert figures["faults"]["rollout_crash"]["verdict"] == "worker-crash"
+    assert 0 < figures["ettr"] < 1 and len(figures["weight_sync_s"]) >= CPU_TWIN.steps - 2
+    assert all(seconds > 0 for seconds in figures["weight_sync_s"].values()) and figures["lanes_seen"]
+
+
+def test_the_local_job_parts_figures_and_goals() -> None:
+    from rlctl.gpucheck.local_job_part import missed_goals, weight_sync_by_step
+
+    records = [{"type": "WeightsHeld", "data": {"version": 1, "seconds": 0.4, "lanes": ["tcp/lo"]}},
+               {"type": "WeightsHeld", "data": {"version": 1, "seconds": 0.7, "lane": "sm"}},
+               {"type": "WeightsHeld", "data": {"version": 2, "seconds": 0.5}},
+               {"type": "WeightsHeld", "data": {"version": 0, "seconds": 9.0}},  # the initial weights, not a step's
+               {"type": "WeightsHeld", "data": {"version": 3, "source": {}}}]  # held without a pull
+    sync = weight_sync_by_step(records)
+    assert sync["weight_sync_s"] == {"1": 0.7, "2": 0.5}
+    assert sync["lanes"] == {"1": ["sm", "tcp/lo"], "2": ["unknown"]} and sync["lanes_seen"] == ["sm", "tcp/lo", "unknown"]
+    good = {"state": "succeeded", "steps": 10, "steps_done": 10, "trajectories_lost": 0, "limit_s": 300.0,
+            "timed_out": False, "faults": {"trainer_crash": {"recovered_at": 1.0}, "rollout_crash": {"recovered_at": None}}}
+    assert missed_goals(good) == []
+    assert missed_goals({**good, "state": "failed", "steps_done": 6}) == ["the job ended 'failed' after 6 of 10 steps"]
+    assert missed_goals({**good, "state": "running", "steps_done": 7, "timed_out": True}) == [
+        "the job was still running after 300 s, at step 7 of 10"]
+    assert missed_goals({**good, "trajectories_lost": 3}) == ["3 trajectories lost"]
+    assert missed_goals({**good, "faults": {**good["faults"], "rollout_crash": None}}) == [
+        "the rollout crash was never injected"]
 
 
 def test_nccl_stall_program_parses_its_arguments() -> None:

@@ -11,8 +11,11 @@ from rlctl.workload.nccl_env import (
     DUMP_FILE_PREFIX,
     NcclBounds,
     dump_files,
+    installed_torch_version,
     merged_env,
     pg_timeout_s,
+    reads_fr_names,
+    torch_release,
     trainer_nccl_settings,
 )
 
@@ -69,3 +72,41 @@ def test_dump_files_lists_only_this_prefix(tmp_path: Path) -> None:
     (tmp_path / f"{DUMP_FILE_PREFIX}0").write_bytes(b"x")
     (tmp_path / "other").write_bytes(b"x")
     assert [p.name for p in dump_files(settings)] == [f"{DUMP_FILE_PREFIX}0", f"{DUMP_FILE_PREFIX}1"]
+
+
+@pytest.mark.parametrize("version, fr_names", [
+    ("2.7.1+cu126", False), ("2.8.0", True), ("2.11.0+cu130", True), ("2.13.0+cpu", True),
+    ("2.8.0a0+git5c3a8f1", True), ("1.13.1", False), ("3.0.0", True), (None, False)])
+def test_flight_recorder_names_follow_the_torch_version(tmp_path: Path, version: str | None, fr_names: bool) -> None:
+    settings = trainer_nccl_settings(NcclBounds(max_step_s=10, dump_dir=tmp_path), version)
+    env = settings.env
+    new = {"TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"}
+    old = {"TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
+    assert (new <= set(env), old & set(env)) == ((True, set()) if fr_names else (False, old))
+    assert settings.dump_prefix == str(tmp_path / DUMP_FILE_PREFIX)
+    buffer = env["TORCH_FR_BUFFER_SIZE" if fr_names else "TORCH_NCCL_TRACE_BUFFER_SIZE"]
+    assert buffer == "2000"
+    # Names torch did not rename stay as they are in every version.
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "15000"
+    assert reads_fr_names(version) is fr_names
+
+
+def test_bad_torch_versions_are_refused() -> None:
+    assert torch_release("2.11.0+cu130") == (2, 11)
+    with pytest.raises(ValueError, match="not a torch version"):
+        trainer_nccl_settings(NcclBounds(max_step_s=10), "nightly")
+
+
+def test_installed_torch_version_is_this_torch() -> None:
+    import torch
+
+    assert installed_torch_version() == torch.__version__
+
+
+def test_an_operator_value_under_the_other_spelling_is_kept() -> None:
+    settings = trainer_nccl_settings(NcclBounds(max_step_s=10), "2.11.0")
+    base = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
+    merged = merged_env(base, settings)
+    assert merged["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and "TORCH_FR_BUFFER_SIZE" not in merged
+    overridden = merged_env(base, settings, override=True)
+    assert overridden["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in overridden

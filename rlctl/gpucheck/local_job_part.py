@@ -1,0 +1,292 @@
+"""GPU-check part ``local_job``: a whole job on the one GPU, on the local backend, through two crashes.
+
+The job: a trainer, two rollouts (the torch engine), a reward worker and a warm standby, every one
+of them on GPU 0 (the local backend's virtual nodes each have one GPU, index 0), training a
+0.5B-shape Qwen3 made here with random weights (``rlctl.workload.hf_init``) on GSM8K-layout data
+for ``GPU_SHAPE.steps`` steps. From step 2, with the warm standby ready, the trainer is crashed (the
+standby takes its role over); from step 4, once that is recovered, a rollout worker is crashed
+(restarted in place, or taken over by a standby refilled meanwhile). The part passes when both crashes were injected and the job
+succeeds with no trajectory lost.
+
+It drives the job as a user does, through the ``rlctl`` CLI in a subprocess (``launch``,
+``status``, ``inject-fault``, ``report``, ``events``), with ``RLCTL_HOME`` in a temporary folder.
+Figures: ETTR, each step's weight-sync seconds (the slowest rollout's pull of that version), the
+lanes the pulls took (the ``lane``/``lanes`` of ``WeightsHeld`` records; ``"unknown"`` where the
+records carry none), each fault's detection and recovery seconds, the run's seconds.
+``CPU_TWIN`` is the same part with the tiny Qwen3 on CPU (``tests/gpu/test_gpucheck.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlctl.gpucheck.outcome import CheckFailed, Figures
+from rlctl.gpucheck.torch_parts import require_cuda
+
+CLI_TIMEOUT_S = 60.0
+POLL_S = 1.0
+TERMINAL_STATES = ("succeeded", "failed", "stopped")
+
+
+@dataclass(frozen=True)
+class LocalJobShape:
+    """What the part runs: the model size (``hf_init.SIZES``), device, steps and how big a step is,
+    the steps at which the faults are injected, the phase bounds, and the limit on the whole run."""
+
+    model_size: str
+    device: str
+    steps: int
+    batch_prompts: int
+    group_size: int
+    max_new_tokens: int
+    trainer_crash_step: int
+    rollout_crash_step: int
+    checkpoint_every: int
+    phase_timeout_s: float
+    loading_timeout_s: float
+    limit_s: float
+
+
+GPU_SHAPE = LocalJobShape(model_size="0.5b", device="cuda", steps=10, batch_prompts=4, group_size=4, max_new_tokens=32,
+                          trainer_crash_step=2, rollout_crash_step=4, checkpoint_every=5, phase_timeout_s=60.0,
+                          loading_timeout_s=240.0, limit_s=300.0)
+# On two CPU cores a step of the tiny model takes about a second and a `rlctl status` call 2-4 s: the
+# steps leave room for both injections, each seen by a poll.
+CPU_TWIN = LocalJobShape(model_size="tiny", device="cpu", steps=14, batch_prompts=2, group_size=2, max_new_tokens=8,
+                         trainer_crash_step=1, rollout_crash_step=3, checkpoint_every=4, phase_timeout_s=30.0,
+                         loading_timeout_s=120.0, limit_s=240.0)
+
+JOB_FILE = """
+[job]
+name = "gpucheck-local"
+steps = {steps}
+seed = 1
+checkpoint_every = {checkpoint_every}
+
+[cluster]
+backend = "local"
+[cluster.local]
+nodes = 0
+gpus_per_node = 1
+
+[roles.trainer]
+nodes = 1
+[roles.rollout]
+nodes = 2
+[roles.reward]
+nodes = 1
+
+[spares]
+nodes = 1
+warm = true
+
+[fault_tolerance]
+policy = "role"
+heartbeat_interval_s = 0.5
+max_restarts_per_slot = 5
+
+[fault_tolerance.phase_timeout_s]
+generating = {phase}
+training = {phase}
+weight-sync = {phase}
+scoring = {phase}
+stepping = {phase}
+checkpointing = {phase}
+loading = {loading}
+
+[rollout]
+batch_prompts = {batch_prompts}
+group_size = {group_size}
+max_new_tokens = {max_new_tokens}
+worker_batch = {worker_batch}
+
+[rollout.tail_batching]
+enabled = true
+short_max_tokens = {short_max_tokens}
+overprovision = 0.5
+long_batch = {batch_prompts}
+
+[workload]
+device = "{device}"
+engine = "torch"
+
+[model]
+path = "{model}"
+
+[data]
+train_files = ["{train}"]
+eval_every = 0
+"""
+
+
+def write_job_file(folder: Path, shape: LocalJobShape, model: Path, train: Path) -> Path:
+    """The job file of ``shape`` in ``folder``."""
+    path = folder / "local_job.toml"
+    path.write_text(JOB_FILE.format(
+        steps=shape.steps, checkpoint_every=shape.checkpoint_every, phase=shape.phase_timeout_s,
+        loading=shape.loading_timeout_s, batch_prompts=shape.batch_prompts, group_size=shape.group_size,
+        max_new_tokens=shape.max_new_tokens, short_max_tokens=shape.max_new_tokens // 2, worker_batch=shape.batch_prompts * shape.group_size, device=shape.device,
+        model=model, train=train))
+    return path
+
+
+class Cli:
+    """``python -m rlctl.cli`` with its own ``RLCTL_HOME``; every call with ``--json`` gives one object."""
+
+    def __init__(self, home: Path) -> None:
+        self.env = {**os.environ, "RLCTL_HOME": str(home), "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([sys.executable, "-m", "rlctl.cli", *args], env=self.env, capture_output=True,
+                                text=True, timeout=CLI_TIMEOUT_S, check=False)
+        if check and result.returncode != 0:
+            raise CheckFailed(f"rlctl {' '.join(args)} exited {result.returncode}: {result.stderr.strip()[-600:]}")
+        return result
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.run(*args, "--json").stdout.strip().splitlines()[-1])
+
+    def lines(self, *args: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.run(*args, "--json").stdout.splitlines() if line.strip()]
+
+
+@dataclass
+class FaultPlan:
+    """The two injections and where each stands."""
+
+    rollout_fault: str | None = None
+    trainer_fault: str | None = None
+
+
+def _node_of(snapshot: dict[str, Any], role: str) -> str | None:
+    names = [n["name"] for n in snapshot["nodes"] if n["role"] == role and n["state"] == "active"
+             and n.get("worker_state") == "running"]
+    return names[0] if names else None
+
+
+def _standby_ready(snapshot: dict[str, Any]) -> bool:
+    return any(n["role"] == "spare" and n.get("worker_state") == "running" and n.get("phase") == "standby"
+               for n in snapshot["nodes"])
+
+
+def _recovered(snapshot: dict[str, Any], fault_id: str | None) -> bool:
+    return any(f["fault_id"] == fault_id and f.get("recovered_at") for f in snapshot["faults"])
+
+
+def _inject_when_due(cli: Cli, job: str, snapshot: dict[str, Any], shape: LocalJobShape, plan: FaultPlan) -> None:
+    """The trainer crash at its step once a warm standby is ready (so the standby takes it over);
+    the rollout crash at its step once the trainer's is recovered."""
+    step = int(snapshot["job"]["step"])
+    if plan.trainer_fault is None and step >= shape.trainer_crash_step and _standby_ready(snapshot):
+        node = _node_of(snapshot, "trainer")
+        if node is not None:
+            plan.trainer_fault = cli.json("inject-fault", node, "--job", job, "--kind", "crash")["fault_id"]
+    elif (plan.rollout_fault is None and plan.trainer_fault is not None and step >= shape.rollout_crash_step
+          and _recovered(snapshot, plan.trainer_fault)):
+        node = _node_of(snapshot, "rollout")
+        if node is not None:
+            plan.rollout_fault = cli.json("inject-fault", node, "--job", job, "--kind", "crash")["fault_id"]
+
+
+def weight_sync_by_step(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per weights version: the slowest rollout pull's seconds, and the lanes the pulls took
+    (``"unknown"`` for records without lane fields)."""
+    seconds: dict[int, float] = {}
+    lanes: dict[int, set[str]] = {}
+    for record in records:
+        data = record["data"]
+        if "seconds" not in data or int(data["version"]) <= 0:
+            continue
+        version = int(data["version"])
+        seconds[version] = max(seconds.get(version, 0.0), float(data["seconds"]))
+        named = data.get("lanes") or ([data["lane"]] if data.get("lane") else ["unknown"])
+        lanes.setdefault(version, set()).update(str(lane) for lane in named)
+    versions = sorted(seconds)
+    return {"weight_sync_s": {str(v): round(seconds[v], 3) for v in versions},
+            "lanes": {str(v): sorted(lanes[v]) for v in versions},
+            "lanes_seen": sorted(set().union(*lanes.values())) if lanes else ["unknown"]}
+
+
+def run_local_job(shape: LocalJobShape, workdir: Path, log: Callable[[str], None] = lambda _: None,
+                  model: Path | None = None, train_file: Path | None = None) -> Figures:
+    """Run the job through both crashes to its end and gather the figures. The model (a random-init
+    Qwen3 of ``shape.model_size``) and the GSM8K-layout data are made in ``workdir`` unless given."""
+    from rlctl.workload.gsm8k_layout import write_dataset
+    from rlctl.workload.hf_init import init_checkpoint
+
+    started = time.monotonic()
+    model = model or init_checkpoint(workdir / "model", "qwen3", shape.model_size, seed=0)
+    train_file = train_file or write_dataset(workdir / "data", 256, 16, 0)["train"]
+    made_s = time.monotonic() - started
+    cli = Cli(workdir / "jobs")
+    launched = cli.json("launch", str(write_job_file(workdir, shape, model, train_file)))
+    job = str(launched["job_id"])
+    plan = FaultPlan()
+    snapshot: dict[str, Any] = {}
+    try:
+        while time.monotonic() - started < shape.limit_s:
+            snapshot = cli.json("status", job)
+            if snapshot["job"]["state"] in TERMINAL_STATES:
+                break
+            _inject_when_due(cli, job, snapshot, shape, plan)
+            time.sleep(POLL_S)
+        report = cli.json("report", job)
+        pulls = cli.lines("events", job, "--type", "WeightsHeld")
+    finally:
+        cli.run("stop", job, check=False)
+    faults = {f["fault_id"]: f for f in report.get("faults", [])}
+    figures: Figures = {
+        "model_size": shape.model_size, "device": shape.device, "steps": shape.steps,
+        "state": report["state"], "steps_done": report["steps"], "ettr": round(float(report["ettr"]), 4),
+        "limit_s": shape.limit_s, "timed_out": report["state"] not in TERMINAL_STATES,
+        "trajectories_stored": report["trajectories_stored"], "trajectories_lost": report["trajectories_lost"],
+        **weight_sync_by_step(pulls),
+        "faults": {name: _fault_figures(faults.get(fid)) for name, fid in
+                   (("trainer_crash", plan.trainer_fault), ("rollout_crash", plan.rollout_fault))},
+        "model_made_s": round(made_s, 1), "run_s": round(time.monotonic() - started, 1),
+    }
+    log(f"local_job: {figures['state']}, ETTR {figures['ettr']:.1%}, weight sync s by step {figures['weight_sync_s']}, "
+        f"lanes {figures['lanes_seen']}")
+    return figures
+
+
+def _fault_figures(fault: dict[str, Any] | None) -> dict[str, Any] | None:
+    if fault is None:
+        return None
+    return {key: fault.get(key) for key in ("verdict", "detection_s", "recovery_s", "recovered_at", "trajectories_lost")}
+
+
+def missed_goals(figures: Figures) -> list[str]:
+    """Why the run fails the part ([] when it passes)."""
+    problems = []
+    if figures["timed_out"]:
+        problems.append(f"the job was still {figures['state']} after {figures['limit_s']:.0f} s, at step "
+                        f"{figures['steps_done']} of {figures['steps']}")
+    elif figures["state"] != "succeeded":
+        problems.append(f"the job ended {figures['state']!r} after {figures['steps_done']} of {figures['steps']} steps")
+    if figures["trajectories_lost"] != 0:
+        problems.append(f"{figures['trajectories_lost']} trajectories lost")
+    problems += [f"the {name.replace('_', ' ')} was never injected" for name, fault in figures["faults"].items()
+                 if fault is None]
+    return problems
+
+
+def local_job(shape: LocalJobShape = GPU_SHAPE) -> Figures:
+    """The part: ``shape`` run through both crashes; fails on a missed goal, figures kept."""
+    if shape.device == "cuda":
+        require_cuda()
+    with tempfile.TemporaryDirectory(prefix="rlctl-gpucheck-job-") as tmp:
+        figures = run_local_job(shape, Path(tmp), log=lambda line: print(line, file=sys.stderr, flush=True))
+    problems = missed_goals(figures)
+    if problems:
+        raise CheckFailed("; ".join(problems), figures)
+    return figures
