@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlctl.core.ettr import EttrLedger
-from rlctl.core.events import Event
+from rlctl.core.events import Event, EventKind, event
 from rlctl.core.records import SlotRecord, TrainerStateOffer
 from rlctl.core.states import WorkerState
 
@@ -25,6 +25,24 @@ def state_not_older(step: int, checkpoint_step: int | None) -> bool:
     """A trainer state held in memory at ``step`` is at least as new as the checkpoint (equal: memory
     is read instead of the file); with no checkpoint, any state past the initial weights."""
     return step >= checkpoint_step if checkpoint_step is not None else step > 0
+
+
+@dataclass
+class LaneTotals:
+    """The weight pulls that took one lane (``sm``, ``tcp``, ``rdma``, ...): bytes, seconds, count."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    pulls: int = 0
+
+
+def slower_lane_reason(lane: str, faster_lane: str, same_node: bool, gbps: float) -> str:
+    """Why a pull's lane is a warning, in words an operator can act on."""
+    where = "on one node" if same_node else "across nodes"
+    remedy = ("UCX shared memory: weights transport ucx (or ucx-sm) with sm in UCX_TLS" if faster_lane == "sm"
+              else "RDMA: weights transport ucx with a UCX that has this node's RDMA devices" if faster_lane == "rdma"
+              else f"lane {faster_lane}")
+    return f"a weight pull {where} went over {lane} at {gbps:.2f} GB/s while {remedy} is faster"
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,8 @@ class WeightsRegistry:
     weight_sync_bytes: int
     weight_sync_seconds: float
     weight_syncs: int
+    weight_sync_lanes: dict[str, LaneTotals]
+    slower_lane_warned: bool
     training_seconds: dict[int, float]
     productive_at_version: dict[int, float]
     productive_since: float | None
@@ -100,6 +120,10 @@ class WeightsRegistry:
             self.weight_sync_bytes += int(ev.data["bytes"])
             self.weight_sync_seconds += float(ev.data.get("seconds", 0.0))
             self.weight_syncs += 1
+            lane = self.weight_sync_lanes.setdefault(str(ev.data.get("lane") or "unknown"), LaneTotals())
+            lane.bytes += int(ev.data["bytes"])
+            lane.seconds += float(ev.data.get("seconds", 0.0))
+            lane.pulls += 1
         slot = self.slots.get(ev.data["slot"])
         if slot is not None:
             slot.weights_version = max(slot.weights_version, version)
@@ -107,6 +131,20 @@ class WeightsRegistry:
                 self._recover_slot(slot, ev.at)
                 if self.policy == "full-restart":
                     self._recover_after_full_restart(ev.at)
+
+    def slower_lane_warning(self, slot: str, pull: dict[str, Any], now: float) -> Event | None:
+        """The warning that a pull (``weights.held``'s data) took a slower lane than the node has,
+        once per job; None otherwise."""
+        faster = pull.get("faster_lane")
+        if self.slower_lane_warned or not isinstance(faster, str) or not faster:
+            return None
+        lane, same_node, gbps = str(pull.get("lane", "tcp")), bool(pull.get("same_node")), float(pull.get("gbps", 0.0))
+        return event(EventKind.WEIGHTS_SLOWER_LANE, now, slot=slot, version=int(pull["version"]), lane=lane,
+                     faster_lane=faster, same_node=same_node, gbps=gbps,
+                     reason=slower_lane_reason(lane, faster, same_node, gbps))
+
+    def _on_WeightsSlowerLane(self, ev: Event) -> None:
+        self.slower_lane_warned = True
 
     def _on_StepTrained(self, ev: Event) -> None:
         step = int(ev.data["step"])

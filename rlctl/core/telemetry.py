@@ -4,8 +4,9 @@ time come in, plain values go out (``rlctl.observe`` turns them into a scrape or
 
 Names follow Prometheus conventions: ``rlctl_`` prefix, base units (seconds, bytes, ratios),
 ``_total`` for counters. Cardinality is bounded by the cluster: label values come from fixed sets
-(ledger categories, job, node and round states, fault kinds by role) except the per-node heartbeat
-age, which has one series per live node.
+(ledger categories, job, node and round states, fault kinds by role, weight-sync lanes from
+``rlctl.weights.lanes.LANE_CLASSES``) except the per-node heartbeat age, which has one series per
+live node.
 """
 
 from __future__ import annotations
@@ -101,12 +102,12 @@ def families(model: JobModel, now: float, health: ControllerHealth) -> list[Fami
                [({}, float(scheduler.trajectories_stored if scheduler is not None else 0))]),
         Family("rlctl_trajectories_lost_total", "counter", "Stored trajectories thrown away (a rollback).",
                [({}, float(scheduler.trajectories_lost if scheduler is not None else 0))]),
-        Family("rlctl_weight_sync_bytes_total", "counter", "Bytes of weights pulled by rollout workers.",
-               [({}, float(model.weight_sync_bytes))]),
-        Family("rlctl_weight_sync_seconds_total", "counter", "Seconds rollout workers spent pulling weights.",
-               [({}, model.weight_sync_seconds)]),
-        Family("rlctl_weight_syncs_total", "counter", "Weight pulls completed by rollout workers.",
-               [({}, float(model.weight_syncs))]),
+        Family("rlctl_weight_sync_bytes_total", "counter", "Bytes of weights pulled by rollout workers, by lane.",
+               [({"lane": lane}, float(t.bytes)) for lane, t in sorted(model.weight_sync_lanes.items())]),
+        Family("rlctl_weight_sync_seconds_total", "counter", "Seconds rollout workers spent pulling weights, by lane.",
+               [({"lane": lane}, t.seconds) for lane, t in sorted(model.weight_sync_lanes.items())]),
+        Family("rlctl_weight_syncs_total", "counter", "Weight pulls completed by rollout workers, by lane.",
+               [({"lane": lane}, float(t.pulls)) for lane, t in sorted(model.weight_sync_lanes.items())]),
         Family("rlctl_controller_loop_lag_seconds", "histogram",
                "How late the controller's event loop woke its tick.", histograms=[({}, health.loop_lag)]),
         Family("rlctl_controller_loop_stalls_total", "counter",

@@ -33,18 +33,36 @@ def fetch_timeout(source: dict[str, Any]) -> float:
     return FETCH_FLOOR_S + float(source.get("nbytes") or 0) / FETCH_WORST_BYTES_PER_S
 
 
-def fetch_holders(sources: list[dict[str, Any]]) -> Any:
+def fetch_holders(sources: list[dict[str, Any]], pool: Any = None) -> Any:
     """One version from ``sources``: striped across the full holders when there are two or more
     (a rejoining node's pull is not bound by one holder's link), else from the first (a sharded
     trainer group's source pulls every rank's shard at once). A failed holder is the error's
-    ``failed``."""
+    ``failed``. ``pool``: the host buffers to receive into (the rollout's server's: reused and
+    pinned where CUDA is, so the engine loads from pinned memory and the bytes are served on)."""
     from rlctl.weights.shards import fetch_source_sync, is_sharded
     from rlctl.weights.striping import fetch_striped_sync
 
     full = [s for s in sources if not is_sharded(s)]
     if len(full) >= 2:
-        return fetch_striped_sync(full, timeout=fetch_timeout(full[0]))
-    return fetch_source_sync(sources[0], timeout=fetch_timeout(sources[0]))
+        return fetch_striped_sync(full, timeout=fetch_timeout(full[0]), pool=pool)
+    return fetch_source_sync(sources[0], timeout=fetch_timeout(sources[0]), pool=pool)
+
+
+def pull_record(bundle: Any) -> dict[str, Any]:
+    """What ``weights.held`` tells the controller of a pull beyond bytes and seconds: the lane class
+    and lanes it took, its GB/s, whether the holders were on this node, and the faster lane it
+    could have taken (``rlctl.weights.lanes``)."""
+    from rlctl.weights.lanes import faster_lane
+
+    pull = bundle.pull
+    if pull is None:
+        return {}
+    record = {"lane": pull.lane, "lanes": list(pull.lanes), "gbps": pull.gbps, "same_node": pull.same_node,
+              "path": pull.transport}
+    faster = faster_lane(pull)
+    if faster is not None:
+        record["faster_lane"] = faster
+    return record
 
 
 class ControllerEnvClient:
@@ -140,7 +158,7 @@ class Rollout:
                 if not sources:
                     time.sleep(0.2)
             try:
-                bundle = fetch_holders(sources)
+                bundle = fetch_holders(sources, self.server.pool)
                 break
             except WeightError as exc:
                 failed, error, sources = getattr(exc, "failed", sources[0]), str(exc), []
@@ -158,7 +176,7 @@ class Rollout:
         self.load_held(got)
         descriptor = self.server.publish_bundle(bundle)  # serve on exactly the bytes received, no copy
         self.w.notify("weights.held", version=got, source=descriptor, bytes=int(bundle.manifest.nbytes),
-                      seconds=round(time.monotonic() - started, 6), holders=len(sources))
+                      seconds=round(time.monotonic() - started, 6), holders=len(sources), **pull_record(bundle))
 
     def help_score(self, items: list[dict[str, Any]]) -> None:
         """Score samples for the reward role while there is nothing to generate (the controller

@@ -24,6 +24,7 @@ from rlctl.roles.common import RoleSettings
 
 if TYPE_CHECKING:
     from rlctl.weights import Bundle, WeightServerThread
+    from rlctl.weights.staging import HostBufferPool
 
 
 class TrainerStateReplica:
@@ -45,6 +46,7 @@ class TrainerStateReplica:
         self.source: dict[str, Any] | None = None  # what this standby serves: a sharded source, one part per rank
         self._parts: list[Bundle] = []
         self._server: WeightServerThread | None = None
+        self._pool: HostBufferPool | None = None  # where parts are received: reused, pinned on CUDA, served from
         self._failed_step = -1
         self._lock = threading.Lock()
         self._wanted: dict[str, Any] | None = None  # the newest offer not yet fetched
@@ -96,7 +98,8 @@ class TrainerStateReplica:
             return
         step, source = int(offer["step"]), dict(offer["source"])
         try:
-            parts = asyncio.run(self._fetch_cancellable(fetch_parts(source, timeout=self.FETCH_TIMEOUT_S)))
+            pool = self._receiving(len(source["shards"]))
+            parts = asyncio.run(self._fetch_cancellable(fetch_parts(source, timeout=self.FETCH_TIMEOUT_S, pool=pool)))
             if any(part.manifest.version != step for part in parts):
                 raise WeightError(f"a part is not of step {step}")
             with self._lock:
@@ -123,12 +126,22 @@ class TrainerStateReplica:
             with self._lock:
                 self._fetch = None
 
+    def _receiving(self, parts: int) -> HostBufferPool:
+        """The host buffers copies land in, reused copy after copy: room for the copy served and the
+        next one (a taking-over trainer then loads from pinned memory on CUDA)."""
+        from rlctl.weights.staging import HostBufferPool
+
+        if self._pool is None:
+            self._pool = HostBufferPool(max_buffers=2 * parts + 1)
+        return self._pool
+
     def _serving(self, parts: int) -> WeightServerThread:
         """The replica's server, started on first use, taking every rank's pull of its part at once."""
         from rlctl.weights import WeightServerThread
 
         if self._server is None:
-            self._server = WeightServerThread(self.transport, host=self.host, max_concurrent=max(16, parts))
+            self._server = WeightServerThread(self.transport, host=self.host, max_concurrent=max(16, parts),
+                                              pool=self._receiving(parts))
             self._server.start()
         return self._server
 

@@ -61,6 +61,7 @@ class RlctlWeightTransferEngine(WeightTransferEngine[RlctlInitInfo, RlctlUpdateI
         super().__init__(*args, **kwargs)
         self.timeout_s = FETCH_TIMEOUT_S
         self.loaded_versions: list[int] = []
+        self.pool: Any = None  # the host buffers pulls land in (rlctl.weights.staging), made on the first pull
 
     def init_transfer_engine(self, init_info: RlctlInitInfo) -> None:
         self.timeout_s = float(init_info.timeout_s)
@@ -76,8 +77,14 @@ class RlctlWeightTransferEngine(WeightTransferEngine[RlctlInitInfo, RlctlUpdateI
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: RlctlUpdateInfo) -> None:
+        import torch
+
         state = self._state(update_info)
-        self.model.load_weights((name, tensor.to(self.device)) for name, tensor in state.items())
+        # Non-blocking host-to-GPU copies from the (pinned) received buffer, ordered on the stream
+        # load_weights runs on; one synchronisation before the buffer may be reused.
+        self.model.load_weights((name, tensor.to(self.device, non_blocking=True)) for name, tensor in state.items())
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.loaded_versions.append(update_info.version)
 
     def _state(self, info: RlctlUpdateInfo) -> Mapping[str, Tensor]:
@@ -88,12 +95,15 @@ class RlctlWeightTransferEngine(WeightTransferEngine[RlctlInitInfo, RlctlUpdateI
             return state
         from rlctl.weights import unflatten
         from rlctl.weights.shards import fetch_source_sync
+        from rlctl.weights.staging import HostBufferPool
         from rlctl.weights.striping import fetch_striped_sync
 
+        if self.pool is None:
+            self.pool = HostBufferPool()
         if info.sources:
-            bundle = fetch_striped_sync(info.sources, timeout=self.timeout_s)
+            bundle = fetch_striped_sync(info.sources, timeout=self.timeout_s, pool=self.pool)
         elif info.source is not None:
-            bundle = fetch_source_sync(info.source, timeout=self.timeout_s)
+            bundle = fetch_source_sync(info.source, timeout=self.timeout_s, pool=self.pool)
         else:
             raise ValueError("an rlctl weight update names no source and hands over no weights")
         if bundle.manifest.version != info.version:

@@ -5,7 +5,10 @@ versions; each publish returns a source descriptor
 `{transport, host, port, worker_address_hex?, version, nbytes, checksum}` for the controller's
 registry. A joiner calls `fetch(source)` / `fetch_sync(source)` and gets `(version, state_dict)`,
 verified. Transports: `ucx` (ucxx listener), `ucx-sm` (ucxx worker-address endpoint, shared
-memory on one host), `tcp` (stdlib fallback). No collective group. See docs/weight-sync.md.
+memory on one host; a `ucx` holder offers it to joiners on its node), `tcp` (stdlib fallback).
+No collective group. Host buffers are reused and pinned where CUDA is (`staging`), checksums are
+hashed leaf by leaf on several threads (`checksum`), and every pull says which lanes it took
+(`lanes`). See docs/weight-sync.md.
 """
 
 from rlctl.weights.bundle import Bundle, Manifest, TensorEntry, compute_checksum, flatten, unflatten, verify

@@ -1,31 +1,45 @@
 """Flat weight bundles: a state dict packed into one contiguous uint8 buffer plus a manifest.
 
 Role: the unit that weight transports move. `flatten` copies a `dict[str, Tensor | ndarray]`
-into one 64-byte-aligned uint8 buffer (CUDA tensors are staged to host memory by that same single
-copy) and describes it with a JSON-able `Manifest` (names, dtypes, shapes, offsets, version,
-nbytes, checksum). `unflatten` rebuilds the dict as views into a received buffer, without
-copying. `verify` checks a received bundle against what the source descriptor announced and
-raises `WeightIntegrityError` on any mismatch.
+into one 64-byte-aligned uint8 host buffer (CUDA tensors are staged there chunk by chunk on a side
+stream, into pinned memory when the holder's `HostBufferPool` has it: `rlctl.weights.staging`),
+checksums it while it copies (`rlctl.weights.checksum`), and describes it with a JSON-able
+`Manifest` (names, dtypes, shapes, offsets, version, nbytes, checksum). `unflatten` rebuilds the
+dict as views into a received buffer, without copying. `verify` checks a received bundle against
+what the source descriptor announced and raises `WeightIntegrityError` on any mismatch.
 
-Checksums are self-describing strings, `"<algorithm>:<hex digest>"`: `xxh3_128` when the
-`xxhash` package can be imported, else `sha256` (hashlib, ~1.8 GB/s on the dev machine).
+A state dict is published from one device: tensors on CPU and on a GPU (or on two GPUs) in one
+dict are refused with the names of two that differ, before anything is copied.
 
 torch is imported lazily: a dict of numpy arrays round-trips as numpy without importing torch.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rlctl.weights.checksum import (
+    LeafHasher,
+    checksum_algorithm_of,
+    compute_checksum,
+    default_checksum_algorithm,
+)
 from rlctl.weights.errors import WeightIntegrityError
+from rlctl.weights.staging import HostBuffer, HostBufferPool, StagingStats, allocate_host, stage
+
+if TYPE_CHECKING:
+    from rlctl.weights.lanes import PullStats
+
+__all__ = ["ALIGNMENT", "Bundle", "Manifest", "TensorEntry", "byte_range", "checksum_algorithm_of",
+           "compute_checksum", "default_checksum_algorithm", "flatten", "unflatten", "verify"]
 
 MANIFEST_FORMAT = 1
 ALIGNMENT = 64
@@ -82,14 +96,20 @@ class Manifest:
 
 @dataclass(frozen=True)
 class Bundle:
-    """A manifest and the flat buffer it describes (the buffer is never mutated after flatten)."""
+    """A manifest and the flat buffer it describes (the buffer is never mutated after flatten).
+
+    ``staging``: how ``flatten`` staged it (None for a received bundle); ``pull``: how a fetch
+    received it (lanes, GB/s; None for a published one). A pooled host buffer stays reserved for as
+    long as a bundle on it is alive (``HostBuffer.hold``)."""
 
     manifest: Manifest
     buffer: Buffer
+    staging: StagingStats | None = field(default=None, compare=False, repr=False)
+    pull: PullStats | None = field(default=None, compare=False, repr=False)
 
 
 # ---------------------------------------------------------------------------------------------
-# checksums
+# byte ranges
 
 
 def byte_range(requested: Any, nbytes: int) -> tuple[int, int]:
@@ -106,59 +126,62 @@ def byte_range(requested: Any, nbytes: int) -> tuple[int, int]:
     return offset, length
 
 
-def default_checksum_algorithm() -> str:
-    """`xxh3_128` when xxhash is importable, else `sha256`."""
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return "sha256"
-    return "xxh3_128"
-
-
-def compute_checksum(buffer: Buffer, algorithm: str | None = None) -> str:
-    """Checksum of the whole buffer as `"<algorithm>:<hex>"` (releases the GIL while hashing)."""
-    algorithm = algorithm or default_checksum_algorithm()
-    data = buffer.data.cast("B")
-    if algorithm == "sha256":
-        return "sha256:" + hashlib.sha256(data).hexdigest()
-    if algorithm == "xxh3_128":
-        try:
-            import xxhash
-        except ImportError as exc:
-            raise WeightIntegrityError("checksum uses xxh3_128 but xxhash is not installed here") from exc
-        return "xxh3_128:" + xxhash.xxh3_128_hexdigest(data)
-    raise WeightIntegrityError(f"unknown checksum algorithm {algorithm!r}")
-
-
-def checksum_algorithm_of(checksum: str) -> str:
-    algorithm, sep, digest = checksum.partition(":")
-    if not sep or not digest:
-        raise WeightIntegrityError(f"checksum {checksum!r} is not '<algorithm>:<hex>'")
-    return algorithm
-
-
 # ---------------------------------------------------------------------------------------------
 # flatten
 
 
-def flatten(state: Mapping[str, Any], version: int, checksum_algorithm: str | None = None) -> Bundle:
-    """Copy every tensor of `state` into one aligned uint8 buffer and describe it.
+def flatten(state: Mapping[str, Any], version: int, checksum_algorithm: str | None = None,
+            pool: HostBufferPool | None = None) -> Bundle:
+    """Copy every tensor of `state` into one aligned uint8 host buffer and describe it.
 
-    Accepts torch tensors (any dtype, any device: one copy stages CUDA tensors to host, and
+    Accepts torch tensors (any dtype, on one device: CUDA tensors are staged to host in chunks,
     non-contiguous tensors are packed) or numpy arrays; a dict with any torch tensor yields a
-    torch bundle, an all-numpy dict a numpy bundle. The caller may mutate `state` afterwards:
-    the bundle is a snapshot. Blocking and CPU-bound: run it off the event loop for big dicts.
+    torch bundle, an all-numpy dict a numpy bundle. The buffer comes from `pool` (reused, pinned
+    where it can be; it stays reserved while the bundle lives), else it is a fresh pageable one.
+    The caller may mutate `state` afterwards: the bundle is a snapshot. Blocking and CPU-bound:
+    run it off the event loop for big dicts. Raises `TypeError` / `ValueError` naming the tensor
+    for a value that is not a tensor, a tensor without data, or a dict spread over two devices.
     """
     if not isinstance(version, int) or version < 0:
         raise ValueError(f"version must be a non-negative int, got {version!r}")
     kind = _state_kind(state)
+    check_one_device(state)
     layout = _layout(state, kind)
     total = layout[-1].offset + layout[-1].nbytes if layout else 0
-    buffer = np.zeros(total, dtype=np.uint8)  # zeroed alignment gaps: the same weights, the same checksum
-    _copy_into(buffer, state, layout, kind)
-    checksum = compute_checksum(buffer, checksum_algorithm)
-    manifest = Manifest(version=version, nbytes=total, checksum=checksum, kind=kind, tensors=tuple(layout))
-    return Bundle(manifest=manifest, buffer=buffer)
+    hasher_algorithm = checksum_algorithm or default_checksum_algorithm()
+    started = time.perf_counter()
+    if pool is None:
+        return _flatten_into(allocate_host(total, pin=False), state, version, kind, layout, hasher_algorithm, started)
+    with pool.reserve(total) as host:
+        return _flatten_into(host, state, version, kind, layout, hasher_algorithm, started)
+
+
+def _flatten_into(host: HostBuffer, state: Mapping[str, Any], version: int, kind: str, layout: list[TensorEntry],
+                  algorithm: str, started: float) -> Bundle:
+    buffer = host.view(layout[-1].offset + layout[-1].nbytes if layout else 0)
+    hasher = LeafHasher(algorithm, buffer)
+    staged = stage(state, layout, buffer, hasher, host.pinned)
+    checksum = hasher.checksum()
+    manifest = Manifest(version=version, nbytes=buffer.nbytes, checksum=checksum, kind=kind, tensors=tuple(layout))
+    bundle = Bundle(manifest=manifest, buffer=buffer,
+                    staging=replace(staged, total_s=time.perf_counter() - started))
+    host.hold(bundle)
+    return bundle
+
+
+def check_one_device(state: Mapping[str, Any]) -> None:
+    """``ValueError`` naming two tensors of ``state`` on different devices (numpy arrays are on the
+    CPU), or a tensor with no data (the meta device); nothing else is checked."""
+    first: tuple[str, str] | None = None
+    for name, value in state.items():
+        device = "cpu" if isinstance(value, np.ndarray) else str(value.device)
+        if first is None:
+            first = (name, device)
+        elif device != first[1]:
+            raise ValueError(f"tensor {name!r} is on {device} but tensor {first[0]!r} is on {first[1]}: a state dict "
+                             "is published from one device; move every tensor there first")
+    if first is not None and first[1] == "meta":
+        raise ValueError(f"tensor {first[0]!r} is on the meta device: it has no data to publish")
 
 
 def _torch_module() -> Any:
@@ -213,19 +236,6 @@ def _layout(state: Mapping[str, Any], kind: str) -> list[TensorEntry]:
                                    shape=tuple(int(d) for d in value.shape), offset=offset, nbytes=nbytes))
         offset += nbytes
     return entries
-
-
-def _copy_into(buffer: Buffer, state: Mapping[str, Any], layout: list[TensorEntry], kind: str) -> None:
-    if kind == KIND_TORCH:
-        torch = _torch_module()
-        flat = torch.from_numpy(buffer)
-        for entry in layout:
-            value = state[entry.name]
-            source = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-            _torch_view(flat, entry, torch).copy_(source)
-    else:
-        for entry in layout:
-            np.copyto(_numpy_view(buffer, entry), state[entry.name])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +299,7 @@ def verify(manifest: Manifest, buffer: Buffer, expected_version: int | None = No
     """Check a received bundle against what its source descriptor announced.
 
     Raises `WeightIntegrityError` when the version, size or checksum differs. Blocking and
-    CPU-bound (hashes the whole buffer).
+    CPU-bound (hashes the whole buffer, a tree checksum's leaves on several threads).
     """
     if expected_version is not None and manifest.version != expected_version:
         raise WeightIntegrityError(f"version mismatch: expected v{expected_version}, holder sent v{manifest.version}")

@@ -8,7 +8,12 @@ checksum) before anything is returned, and tensors are zero-copy views into it.
 * `fetch` / `fetch_sync` → `(version, state_dict)`.
 * `fetch_bundle` → the verified flat `Bundle`, which a holder can re-serve as is with
   `WeightServer.publish_bundle` (rollout → new rollout without re-packing).
-* `receive_raw` → the unverified manifest and buffer (benchmarks, or callers that verify later).
+* `receive_raw` → the unverified manifest and buffer (benchmarks, or callers that verify later);
+  `receive` → the same with the route it took.
+
+Every fetched bundle carries `pull` (`rlctl.weights.lanes.PullStats`): the transport and the UCX
+lanes the transfer took, its lane class, bytes, seconds and GB/s. A `ucx` holder on this node
+(the same `node_id`) is pulled from over its shared-memory channel (`route`).
 
 Errors: `WeightTransferError` (holder gone, refused, timed out: try another holder),
 `WeightIntegrityError` (the bytes are not what the descriptor promised: never use them),
@@ -19,25 +24,53 @@ Errors: `WeightTransferError` (holder gone, refused, timed out: try another hold
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rlctl.weights.bundle import Buffer, Bundle, Manifest, unflatten, verify
+from rlctl.weights.errors import WeightTransferError
+from rlctl.weights.lanes import PullStats, Route, same_node
+from rlctl.weights.staging import HostBufferPool
 from rlctl.weights.transport_tcp import DEFAULT_MAX_NBYTES, tcp_receive
 
-Receiver = Callable[[dict[str, Any], float, int, Buffer | None], Awaitable[tuple[Manifest, Buffer]]]
+Receiver = Callable[[dict[str, Any], float, int, Buffer | None], Awaitable[tuple[Manifest, Buffer, Route]]]
 DESCRIPTOR_KEYS = ("transport", "host", "port", "version", "nbytes", "checksum")
 
 
-def _receiver(transport: str) -> Receiver:
+@dataclass(frozen=True)
+class Received:
+    """One transfer, unverified: the holder's manifest, the buffer it landed in, the route it took
+    and its seconds (connect to last byte)."""
+
+    manifest: Manifest
+    buffer: Buffer
+    route: Route
+    seconds: float
+    same_node: bool
+
+    def stats(self, nbytes: int | None = None) -> PullStats:
+        return PullStats(transport=self.route.transport, lane=self.route.lane, lanes=self.route.lanes,
+                         nbytes=self.manifest.nbytes if nbytes is None else nbytes, seconds=self.seconds, holders=1,
+                         same_node=self.same_node)
+
+
+def route(source: dict[str, Any]) -> tuple[Receiver, dict[str, Any]]:
+    """The receiver for ``source`` and the descriptor it is called with: a ``ucx`` holder on this
+    node that offers its shared-memory channel (``sm_port``) is pulled from over ``ucx-sm``."""
+    transport = source["transport"]
     if transport == "tcp":
-        return tcp_receive
+        return tcp_receive, source
     if transport in ("ucx", "ucx-sm"):
         from rlctl.weights.transport_ucx import sm_receive, ucx_receive
 
-        return ucx_receive if transport == "ucx" else sm_receive
+        if transport == "ucx-sm":
+            return sm_receive, source
+        if isinstance(source.get("sm_port"), int) and same_node(source):
+            return sm_receive, {**source, "port": source["sm_port"]}
+        return ucx_receive, source
     raise ValueError(f"source descriptor names an unknown transport {transport!r}")
-
 
 def check_descriptor(source: dict[str, Any]) -> None:
     """Raise `ValueError` unless `source` has the fields and types of a source descriptor."""
@@ -52,25 +85,52 @@ def check_descriptor(source: dict[str, Any]) -> None:
         raise ValueError("source descriptor version and nbytes must be int")  # noqa: TRY004
 
 
+async def receive(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                  out: Buffer | None = None) -> Received:
+    """Transfer the holder's manifest and flat buffer, unverified, with the route it took. `out`
+    is used when its size fits."""
+    check_descriptor(source)
+    deadline = asyncio.get_running_loop().time() + timeout
+    receiver, target = route(source)
+    started = time.perf_counter()
+    manifest, buffer, taken = await receiver(target, deadline, max_nbytes, out)
+    return Received(manifest, buffer, taken, time.perf_counter() - started, same_node(source))
+
+
 async def receive_raw(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
                       out: Buffer | None = None) -> tuple[Manifest, Buffer]:
     """Transfer the holder's manifest and flat buffer, unverified. `out` is used when its size fits."""
-    check_descriptor(source)
-    deadline = asyncio.get_running_loop().time() + timeout
-    return await _receiver(source["transport"])(source, deadline, max_nbytes, out)
+    received = await receive(source, timeout, max_nbytes, out)
+    return received.manifest, received.buffer
 
 
 async def fetch_bundle(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
-                       out: Buffer | None = None) -> Bundle:
-    """Transfer and verify (version, checksum against the descriptor, then of the bytes).
+                       out: Buffer | None = None, pool: HostBufferPool | None = None) -> Bundle:
+    """Transfer and verify (version, checksum against the descriptor, then of the bytes). The
+    bundle's ``pull`` says how it came (lanes, seconds, GB/s).
 
     `out`: a uint8 buffer to receive into when its size matches (else a fresh one is allocated).
-    Reusing a host staging buffer avoids first-touch page faults, which cost more than the
-    transfer itself on some machines; tensors from an earlier fetch into `out` are overwritten.
+    `pool`: take that buffer from a pool instead (reused, pinned where it can be; it stays reserved
+    while the returned bundle lives). Reusing a host buffer avoids first-touch page faults, which
+    cost more than the transfer itself on some machines; tensors from an earlier fetch into `out`
+    are overwritten.
     """
-    manifest, buffer = await receive_raw(source, timeout, max_nbytes, out)
-    await asyncio.to_thread(verify, manifest, buffer, source["version"], source["checksum"])
-    return Bundle(manifest=manifest, buffer=buffer)
+    if pool is None or out is not None:
+        return await _fetch_into(source, timeout, max_nbytes, out)
+    check_descriptor(source)
+    if not 0 <= source["nbytes"] <= max_nbytes:
+        raise WeightTransferError(f"the source announces {source['nbytes']} bytes, outside [0, {max_nbytes}]")
+    with pool.reserve(int(source["nbytes"])) as host:
+        bundle = await _fetch_into(source, timeout, max_nbytes, host.view(int(source["nbytes"])))
+        if bundle.buffer.ctypes.data == host.array.ctypes.data:
+            host.hold(bundle)
+        return bundle
+
+
+async def _fetch_into(source: dict[str, Any], timeout: float, max_nbytes: int, out: Buffer | None) -> Bundle:
+    received = await receive(source, timeout, max_nbytes, out)
+    await asyncio.to_thread(verify, received.manifest, received.buffer, source["version"], source["checksum"])
+    return Bundle(manifest=received.manifest, buffer=received.buffer, pull=received.stats())
 
 
 async def fetch(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
@@ -91,6 +151,6 @@ def fetch_sync(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = 
 
 
 def fetch_bundle_sync(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
-                      out: Buffer | None = None) -> Bundle:
+                      out: Buffer | None = None, pool: HostBufferPool | None = None) -> Bundle:
     """Blocking `fetch_bundle` (same constraint as `fetch_sync`)."""
-    return asyncio.run(fetch_bundle(source, timeout, max_nbytes, out))
+    return asyncio.run(fetch_bundle(source, timeout, max_nbytes, out, pool))

@@ -7,9 +7,11 @@ holder registry (`trainer.publish` / `weights.held`). Any joiner can then `fetch
 is no collective group, so holders and joiners come and go independently.
 
 Contract:
-* `publish(version, state)` snapshots `state` (one copy into a flat buffer, CUDA staged to host),
-  then atomically makes it the version served. Transfers already in flight finish with the
-  bundle they started with; the previous buffer is freed when they are done.
+* `publish(version, state)` snapshots `state` (one copy into a flat host buffer from this server's
+  `HostBufferPool`: reused version after version, pinned where CUDA is, CUDA tensors staged in
+  chunks on a side stream: `rlctl.weights.staging`), then atomically makes it the version served.
+  Transfers already in flight finish with the bundle they started with: its buffer is not reused
+  while they run (the next version is staged into another one).
 * `publish_bundle(bundle)` serves an already flat bundle (what `fetch_bundle` returns) without
   copying: a rollout re-serves exactly the bytes it received.
 * `publish_parts(bundles)` serves several bundles at once from this one server, each at its own
@@ -31,6 +33,8 @@ from rlctl.weights.admission import AdmissionCounts
 from rlctl.weights.auth import job_token
 from rlctl.weights.bundle import Bundle, flatten
 from rlctl.weights.errors import TransportUnavailableError
+from rlctl.weights.lanes import local_node_id
+from rlctl.weights.staging import HostBufferPool
 from rlctl.weights.transport_tcp import DEFAULT_HOLDER_IO_TIMEOUT_S, TcpHolder
 
 TRANSPORTS = ("tcp", "ucx", "ucx-sm")
@@ -68,7 +72,8 @@ def _make_holder(transport: str, server: WeightServer, host: str, port: int, max
     from rlctl.weights.transport_ucx import UcxHolder, UcxSmHolder
 
     if transport == "ucx":
-        return UcxHolder(server.current_bundle, port, io_timeout, token=token)
+        return UcxHolder(server.current_bundle, port, io_timeout, token=token, same_node_host=host,
+                         max_concurrent=max_concurrent)
     if transport == "ucx-sm":
         return UcxSmHolder(server.current_bundle, host, port, max_concurrent, io_timeout, token=token)
     raise TransportUnavailableError(f"no holder for transport {transport!r}")
@@ -84,13 +89,15 @@ class WeightServer:
     address; `rlctl.weights.ucx_guard` bounds what strangers hold there). Every pull must carry
     `token`, the job's weights token, by default this process's own (`RLCTL_WEIGHTS_TOKEN`, set
     for every worker of a job), checked before the holder reads a request or gives a serving slot
-    (`rlctl.weights.admission`); None serves anyone.
+    (`rlctl.weights.admission`); None serves anyone. `pool`: the host buffers publishes are
+    staged into (a fresh one per server by default; a joiner that serves what it fetched passes
+    the pool it fetched into, see `fetch_bundle`).
     """
 
     def __init__(self, transport: str = "auto", host: str = DEFAULT_HOST, port: int = 0,
                  advertise_host: str | None = None, max_concurrent: int = 16,
                  io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, checksum_algorithm: str | None = None,
-                 token: bytes | None | Literal["env"] = "env") -> None:
+                 token: bytes | None | Literal["env"] = "env", pool: HostBufferPool | None = None) -> None:
         if host in ("0.0.0.0", "::", ""):
             raise ValueError(f"a weight server binds one address of the job's network, not {host!r}")
         self._token = job_token() if token == "env" else token
@@ -104,6 +111,7 @@ class WeightServer:
         self._holder: Holder | None = None
         self._endpoint_fields: dict[str, Any] = {}
         self._bundles: tuple[Bundle, ...] = ()
+        self.pool = pool if pool is not None else HostBufferPool()
 
     def current_bundle(self, index: int = 0) -> Bundle | None:
         """The bundle served right now at ``index`` (None before the first publish, or past the last part)."""
@@ -120,7 +128,7 @@ class WeightServer:
 
     async def publish(self, version: int, state: Mapping[str, Any]) -> dict[str, Any]:
         """Snapshot `state` as `version`, serve it from now on, and return its source descriptor."""
-        bundle = await asyncio.to_thread(flatten, state, version, self._checksum_algorithm)
+        bundle = await asyncio.to_thread(flatten, state, version, self._checksum_algorithm, self.pool)
         return await self.publish_bundle(bundle)
 
     async def publish_bundle(self, bundle: Bundle) -> dict[str, Any]:
@@ -142,10 +150,12 @@ class WeightServer:
 
     @property
     def endpoint(self) -> dict[str, Any]:
-        """Where joiners reach this server: `{transport, host, port, worker_address_hex?}` (after start)."""
+        """Where joiners reach this server: `{transport, host, port, node_id, worker_address_hex?,
+        sm_port?}` (after start)."""
         if self._holder is None:
             raise RuntimeError("WeightServer is not started")
-        return {"transport": self.transport, "host": self._advertise_host, **self._endpoint_fields}
+        return {"transport": self.transport, "host": self._advertise_host, "node_id": local_node_id(),
+                **self._endpoint_fields}
 
     def descriptor(self) -> dict[str, Any] | None:
         """The source descriptor of the version served now, or None before the first publish."""
@@ -179,15 +189,21 @@ class WeightServerThread:
 
     def __init__(self, transport: str = "auto", host: str = DEFAULT_HOST, port: int = 0,
                  advertise_host: str | None = None, max_concurrent: int = 16,
-                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, checksum_algorithm: str | None = None) -> None:
+                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, checksum_algorithm: str | None = None,
+                 pool: HostBufferPool | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlctl-weight-server", daemon=True)
         self.server = WeightServer(transport, host, port, advertise_host, max_concurrent, io_timeout,
-                                   checksum_algorithm)
+                                   checksum_algorithm, pool=pool)
 
     @property
     def transport(self) -> str:
         return self.server.transport
+
+    @property
+    def pool(self) -> HostBufferPool:
+        """The host buffers this server stages into (a joiner fetches into it to serve what it got)."""
+        return self.server.pool
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(THREAD_CALL_TIMEOUT_S)

@@ -18,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from rlctl.weights.bundle import ALIGNMENT, Bundle, Manifest, TensorEntry, compute_checksum
 from rlctl.weights.client import DEFAULT_MAX_NBYTES, fetch_bundle, fetch_bundle_sync
 from rlctl.weights.errors import WeightIntegrityError
+from rlctl.weights.lanes import PullStats
+from rlctl.weights.lanes import combine as combine_pulls
+from rlctl.weights.staging import HostBufferPool, allocate_host
 
 
 def combine(descriptors: Sequence[dict[str, Any]], version: int) -> dict[str, Any]:
@@ -42,11 +44,12 @@ def is_sharded(source: dict[str, Any]) -> bool:
     return bool(source.get("sharded")) and isinstance(source.get("shards"), list)
 
 
-async def fetch_parts(source: dict[str, Any], timeout: float = 60.0,
-                      max_nbytes: int = DEFAULT_MAX_NBYTES) -> list[Bundle]:
-    """Every shard of ``source`` at once, each verified against its descriptor, in rank order."""
+async def fetch_parts(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                      pool: HostBufferPool | None = None) -> list[Bundle]:
+    """Every shard of ``source`` at once, each verified against its descriptor, in rank order
+    (each into a buffer of ``pool`` when given)."""
     shards = source["shards"]
-    bundles = await asyncio.gather(*(fetch_bundle(shard, timeout, max_nbytes) for shard in shards))
+    bundles = await asyncio.gather(*(fetch_bundle(shard, timeout, max_nbytes, pool=pool) for shard in shards))
     for shard, bundle in zip(shards, bundles):
         if bundle.manifest.version != int(source["version"]):
             raise WeightIntegrityError(f"shard at {shard.get('host')}:{shard.get('port')} sent v"
@@ -54,32 +57,40 @@ async def fetch_parts(source: dict[str, Any], timeout: float = 60.0,
     return list(bundles)
 
 
-async def fetch_sharded(source: dict[str, Any], timeout: float = 60.0,
-                        max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
-    """Every shard of ``source`` at once, verified, assembled into one bundle of the whole model."""
-    bundles = await fetch_parts(source, timeout, max_nbytes)
-    if len(bundles) == 1:  # one part is the whole model, verified: nothing to put together
+async def fetch_sharded(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                        pool: HostBufferPool | None = None) -> Bundle:
+    """Every shard of ``source`` at once, verified, assembled into one bundle of the whole model
+    (in a buffer of ``pool`` when given); its ``pull`` covers every shard's transfer."""
+    started = time.perf_counter()
+    whole_in_one = len(source["shards"]) == 1
+    bundles = await fetch_parts(source, timeout, max_nbytes, pool if whole_in_one else None)
+    if whole_in_one:  # one part is the whole model, verified: nothing to put together
         return bundles[0]
-    return await asyncio.to_thread(assemble, bundles, int(source["version"]))
+    pulled = time.perf_counter() - started
+    stats = [b.pull for b in bundles if b.pull is not None]
+    pull = combine_pulls(stats, sum(b.manifest.nbytes for b in bundles), pulled) if stats else None
+    return await asyncio.to_thread(assemble, bundles, int(source["version"]), pool, pull)
 
 
-def fetch_sharded_sync(source: dict[str, Any], timeout: float = 60.0,
-                       max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
+def fetch_sharded_sync(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                       pool: HostBufferPool | None = None) -> Bundle:
     """Blocking ``fetch_sharded`` (from a thread with no running event loop)."""
-    return asyncio.run(fetch_sharded(source, timeout, max_nbytes))
+    return asyncio.run(fetch_sharded(source, timeout, max_nbytes, pool))
 
 
-def fetch_source_sync(source: dict[str, Any], timeout: float = 60.0,
-                      max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
+def fetch_source_sync(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,
+                      pool: HostBufferPool | None = None) -> Bundle:
     """The whole model from ``source``: one holder's bundle, or a sharded group's shards put together."""
     if is_sharded(source):
-        return fetch_sharded_sync(source, timeout, max_nbytes)
-    return fetch_bundle_sync(source, timeout, max_nbytes)
+        return fetch_sharded_sync(source, timeout, max_nbytes, pool)
+    return fetch_bundle_sync(source, timeout, max_nbytes, pool=pool)
 
 
-def assemble(bundles: Sequence[Bundle], version: int) -> Bundle:
+def assemble(bundles: Sequence[Bundle], version: int, pool: HostBufferPool | None = None,
+             pull: PullStats | None = None) -> Bundle:
     """The whole model from the ranks' shards: each tensor is the concatenation along dim 0 of its
-    shards in rank order. Raises ``WeightIntegrityError`` when the shards do not fit together."""
+    shards in rank order (in a buffer of ``pool`` when given). Raises ``WeightIntegrityError``
+    when the shards do not fit together."""
     first = bundles[0].manifest
     by_name = [{entry.name: entry for entry in bundle.manifest.tensors} for bundle in bundles]
     entries: list[TensorEntry] = []
@@ -97,16 +108,30 @@ def assemble(bundles: Sequence[Bundle], version: int) -> Bundle:
         offset += nbytes
     if any(len(names) != len(first.tensors) for names in by_name):
         raise WeightIntegrityError("the shards name different tensors")
-    buffer = np.zeros(offset, dtype=np.uint8)  # zeroed alignment gaps, as flatten: a deterministic checksum
+    if pool is None:
+        host = allocate_host(offset, pin=False)
+        return _assemble_into(host.view(offset), bundles, entries, by_name, version, first.kind, pull, host.hold)
+    with pool.reserve(offset) as host:
+        return _assemble_into(host.view(offset), bundles, entries, by_name, version, first.kind, pull, host.hold)
+
+
+def _assemble_into(buffer: Any, bundles: Sequence[Bundle], entries: list[TensorEntry],
+                   by_name: list[dict[str, TensorEntry]], version: int, kind: str, pull: PullStats | None,
+                   hold: Any) -> Bundle:
+    at = 0
     for whole in entries:
+        buffer[at:whole.offset] = 0  # alignment gaps, as flatten: a deterministic checksum
         at = whole.offset
         for bundle, names in zip(bundles if whole.shape else bundles[:1], by_name):
             part = names[whole.name]
             buffer[at:at + part.nbytes] = bundle.buffer[part.offset:part.offset + part.nbytes]
             at += part.nbytes
-    manifest = Manifest(version=version, nbytes=offset, checksum=compute_checksum(buffer), kind=first.kind,
+    buffer[at:] = 0
+    manifest = Manifest(version=version, nbytes=buffer.nbytes, checksum=compute_checksum(buffer), kind=kind,
                         tensors=tuple(entries))
-    return Bundle(manifest=manifest, buffer=buffer)
+    bundle = Bundle(manifest=manifest, buffer=buffer, pull=pull)
+    hold(bundle)
+    return bundle
 
 
 def shard_rows(total_rows: int, ranks: int, rank: int) -> tuple[int, int]:

@@ -15,14 +15,15 @@ serve the same version with the same checksum (the controller's registry gives t
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from rlctl.weights.bundle import ALIGNMENT, Buffer, Bundle, Manifest, verify
-from rlctl.weights.client import receive_raw
+from rlctl.weights.bundle import ALIGNMENT, Buffer, Bundle, verify
+from rlctl.weights.client import Received, receive
 from rlctl.weights.errors import WeightIntegrityError, WeightTransferError
+from rlctl.weights.lanes import combine
+from rlctl.weights.staging import HostBuffer, HostBufferPool, allocate_host
 from rlctl.weights.transport_tcp import DEFAULT_MAX_NBYTES
 
 
@@ -46,8 +47,10 @@ def stripes(nbytes: int, holders: int) -> list[tuple[int, int]]:
 
 
 async def fetch_striped(sources: Sequence[dict[str, Any]], timeout: float = 60.0,
-                        max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
-    """One version from every holder in ``sources`` at once, a stripe each, verified as a whole."""
+                        max_nbytes: int = DEFAULT_MAX_NBYTES, pool: HostBufferPool | None = None) -> Bundle:
+    """One version from every holder in ``sources`` at once, a stripe each, verified as a whole,
+    into a buffer of ``pool`` when given (held while the bundle lives). Its ``pull`` names every
+    holder's lanes and the slowest lane class."""
     if not sources:
         raise ValueError("fetch_striped needs at least one source")
     first = sources[0]
@@ -58,45 +61,60 @@ async def fetch_striped(sources: Sequence[dict[str, Any]], timeout: float = 60.0
     nbytes = int(first["nbytes"])
     if nbytes > max_nbytes:
         raise WeightTransferError(f"the version is {nbytes} bytes, above the bound of {max_nbytes}")
-    buffer: Buffer = np.empty(nbytes, dtype=np.uint8)
-    parts = stripes(nbytes, len(sources))
+    if pool is None:
+        return await _fetch_stripes(sources, allocate_host(nbytes, pin=False), timeout, max_nbytes)
+    with pool.reserve(nbytes) as host:
+        return await _fetch_stripes(sources, host, timeout, max_nbytes)
+
+
+async def _fetch_stripes(sources: Sequence[dict[str, Any]], host: HostBuffer, timeout: float,
+                         max_nbytes: int) -> Bundle:
+    first = sources[0]
+    buffer: Buffer = host.view(int(first["nbytes"]))
+    parts = stripes(buffer.nbytes, len(sources))
+    started = time.perf_counter()
     outcomes = await asyncio.gather(*(_stripe(source, part, buffer, timeout, max_nbytes)
                                       for source, part in zip(sources, parts, strict=True)), return_exceptions=True)
-    manifests = [o for o in outcomes if isinstance(o, Manifest)]
+    received = [o for o in outcomes if isinstance(o, Received)]
     for index, outcome in enumerate(outcomes):
-        if isinstance(outcome, Manifest):
+        if isinstance(outcome, Received):
             continue
         if not isinstance(outcome, WeightTransferError):
             raise outcome  # a bug, not a holder's failure
-        manifests.append(await _again(sources, outcomes, index, parts[index], buffer, timeout, max_nbytes))
-    manifest = manifests[0]
-    if any(m.to_json() != manifest.to_json() for m in manifests[1:]):
+        received.append(await _again(sources, outcomes, index, parts[index], buffer, timeout, max_nbytes))
+    seconds = time.perf_counter() - started
+    manifest = received[0].manifest
+    if any(r.manifest.to_json() != manifest.to_json() for r in received[1:]):
         raise WeightIntegrityError("holders of one version sent different manifests")
     await asyncio.to_thread(verify, manifest, buffer, int(first["version"]), str(first["checksum"]))
-    return Bundle(manifest=manifest, buffer=buffer)
+    stats = combine([r.stats() for r in received], buffer.nbytes, seconds)
+    bundle = Bundle(manifest=manifest, buffer=buffer, pull=stats)
+    host.hold(bundle)
+    return bundle
+
 
 
 def fetch_striped_sync(sources: Sequence[dict[str, Any]], timeout: float = 60.0,
-                       max_nbytes: int = DEFAULT_MAX_NBYTES) -> Bundle:
+                       max_nbytes: int = DEFAULT_MAX_NBYTES, pool: HostBufferPool | None = None) -> Bundle:
     """Blocking ``fetch_striped`` (from a thread with no running event loop)."""
-    return asyncio.run(fetch_striped(sources, timeout, max_nbytes))
+    return asyncio.run(fetch_striped(sources, timeout, max_nbytes, pool))
 
 
 async def _stripe(source: dict[str, Any], part: tuple[int, int], buffer: Buffer, timeout: float,
-                  max_nbytes: int) -> Manifest:
-    manifest, received = await receive_raw({**source, "range": list(part)}, timeout, max_nbytes, out=buffer)
-    if received is not buffer:
+                  max_nbytes: int) -> Received:
+    received = await receive({**source, "range": list(part)}, timeout, max_nbytes, out=buffer)
+    if received.buffer is not buffer:
         raise WeightTransferError(f"holder at {source.get('host')}:{source.get('port')} announced "
-                                  f"{manifest.nbytes} bytes, the source says {buffer.nbytes}")
-    return manifest
+                                  f"{received.manifest.nbytes} bytes, the source says {buffer.nbytes}")
+    return received
 
 
 async def _again(sources: Sequence[dict[str, Any]], outcomes: list[Any], index: int, part: tuple[int, int],
-                 buffer: Buffer, timeout: float, max_nbytes: int) -> Manifest:
+                 buffer: Buffer, timeout: float, max_nbytes: int) -> Received:
     """A failed stripe from the holders that delivered theirs, one after another."""
     failed = sources[index]
     for source, outcome in zip(sources, outcomes, strict=True):
-        if not isinstance(outcome, Manifest):
+        if not isinstance(outcome, Received):
             continue
         try:
             return await _stripe(source, part, buffer, timeout, max_nbytes)

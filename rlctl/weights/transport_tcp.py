@@ -37,6 +37,7 @@ from rlctl.weights import admission, framing
 from rlctl.weights.admission import HANDSHAKE_TIMEOUT_S, MAX_UNAUTHENTICATED, AdmissionCounts, UnauthenticatedPeers
 from rlctl.weights.bundle import Buffer, Bundle, Manifest, byte_range
 from rlctl.weights.errors import WeightTransferError
+from rlctl.weights.lanes import TCP_SOCKET_LANE, Route
 
 log = logging.getLogger(__name__)
 
@@ -223,9 +224,10 @@ def receive_buffer(nbytes: int, out: Buffer | None) -> Buffer:
 
 
 async def tcp_receive(source: dict[str, Any], deadline: float, max_nbytes: int = DEFAULT_MAX_NBYTES,
-                      out: Buffer | None = None) -> tuple[Manifest, Buffer]:
+                      out: Buffer | None = None) -> tuple[Manifest, Buffer, Route]:
     """Fetch the holder's manifest and flat buffer over TCP (no verification here); with
-    ``source["range"]`` only that part, into its place in ``out`` (``rlctl.weights.striping``)."""
+    ``source["range"]`` only that part, into its place in ``out`` (``rlctl.weights.striping``).
+    The route is always lane ``tcp`` (kernel sockets)."""
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
     try:
         await framing.send_all(sock, opening({"op": "fetch", **request_fields(source)}), deadline)
@@ -234,6 +236,6 @@ async def tcp_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
         offset, length = part_of(source, reply, manifest)
         buffer = receive_buffer(manifest.nbytes, out)
         await framing.recv_exactly_into(sock, buffer.data[offset:offset + length], deadline)
-        return manifest, buffer
+        return manifest, buffer, Route("tcp", (TCP_SOCKET_LANE,))
     finally:
         sock.close()

@@ -17,6 +17,12 @@ Role: two ways to move a flat weight buffer between processes with UCX.
   acks on the control connection. The control connection also tells each side promptly when
   the other process dies (EOF), since a worker-address endpoint without error handling does not.
 
+A `ucx` holder also runs the `ucx-sm` control channel (`sm_port` in its descriptor, beside its
+`node_id`): a joiner on the same node takes that path (`rlctl.weights.client`), so a same-node
+pull gets UCX's shared memory even from a listener holder. Every transfer reports the lanes UCX
+chose (`rlctl.weights.lanes.endpoint_lanes`): the joiner's endpoint on `ucx`, the holder's
+worker-address endpoint on `ucx-sm` (sent in the header frame as `lanes`).
+
 Process-global state: ucxx has one context and one worker per process, and binds its progress
 to the event loop that first used it. `UcxRuntime` therefore owns one daemon thread with its own
 event loop on which *every* ucxx call of this package runs; callers on any loop or thread hand
@@ -47,6 +53,7 @@ from rlctl.weights.admission import HANDSHAKE_TIMEOUT_S, MAX_UNAUTHENTICATED, Ad
 from rlctl.weights.auth import REFUSED, TOKEN_BYTES, authorized, job_token
 from rlctl.weights.bundle import Buffer, Bundle, Manifest, byte_range
 from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, WeightTransferError
+from rlctl.weights.lanes import Route, endpoint_lanes
 from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
     DEFAULT_MAX_NBYTES,
@@ -69,6 +76,7 @@ MAX_WORKER_ADDRESS_BYTES = 64 * 1024
 ACK = 0xAC4ED
 CLOSE_PERIOD_NS = 2_000_000_000
 MAX_CACHED_SM_ENDPOINTS = 64
+MAX_REPORTED_LANES = 32
 
 
 def ucxx_importable() -> bool:
@@ -78,6 +86,23 @@ def ucxx_importable() -> bool:
     except TransportUnavailableError:
         return False
     return True
+
+
+def cuda_memory_capability() -> dict[str, Any]:
+    """What this process's UCX can do with CUDA memory: whether ucxx was built with CUDA support
+    and which of UCX's CUDA transports are active (``cuda_copy``: host<->device staging inside UCX;
+    ``cuda_ipc``: device-to-device between processes on a node; ``gdr_copy``). rlctl's transfers
+    are host-staged today; this is the check a direct GPU-memory path would stand behind."""
+    runtime = UcxRuntime.get()
+
+    async def ask() -> dict[str, Any]:
+        from ucxx.core import _get_ctx
+
+        transports = sorted(runtime.ucxx.get_active_transports())
+        return {"cuda_support": bool(_get_ctx().context.cuda_support), "transports": transports,
+                "cuda_transports": [t for t in transports if t in ("cuda_copy", "cuda_ipc", "gdr_copy")]}
+
+    return runtime.run_sync(ask())
 
 
 def _import_ucxx() -> Any:
@@ -302,15 +327,19 @@ class UcxHolder:
     and at most `max_unauthenticated` endpoints wait for theirs at once (a newcomer evicts the one
     waiting longest). The listener accepts on every interface (ucxx takes no bind address), so a
     `PreHandshakeGuard` bounds the connections that never finish UCX's own handshake the same
-    way; `port=0` lets UCX pick.
+    way; `port=0` lets UCX pick. With `same_node_host`, a `UcxSmHolder` control channel bound there
+    serves joiners on this node over UCX shared memory (`sm_port` in the descriptor).
     """
 
     transport = "ucx"
 
     def __init__(self, current: BundleGetter, port: int = 0, io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S,
                  idle_timeout: float = 300.0, token: bytes | None = None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED,
+                 same_node_host: str | None = None, max_concurrent: int = 16) -> None:
         self._current = current
+        self._same_node = (UcxSmHolder(current, same_node_host, 0, max_concurrent, io_timeout, token)
+                           if same_node_host is not None else None)
         self._token = token
         self._port = port
         self._io_timeout = io_timeout
@@ -325,7 +354,10 @@ class UcxHolder:
 
     async def start(self) -> dict[str, Any]:
         port = await self._runtime.run(self._create_listener())
-        return {"port": port, "worker_address_hex": self._runtime.worker_address.hex()}
+        fields: dict[str, Any] = {"port": port, "worker_address_hex": self._runtime.worker_address.hex()}
+        if self._same_node is not None:
+            fields["sm_port"] = (await self._same_node.start())["port"]
+        return fields
 
     async def _create_listener(self) -> int:
         self._listener = self._runtime.ucxx.create_listener(self._serve, port=self._port or None,
@@ -337,6 +369,10 @@ class UcxHolder:
 
     def admission(self) -> AdmissionCounts:
         counts = self.unauthenticated.snapshot()
+        if self._same_node is not None:
+            side = self._same_node.admission()
+            counts = replace(counts, refused=counts.refused + side.refused, timed_out=counts.timed_out + side.timed_out,
+                             evicted=counts.evicted + side.evicted, waiting=counts.waiting + side.waiting)
         if self._guard is not None:
             counts = replace(counts, before_handshake_closed=self._guard.closed,
                              before_handshake_waiting=self._guard.waiting)
@@ -346,6 +382,8 @@ class UcxHolder:
         return {peer for peer in self._handlers.values() if peer is not None}
 
     async def close(self) -> None:
+        if self._same_node is not None:
+            await self._same_node.close()
         await self._runtime.run(self._close_on_loop())
 
     async def _close_on_loop(self) -> None:
@@ -473,7 +511,7 @@ def _endpoint_pool(runtime: UcxRuntime) -> EndpointPool:
 
 
 async def ucx_receive(source: dict[str, Any], deadline: float, max_nbytes: int = DEFAULT_MAX_NBYTES,
-                      out: Buffer | None = None) -> tuple[Manifest, Buffer]:
+                      out: Buffer | None = None) -> tuple[Manifest, Buffer, Route]:
     """Fetch the holder's manifest and flat buffer through its ucxx listener (no verification).
 
     Reuses a pooled endpoint to the same holder when one is idle; if that endpoint turns out to be
@@ -484,7 +522,7 @@ async def ucx_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
 
 
 async def _ucx_receive_on_loop(runtime: UcxRuntime, source: dict[str, Any], deadline: float, max_nbytes: int,
-                               out: Buffer | None) -> tuple[Manifest, Buffer]:
+                               out: Buffer | None) -> tuple[Manifest, Buffer, Route]:
     pool = _endpoint_pool(runtime)
     peer = (source["host"], int(source["port"]))
     endpoint = pool.take_idle(peer)
@@ -505,7 +543,8 @@ class _StaleEndpoint(WeightTransferError):
 
 
 async def _exchange_and_return(pool: EndpointPool, peer: tuple[str, int], endpoint: Any, deadline: float,
-                               max_nbytes: int, out: Buffer | None, source: dict[str, Any]) -> tuple[Manifest, Buffer]:
+                               max_nbytes: int, out: Buffer | None,
+                               source: dict[str, Any]) -> tuple[Manifest, Buffer, Route]:
     try:
         result = await _exchange(endpoint, deadline, max_nbytes, out, source)
     except BaseException:
@@ -516,7 +555,7 @@ async def _exchange_and_return(pool: EndpointPool, peer: tuple[str, int], endpoi
 
 
 async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer | None,
-                    source: dict[str, Any]) -> tuple[Manifest, Buffer]:
+                    source: dict[str, Any]) -> tuple[Manifest, Buffer, Route]:
     sizes = np.zeros(2, dtype=np.uint64)
     try:
         await _bounded(endpoint.send(_request_words(source)), deadline, "sending the request")
@@ -539,7 +578,7 @@ async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer
     if nbytes:
         await _bounded(endpoint.recv(buffer[offset:offset + length]), deadline, "receiving the weights")
     await _bounded(endpoint.send(np.array([ACK], dtype=np.uint64)), deadline, "sending the ack")
-    return manifest, buffer
+    return manifest, buffer, Route("ucx", endpoint_lanes(endpoint))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,11 +619,15 @@ class UcxSmHolder:
             await framing.send_frame(conn, answer.reply, deadline)
             return
         peer_address, tag = _parse_sm_request(request)
-        await framing.send_frame(conn, {**answer.reply, "worker_address_hex": self.worker_address_hex}, deadline)
-        if answer.length == 0:
+        endpoint: Any = None
+        lanes: tuple[str, ...] = ()
+        if answer.length:
+            endpoint, lanes = await self._runtime.run(self._endpoint_and_lanes(peer_address))
+        await framing.send_frame(conn, {**answer.reply, "worker_address_hex": self.worker_address_hex,
+                                        "lanes": list(lanes)}, deadline)
+        if endpoint is None:
             await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
             return
-        endpoint = await self._runtime.run(self._endpoint_to(peer_address))
         part = answer.bundle.buffer[answer.offset:answer.offset + answer.length]
         try:
             await _first_failure_or_all(
@@ -601,6 +644,10 @@ class UcxSmHolder:
 
     def admission(self) -> AdmissionCounts:
         return self._control.unauthenticated.snapshot()
+
+    async def _endpoint_and_lanes(self, peer_address: bytes) -> tuple[Any, tuple[str, ...]]:
+        endpoint = await self._endpoint_to(peer_address)
+        return endpoint, endpoint_lanes(endpoint)
 
     async def _endpoint_to(self, peer_address: bytes) -> Any:
         """A cached endpoint to this joiner's worker (a joiner that fetches again reuses it)."""
@@ -656,7 +703,7 @@ async def _first_failure_or_all(*awaitables: Any) -> None:
 
 
 async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = DEFAULT_MAX_NBYTES,
-                     out: Buffer | None = None) -> tuple[Manifest, Buffer]:
+                     out: Buffer | None = None) -> tuple[Manifest, Buffer, Route]:
     """Fetch over the control channel + a worker-address UCX tag message (no verification)."""
     runtime = UcxRuntime.get()
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
@@ -673,9 +720,17 @@ async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = 
         if length:
             await _receive_tagged(runtime, sock, buffer[offset:offset + length], tag, deadline)
         await framing.send_frame(sock, {"ok": True}, deadline)
-        return manifest, buffer
+        return manifest, buffer, Route("ucx-sm", _reported_lanes(reply))
     finally:
         sock.close()
+
+
+def _reported_lanes(reply: dict[str, Any]) -> tuple[str, ...]:
+    """The lanes a ``ucx-sm`` holder says its endpoint to us uses (strings only, bounded)."""
+    lanes = reply.get("lanes")
+    if not isinstance(lanes, list):
+        return ()
+    return tuple(str(lane)[:64] for lane in lanes[:MAX_REPORTED_LANES] if isinstance(lane, str))
 
 
 def _check_holder_address(source: dict[str, Any], reply: dict[str, Any]) -> None:

@@ -263,6 +263,7 @@ class TorchEngine:
         self._stops = self.sampling.stops()
         self.last_stats = GenerationStats()
         self._kept_buffers: dict[str, Tensor] | None = None  # while asleep: the buffers no state dict carries
+        self.last_load: Any = None  # the last load_state_dict's weights_load.LoadStats
         self.tensor_parallel = 1
         self.threads_per_degree = max(1, torch.get_num_threads())  # on CPU: intra-op threads per degree
         self.decode, self._decode_forced = resolve_decode(decode, self.device)
@@ -306,10 +307,19 @@ class TorchEngine:
             self.model.get_submodule(owner)._buffers[leaf] = buffer  # type: ignore[attr-defined]
 
     def load_state_dict(self, state: dict[str, Tensor], version: int) -> None:
-        """Replace the weights (strict key match) and record their version; wakes a sleeping engine."""
+        """Replace the weights and record their version; wakes a sleeping engine.
+
+        Every tensor is checked against what the engine holds before anything is copied (names,
+        dtypes, shapes, contiguous, one device: ``rlctl.workload.weights_load``), so bad input raises
+        ``ValueError`` naming the tensor and leaves the engine as it was, asleep or not. The copies
+        are non-blocking (from pinned host memory they overlap) with one synchronisation at the end.
+        """
+        from rlctl.workload.weights_load import check_state, load_into
+
+        check_state(self.model.state_dict(), state, "the engine")  # type: ignore[attr-defined]
         if self.asleep:
             self._wake_up()
-        self.model.load_state_dict(state)  # type: ignore[attr-defined]
+        self.last_load = load_into(self.model.state_dict(), state, "the engine")  # type: ignore[attr-defined]
         self._version = version
 
     @torch.inference_mode()

@@ -91,19 +91,20 @@ def local_shards(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str
 
 
 def load_local_shards(model: nn.Module, shards: Mapping[str, Tensor]) -> None:
-    """Copy ``local_shards`` output (of a group of the same size, same rank) into this rank's shards."""
+    """Copy ``local_shards`` output (of a group of the same size, same rank) into this rank's shards:
+    every shard is checked first (names, dtypes, shapes, contiguous, one device), so a part that
+    does not fit raises ``ValueError`` naming the tensor and loads nothing; then non-blocking
+    copies (from pinned memory they overlap), one synchronisation (``weights_load``)."""
     from torch.distributed.tensor import DTensor
+
+    from rlctl.workload.weights_load import load_into
 
     current = hf_root(model).state_dict()
     missing = sorted(set(current) - set(shards))
     if missing:
         raise ValueError(f"the saved shards lack {missing[:3]}")
-    with torch.no_grad():
-        for name, tensor in current.items():
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            if local.shape != shards[name].shape:
-                raise ValueError(f"the saved shard of {name!r} is {tuple(shards[name].shape)}, this rank holds {tuple(local.shape)}")
-            local.copy_(shards[name])
+    held = {name: tensor.to_local() if isinstance(tensor, DTensor) else tensor for name, tensor in current.items()}
+    load_into(held, {name: shards[name] for name in held}, "this rank")
 
 
 def local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
@@ -126,19 +127,21 @@ def load_local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
     learning rates and other settings stay this optimizer's own)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+    from rlctl.workload.weights_load import load_into
+
     root = hf_root(model)
     template = get_optimizer_state_dict(root, optimizer)  # the sharded layout, states initialised
+    held: dict[str, Tensor] = {}
 
-    def copy(local: Tensor, path: tuple[Any, ...]) -> Tensor:
-        key = "/".join(map(str, path))
-        value = saved.get(key)
-        if value is None or value.shape != local.shape:
-            raise ValueError(f"the saved optimizer state has no {key} of shape {tuple(local.shape)}")
-        with torch.no_grad():
-            local.copy_(value)
+    def keep(local: Tensor, path: tuple[Any, ...]) -> Tensor:
+        held["/".join(map(str, path))] = local
         return local
 
-    _map_tensors(template, copy)
+    _map_tensors(template, keep)
+    absent = [key for key in held if key not in saved]
+    if absent:
+        raise ValueError(f"the saved optimizer state has no {absent[0]} of shape {tuple(held[absent[0]].shape)}")
+    load_into(held, {key: saved[key] for key in held}, "this rank's optimizer")  # all checked, then copied
     set_optimizer_state_dict(root, optimizer, template)
 
 

@@ -46,11 +46,14 @@ def rank_state(trainer: Trainer) -> dict[str, Tensor]:
             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizer.param_groups]}
     buffer = io.BytesIO()
     torch.save(meta, buffer)
-    part = {META_KEY: torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)}
+    # On the trainer's device like the shards: a part is published from one device (rlctl.weights.bundle).
+    part = {META_KEY: torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(trainer.device)}
     part.update({f"model/{name}": t for name, t in local_shards(trainer.model).items()})
     if trainer.ref_model is not None:
         part.update({f"ref/{name}": t for name, t in local_shards(trainer.ref_model).items()})
-    part.update({f"optim/{path}": t for path, t in local_optimizer_state(trainer.model, trainer.optimizer).items()})
+    # Adam keeps its step counters on the CPU beside CUDA moments: moved (a few bytes each) so the part is on one device.
+    part.update({f"optim/{path}": t.to(trainer.device)
+                 for path, t in local_optimizer_state(trainer.model, trainer.optimizer).items()})
     return part
 
 
@@ -80,7 +83,7 @@ def load_rank_state(trainer: Trainer, part: Mapping[str, Tensor]) -> int:
 def _meta(part: Mapping[str, Tensor]) -> dict[str, Any]:
     raw = part.get(META_KEY)
     try:
-        meta = torch.load(io.BytesIO(raw.numpy().tobytes()), map_location="cpu", weights_only=True) if raw is not None else None
+        meta = torch.load(io.BytesIO(raw.cpu().numpy().tobytes()), map_location="cpu", weights_only=True) if raw is not None else None
     except Exception as exc:  # any unpickling failure means the same: not a state
         raise ValueError(f"the part's {META_KEY} does not load ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != RANK_STATE_FORMAT:

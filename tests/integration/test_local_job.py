@@ -13,6 +13,7 @@ import pytest
 from rlctl.controller.api import ApiClient
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
+from rlctl.weights.lanes import LANE_CLASSES
 from tests.integration.helpers import (
     kill_everything_under,
     pid_alive,
@@ -75,6 +76,12 @@ def test_launch_status_kill_resume_stop(tmp_path: Path, state_dir: Path) -> None
     resumed = [e for e in events if e.type == "ControllerStarted"]
     assert [e.data["resumed"] for e in resumed] == [False, True]
     assert worker_pids
+    pulls = [e.data for e in events if e.type == "WeightsHeld" and "bytes" in e.data]
+    assert pulls and all(p["lane"] in LANE_CLASSES and p["lanes"] and p["gbps"] > 0 for p in pulls), pulls
+    slower = [e.data for e in events if e.type == "WeightsSlowerLane"]  # once per job, across the resume too
+    assert len(slower) == (1 if any(p.get("faster_lane") for p in pulls) else 0), slower
+    listed = rlctl(state_dir, "events", job, "--type", "WeightsSlowerLane", "--json").stdout.splitlines()
+    assert len(listed) == len(slower)
 
     refused = rlctl(state_dir, "inject-fault", "node99", "--job", job, "--kind", "crash", check=False)
     assert refused.returncode != 0 and "node99" in refused.stderr and "node01" in refused.stderr

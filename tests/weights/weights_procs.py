@@ -216,3 +216,38 @@ def silent_ucx_endpoint_main(source: dict[str, Any], limit_s: float, out: mp.Que
         return None
 
     out.put(runtime.run_sync(runtime.hot(wait_for_close())))
+
+
+# ---------------------------------------------------------------------------------------------
+# lanes: which UCX lanes a pull takes, with UCX_TLS as a test sets it
+
+
+def lanes_holder_main(transport: str, tls: str, out: mp.Queue, stop: Any) -> None:
+    """Serve a 4 MiB state over ``transport`` with ``UCX_TLS=tls``; put the descriptor on ``out``."""
+    set_env(transport)
+    os.environ["UCX_TLS"] = tls
+    import numpy as np
+
+    from rlctl.weights import WeightServerThread
+
+    with WeightServerThread(transport=transport) as server:
+        out.put(server.publish(1, {"w": np.arange(1 << 20, dtype=np.float32)}))
+        stop.poll(60)
+
+
+def lanes_joiner_main(tls: str, sources: dict[str, dict[str, Any]], out: mp.Queue) -> None:
+    """Fetch each of ``sources`` with ``UCX_TLS=tls``; put ``{name: pull record}`` on ``out``."""
+    set_env("ucx")
+    os.environ["UCX_TLS"] = tls
+    from rlctl.weights import fetch_bundle_sync
+    from rlctl.weights.lanes import faster_lane
+
+    records: dict[str, dict[str, Any]] = {}
+    for name, source in sources.items():
+        try:
+            pull = fetch_bundle_sync(source, timeout=30.0).pull
+            assert pull is not None
+            records[name] = {**pull.to_json(), "faster_lane": faster_lane(pull)}
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
+            records[name] = _describe(exc)
+    out.put(records)

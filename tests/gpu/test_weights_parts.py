@@ -1,0 +1,79 @@
+"""The GPU check's weight parts (``weights_stage``, ``weights_pull_local``) on the CPU: the same
+publish, pull and load code at small sizes, checked for correctness and for every figure and lane
+the GPU report carries; and their goal rules, which fail a part whose figure is short."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rlctl.gpucheck.report import PART_NAMES, run_part
+from rlctl.weights.lanes import LANE_CLASSES
+
+
+def test_the_parts_are_in_the_check() -> None:
+    assert {"weights_stage", "weights_pull_local"} <= set(PART_NAMES)
+
+
+@pytest.mark.timeout(120)
+def test_the_stage_part_publishes_into_two_reused_buffers_loads_back_bit_exact_and_refuses_two_devices() -> None:
+    import torch
+
+    from rlctl.gpucheck.weights_part import CPU_STAGE, stage_figures, stage_missed
+
+    figures = stage_figures(torch, CPU_STAGE)
+    assert figures["bit_exact"] and figures["bytes"] >= CPU_STAGE.nbytes * 0.9
+    assert [p["version"] for p in figures["publishes"]] == [1, 2, 3]
+    assert figures["pool_buffers"] == 2 and figures["pool_allocations"] == 2  # the third publish reused the first
+    assert all(p["chunks"] >= 1 and p["copy_gbps"] > 0 and p["device"] == "cpu" for p in figures["publishes"])
+    assert figures["stage_gbps"] > 0 and figures["publish_gbps"] > 0 and figures["load_gbps"] > 0
+    refused = figures["bad_input_refused"]
+    assert "is on meta but tensor 'layers.0.weight' is on cpu" in refused["publish"], refused
+    assert "is on meta but tensor 'layers.0.weight' is on cpu" in refused["load"], refused
+    assert figures["missed_goals"] == stage_missed(figures)  # on the CPU the GB/s goals are reported, not met
+
+
+@pytest.mark.timeout(240)
+def test_the_pull_part_pulls_both_shapes_in_another_process_bit_exact_and_names_the_lane() -> None:
+    import torch
+
+    from rlctl.gpucheck.weights_part import CPU_PULL, pull_figures, pull_missed
+
+    figures = pull_figures(torch, CPU_PULL)
+    assert set(figures["shapes"]) == set(CPU_PULL.shapes)
+    for name, shape in figures["shapes"].items():
+        assert shape["bit_exact"] and shape["bytes"] == CPU_PULL.shapes[name].nbytes(), (name, shape)
+        assert shape["lane"] in LANE_CLASSES and shape["lanes"], shape
+        assert shape["path"] in ("tcp", "ucx", "ucx-sm") and shape["end_to_end_gbps"] > 0 and shape["transfer_gbps"] > 0
+    assert figures["missed_goals"] == pull_missed(figures)
+
+
+def _stage_meeting_goals() -> dict[str, Any]:
+    from rlctl.gpucheck.weights_part import LOAD_GOAL_GBPS, STAGE_GOAL_GBPS
+
+    return {"stage_gbps": STAGE_GOAL_GBPS, "load_gbps": LOAD_GOAL_GBPS, "bit_exact": True,
+            "bad_input_refused": {"publish": "tensor 'a' is on cpu", "load": "tensor 'a' is on cpu"}}
+
+
+def _pull_meeting_goals(lane: str = "sm", gbps: float = 20.0) -> dict[str, Any]:
+    shape = {"bit_exact": True, "lane": lane, "lanes": ["cma/memory"], "end_to_end_gbps": gbps, "mismatched": []}
+    return {"shapes": {"0.5b": dict(shape), "8b": dict(shape)}}
+
+
+def test_a_weights_figure_short_of_its_goal_fails_the_part_and_keeps_the_figures() -> None:
+    from rlctl.gpucheck.weights_part import _asserted, pull_missed, stage_missed
+
+    assert stage_missed(_stage_meeting_goals()) == [] and pull_missed(_pull_meeting_goals()) == []
+    slow_stage, slow_load, not_refused = _stage_meeting_goals(), _stage_meeting_goals(), _stage_meeting_goals()
+    slow_stage["stage_gbps"], slow_load["load_gbps"] = 39.9, 12.0
+    not_refused["bad_input_refused"]["load"] = ""
+    slow_pull, ipc_pull, unnamed = _pull_meeting_goals(gbps=19.5), _pull_meeting_goals("cuda_ipc", 60.0), _pull_meeting_goals()
+    unnamed["shapes"]["8b"]["lanes"] = []
+    cases = [(slow_stage, stage_missed, "staging 39.9 GB/s < 40"), (slow_load, stage_missed, "load 12.0 GB/s < 40"),
+             (not_refused, stage_missed, "was not refused"), (slow_pull, pull_missed, "0.5b: 19.5 GB/s end to end"),
+             (ipc_pull, pull_missed, "over cuda_ipc < 100"), (unnamed, pull_missed, "8b: the pull named no lane")]
+    for figures, rule, words in cases:
+        result = run_part("weights", lambda figures=figures, rule=rule: _asserted(figures, rule(figures)))
+        assert result["status"] == "failed" and words in result["error"], result["error"]
+        assert {k: v for k, v in result.items() if k in figures} == figures  # the figures stay in the report
