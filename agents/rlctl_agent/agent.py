@@ -6,6 +6,7 @@ thread. Loops:
 - heartbeats every ``heartbeat_interval_s`` with workers' phase/progress and GPU samples;
 - a watch loop (every 0.1 s) that tails worker logs for NCCL signals, kills a worker whose NCCL
   watchdog fired (``nccl_kill_after_s`` later; ``rlctl_agent.watch``) and reaps exited workers;
+  every 0.5 s it also keeps the node's worker templates (``rlctl_agent.template_client``);
 - a GPU event loop that forwards XID/ECC/remap/throttle/lost signals.
 
 Exit: ``shutdown`` stops the workers and exits 0; SIGTERM/SIGINT make the agent exit and leave
@@ -46,6 +47,7 @@ SHUTDOWN_GRACE_S = 5.0
 EXIT_LOOP_CRASHED = 70
 EXIT_ORPHANED = 75
 ORPHAN_CHECK_S = 1.0
+TEMPLATE_CHECK_S = 0.5
 EPOCH_FILE = "controller-epoch"
 
 
@@ -96,6 +98,7 @@ class Agent:
                 task.cancel()
             await self.relay.close()
             self.supervisor.save_state()
+            self.supervisor.templates.close()
             self.gpu.close()
 
     def _on_loop_end(self, task: asyncio.Task[None]) -> None:
@@ -140,7 +143,7 @@ class Agent:
     # ---- watching workers and GPUs ---------------------------------------------------------
 
     async def _watch_loop(self) -> None:
-        last_save = time.monotonic()
+        last_save = last_template_check = time.monotonic()
         while True:
             found = self.watch.scan(time.monotonic())
             self._send_signals(found.signals)
@@ -149,6 +152,9 @@ class Agent:
             if time.monotonic() - last_save >= STATE_SAVE_INTERVAL_S:
                 self.supervisor.save_state()
                 last_save = time.monotonic()
+            if time.monotonic() - last_template_check >= TEMPLATE_CHECK_S:
+                self.supervisor.maintain_templates(time.monotonic())
+                last_template_check = time.monotonic()
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     def _report_exit(self, exit_: WorkerExit) -> None:
@@ -260,8 +266,10 @@ class Agent:
     async def _start_worker(self, message: dict[str, Any]) -> None:
         record, _ = self.supervisor.start(
             wid=str(message["wid"]), slot=str(message.get("slot", "")), role=str(message.get("role", "")),
-            argv=list(message["argv"]), env=dict(message.get("env") or {}), cwd=message.get("cwd"))
-        self.link.send_event("worker_started", cmd_id=message.get("cmd_id"), wid=record.wid, pid=record.pid)
+            argv=list(message["argv"]), env=dict(message.get("env") or {}), cwd=message.get("cwd"),
+            template=bool(message.get("template", False)))
+        self.link.send_event("worker_started", cmd_id=message.get("cmd_id"), wid=record.wid, pid=record.pid,
+                             forked=record.forked)
         self._ack(message.get("cmd_id"))
 
     async def _stop_worker(self, message: dict[str, Any]) -> None:

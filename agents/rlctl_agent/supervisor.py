@@ -7,6 +7,10 @@ offset); a restarted agent re-adopts the workers that are still alive, telling t
 reused PID by the start time in ``/proc/<pid>/stat``. Adopted workers are not children of the
 agent, so their end is seen by polling ``/proc`` and reported with reason ``untracked-exit``.
 
+A start asked to fork from the node's worker template (``template_client``) gets a worker forked
+from a warm interpreter when one is ready, and a plain spawn otherwise; a forked worker is the
+agent's child too (the agent is a child subreaper), so both kinds are supervised the same way.
+
 Not thread-safe: the agent calls it from its event loop only.
 """
 
@@ -20,11 +24,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from . import protocol
 from .config import AgentConfig
 from .nccl import WorkerLogWatcher
+from .template_client import STARTING_GRACE_S, ForkedChild, WorkerTemplates, forkable
 
 log = logging.getLogger("rlctl_agent.supervisor")
 
@@ -43,6 +48,17 @@ def visible_devices(placed: list[int], node_visible: str | None) -> str:
     return ",".join(own[index] if index < len(own) else str(index) for index in placed)
 
 
+class ChildProcess(Protocol):
+    """A worker this agent can reap: a ``subprocess.Popen`` or a ``ForkedChild``."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class SupervisorError(Exception):
     """A worker cannot be started or signalled (unknown wid, bad argv, missing cwd...)."""
 
@@ -58,7 +74,7 @@ class WorkerRecord:
     start_time: int
     log_path: Path
     watcher: WorkerLogWatcher
-    popen: subprocess.Popen[bytes] | None = None
+    popen: ChildProcess | None = None
     phase: str = "starting"
     step: int | None = None
     progress: Any = None
@@ -67,6 +83,8 @@ class WorkerRecord:
     suspended: bool = False
     exited: bool = False
     log_start: int = 0  # where this worker's own lines begin in its log (a wid's log may hold an earlier start's)
+    forked: bool = False  # forked from the node's worker template (not spawned)
+    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def adopted(self) -> bool:
@@ -80,6 +98,7 @@ class WorkerRecord:
             "step": self.step, "progress": self.progress,
             "progress_age_s": round(now - self.progress_changed_at, 3),
             "alive": not self.exited, "suspended": self.suspended, "adopted": self.adopted, "gpu": self.gpu,
+            "forked": self.forked,
         }
 
     def state_entry(self) -> dict[str, Any]:
@@ -173,6 +192,7 @@ class Supervisor:
         self._config = config
         self._gpu_count = gpu_count
         self.workers: dict[str, WorkerRecord] = {}
+        self.templates = WorkerTemplates(config.logs_dir)
 
     def live(self) -> list[WorkerRecord]:
         """Workers that have not been seen to exit."""
@@ -185,8 +205,9 @@ class Supervisor:
         return record
 
     def start(self, wid: str, slot: str, role: str, argv: list[str], env: dict[str, str],
-              cwd: str | None) -> tuple[WorkerRecord, bool]:
-        """Start worker ``wid``; idempotent: a known wid returns its record and False."""
+              cwd: str | None, template: bool = False) -> tuple[WorkerRecord, bool]:
+        """Start worker ``wid``; idempotent: a known wid returns its record and False. ``template``:
+        fork it from the node's worker template where one is ready (else spawn it)."""
         if wid in self.workers:
             return self.workers[wid], False
         if not argv or not all(isinstance(arg, str) for arg in argv):
@@ -198,22 +219,49 @@ class Supervisor:
         log_path = self._config.logs_dir / f"{_safe_name(wid)}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         placed = _placed_gpus(env)
+        worker_env = self._worker_env(wid, slot, role, env, placed)
+        forked = self._fork(argv, worker_env, workdir, log_path) if template else None
+        child: ChildProcess = forked if forked is not None else self._spawn(argv, worker_env, workdir, log_path)
+        stat = read_proc_stat(child.pid)
+        record = WorkerRecord(wid=wid, slot=slot, role=role, pid=child.pid, start_time=stat[1] if stat else 0,
+                              log_path=log_path, watcher=WorkerLogWatcher(wid, log_path, offset), popen=child,
+                              gpu=placed[0] if placed else self._pick_gpu(env), log_start=offset,
+                              forked=forked is not None)
+        self.workers[wid] = record
+        self.save_state()
+        log.info("started worker %s (role %s, slot %s) pid %d%s", wid, role, slot, child.pid,
+                 " forked from the template" if record.forked else "")
+        return record, True
+
+    @staticmethod
+    def _spawn(argv: list[str], env: dict[str, str], workdir: Path, log_path: Path) -> subprocess.Popen[bytes]:
         with log_path.open("ab") as log_file:
             try:
-                popen = subprocess.Popen(
-                    argv, cwd=workdir, env=self._worker_env(wid, slot, role, env, placed), stdin=subprocess.DEVNULL,
+                return subprocess.Popen(
+                    argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
                     stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                 )
             except OSError as exc:
                 raise SupervisorError(f"cannot start {argv[0]!r}: {exc.strerror}") from None
-        stat = read_proc_stat(popen.pid)
-        record = WorkerRecord(wid=wid, slot=slot, role=role, pid=popen.pid, start_time=stat[1] if stat else 0,
-                              log_path=log_path, watcher=WorkerLogWatcher(wid, log_path, offset), popen=popen,
-                              gpu=placed[0] if placed else self._pick_gpu(env), log_start=offset)
-        self.workers[wid] = record
-        self.save_state()
-        log.info("started worker %s (role %s, slot %s) pid %d", wid, role, slot, popen.pid)
-        return record, True
+
+    def _fork(self, argv: list[str], env: dict[str, str], workdir: Path, log_path: Path) -> ForkedChild | None:
+        """The worker forked from a ready template of its interpreter; None (spawn it) when there is
+        none yet, it is not ready, or the fork fails. Asking registers the template, so it starts."""
+        if not forkable(argv):
+            return None
+        template = self.templates.want(argv[0], env)
+        if template is None:
+            return None
+        pid = self.templates.fork(template, argv, env, str(workdir), log_path)
+        return ForkedChild(pid) if pid is not None else None
+
+    def maintain_templates(self, now: float) -> None:
+        """Start, notice and restart the node's worker templates; reap adopted orphans' zombies.
+        A template waits while a worker of this node is still importing (so they do not compete)."""
+        importing = any(record.phase == "starting" and now - record.started_at < STARTING_GRACE_S
+                        for record in self.live() if not record.adopted)
+        self.templates.maintain(now, importing)
+        self.templates.reap_orphans({record.pid for record in self.live()} | self.templates.pids())
 
     def _pick_gpu(self, env: dict[str, str]) -> int | None:
         """The GPU a new worker uses: the first of its CUDA_VISIBLE_DEVICES, else the least busy one."""
@@ -271,6 +319,8 @@ class Supervisor:
             if code is None:
                 return None
             record.exited = True
+            if isinstance(record.popen, ForkedChild) and record.popen.untracked:
+                return WorkerExit(record.wid, None, None, "untracked-exit", last_error(record.log_path, record.log_start))
             error = last_error(record.log_path, record.log_start) if code != 0 else ""
             if code < 0:
                 return WorkerExit(record.wid, None, signal_name(-code), "killed-by-signal", error)

@@ -85,7 +85,8 @@ class EffectRunner:
         slot = self.model.slots[effect.slot]
         argv, env = self.launcher.argv_env(slot)
         ack = await self.hub.command(effect.node, "start_worker", wait=10.0, wid=effect.wid, slot=effect.slot,
-                                     role=effect.role, argv=argv, env=env, cwd=self.launcher.cwd(effect.node))
+                                     role=effect.role, argv=argv, env=env, cwd=self.launcher.cwd(effect.node),
+                                     template=self.launcher.forks_from_template(slot))
         if ack is None or not ack.get("ok", False):
             log.warning("start of %s on %s failed: %s", effect.wid, effect.node, ack)
 

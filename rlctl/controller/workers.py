@@ -34,6 +34,15 @@ class WorkerLauncher:
     def cwd(self, node: str) -> str:
         return str(self.node_dir / node) if self.node_dir is not None and self.on_this_machine else ""
 
+    def forks_from_template(self, slot: SlotRecord) -> bool:
+        """Whether the agent should fork this worker from its node's warm template (``[cluster]
+        worker_template`` and the role's, or the spares', ``fork_from_template``)."""
+        if not self.spec.worker_template:
+            return False
+        if slot.standby:
+            return self.spec.standby_fork_from_template
+        return self.spec.roles[slot.role].fork_from_template
+
     def argv_env(self, slot: SlotRecord) -> tuple[list[str], dict[str, str]]:
         spec = self.spec
         role = spec.roles[slot.role]

@@ -72,6 +72,13 @@ def _role_fields(nodes_default: int, command: list[str], minimum_nodes: int, wor
             check=_non_empty_list,
         ),
         "env": Field("str-map", "Extra environment variables for the role's workers.", {}),
+        "fork_from_template": Field(
+            "bool",
+            "Fork this role's workers from the node's worker template when `[cluster] worker_template` is on; "
+            "false: always start them in a fresh interpreter (a program that must not inherit the template's "
+            "imports, or that initialises CUDA before its own imports).",
+            True,
+        ),
     }
 
 
@@ -105,6 +112,17 @@ JOB_SCHEMA: dict[str, Field] = {
         "Where the nodes come from.",
         fields={
             "backend": Field("choice", "Which backend allocates nodes.", "local", choices=("local", "ssh", "slurm")),
+            "worker_template": Field(
+                "bool",
+                "Each node's agent keeps a worker template: a process of the job's interpreter that has imported "
+                "torch, transformers and the role code (never CUDA). Worker (re)starts fork from it and run role code "
+                "in well under a second instead of paying for those imports again. The first worker of a node is "
+                "spawned; the template starts once it is past its imports. A node whose template is not ready or "
+                "has died spawns the worker as before (a dead template is restarted). A worker's interpreter "
+                "options are not supported: only `python -m module ...` and `python script.py ...` commands fork. "
+                "Per role: `fork_from_template`.",
+                True,
+            ),
             "agent_tls": Field(
                 "choice",
                 "TLS on the agent link, with a per-job self-signed certificate every agent pins. `auto`: on for "
@@ -227,6 +245,11 @@ JOB_SCHEMA: dict[str, Field] = {
             ),
             "command": Field(
                 "str-list", "Program a warm standby runs.", ["python", "-m", "rlctl.roles.standby"], check=_non_empty_list
+            ),
+            "fork_from_template": Field(
+                "bool",
+                "Fork warm standbys from the node's worker template when `[cluster] worker_template` is on.",
+                True,
             ),
             "replicate_trainer_state": Field(
                 "bool",
@@ -534,6 +557,7 @@ class RoleSpec:
     env: dict[str, str]
     tensor_parallel_size: int = 1
     colocated: bool = False  # its workers run on the trainer's nodes and GPUs (allocates no nodes of its own)
+    fork_from_template: bool = True  # with [cluster] worker_template on: its workers fork from the node's template
 
     @property
     def gpus_per_worker(self) -> int:
@@ -672,6 +696,16 @@ class JobSpec:
     @property
     def workload(self) -> dict[str, Any]:
         return dict(self.raw["workload"])
+
+    @property
+    def worker_template(self) -> bool:
+        """`[cluster] worker_template`: workers fork from a warm per-node template."""
+        return bool(self.raw["cluster"]["worker_template"])
+
+    @property
+    def standby_fork_from_template(self) -> bool:
+        """`[spares] fork_from_template`."""
+        return bool(self.raw["spares"]["fork_from_template"])
 
     @property
     def model(self) -> dict[str, Any]:
@@ -884,6 +918,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
             env=dict(table["env"]),
             tensor_parallel_size=int(table.get("tensor_parallel_size", 1)),
             colocated=table.get("placement") == "colocated",
+            fork_from_template=bool(table["fork_from_template"]),
         )
         for name, table in values["roles"].items()
     }
