@@ -26,14 +26,12 @@ reported but not asserted.
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlctl.core.sizing import ModelShape
 from rlctl.gpucheck.outcome import CheckFailed, Figures
 from rlctl.gpucheck.torch_parts import require_cuda
 
@@ -45,38 +43,55 @@ JOINER_TIMEOUT_S = 300.0
 STATE_SEED = 31
 
 
-def checkpoint_tensors(shape: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
-    """The tensors of a decoder-only checkpoint of ``shape``, by the names a Qwen checkpoint uses."""
-    q, kv, hidden = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.hidden
-    specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape.vocab, hidden))]
-    for layer in range(shape.layers):
-        prefix = f"model.layers.{layer}."
-        specs += [(prefix + "self_attn.q_proj.weight", (q, hidden)),
-                  (prefix + "self_attn.k_proj.weight", (kv, hidden)),
-                  (prefix + "self_attn.v_proj.weight", (kv, hidden)),
-                  (prefix + "self_attn.o_proj.weight", (hidden, q)),
-                  (prefix + "mlp.gate_proj.weight", (shape.intermediate, hidden)),
-                  (prefix + "mlp.up_proj.weight", (shape.intermediate, hidden)),
-                  (prefix + "mlp.down_proj.weight", (hidden, shape.intermediate)),
-                  (prefix + "input_layernorm.weight", (hidden,)),
-                  (prefix + "post_attention_layernorm.weight", (hidden,))]
-    specs.append(("model.norm.weight", (hidden,)))
-    if not shape.tied_embeddings:
-        specs.append(("lm_head.weight", (shape.vocab, hidden)))
-    return specs
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only model's tensor shapes (the names a Qwen checkpoint uses)."""
 
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
 
-def checkpoint_nbytes(shape: ModelShape, itemsize: int = 2) -> int:
-    return sum(math.prod(dims) * itemsize for _, dims in checkpoint_tensors(shape))
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab, self.hidden))]
+        for layer in range(self.layers):
+            prefix = f"model.layers.{layer}."
+            specs += [(prefix + "self_attn.q_proj.weight", (q, self.hidden)),
+                      (prefix + "self_attn.k_proj.weight", (kv, self.hidden)),
+                      (prefix + "self_attn.v_proj.weight", (kv, self.hidden)),
+                      (prefix + "self_attn.o_proj.weight", (self.hidden, q)),
+                      (prefix + "mlp.gate_proj.weight", (self.intermediate, self.hidden)),
+                      (prefix + "mlp.up_proj.weight", (self.intermediate, self.hidden)),
+                      (prefix + "mlp.down_proj.weight", (self.hidden, self.intermediate)),
+                      (prefix + "input_layernorm.weight", (self.hidden,)),
+                      (prefix + "post_attention_layernorm.weight", (self.hidden,))]
+        specs.append(("model.norm.weight", (self.hidden,)))
+        if not self.tied:
+            specs.append(("lm_head.weight", (self.vocab, self.hidden)))
+        return specs
+
+    def nbytes(self, itemsize: int = 2) -> int:
+        total = 0
+        for _, dims in self.tensors():
+            count = 1
+            for dim in dims:
+                count *= dim
+            total += count * itemsize
+        return total
 
 
 SHAPES = {
-    "0.5b": ModelShape(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, head_dim=64, vocab=151936, tied_embeddings=True),
-    "8b": ModelShape(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936, tied_embeddings=False),
+    "0.5b": Shape(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, head_dim=64, vocab=151936, tied=True),
+    "8b": Shape(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936, tied=False),
 }
 CPU_SHAPES = {
-    "0.5b-mini": ModelShape(layers=2, hidden=64, intermediate=160, heads=2, kv_heads=1, head_dim=32, vocab=1024, tied_embeddings=True),
-    "8b-mini": ModelShape(layers=3, hidden=128, intermediate=384, heads=4, kv_heads=2, head_dim=32, vocab=2048, tied_embeddings=False),
+    "0.5b-mini": Shape(layers=2, hidden=64, intermediate=160, heads=2, kv_heads=1, head_dim=32, vocab=1024, tied=True),
+    "8b-mini": Shape(layers=3, hidden=128, intermediate=384, heads=4, kv_heads=2, head_dim=32, vocab=2048, tied=False),
 }
 
 
@@ -103,7 +118,7 @@ class PullBench:
     joiner process on this node."""
 
     device: str
-    shapes: dict[str, ModelShape] = field(default_factory=lambda: dict(SHAPES))
+    shapes: dict[str, Shape] = field(default_factory=lambda: dict(SHAPES))
     assert_goals: bool = True
 
 
@@ -237,7 +252,7 @@ def pull_figures(torch: Any, bench: PullBench) -> Figures:
     transport = _transport()
     shapes: dict[str, Any] = {}
     for name, shape in bench.shapes.items():
-        specs = checkpoint_tensors(shape)
+        specs = shape.tensors()
         state = random_state(torch, specs, bench.device, STATE_SEED)
         context = multiprocessing.get_context("spawn")
         results, done = context.Queue(), context.Event()

@@ -38,12 +38,12 @@ def test_the_stage_part_publishes_into_two_reused_buffers_loads_back_bit_exact_a
 def test_the_pull_part_pulls_both_shapes_in_another_process_bit_exact_and_names_the_lane() -> None:
     import torch
 
-    from rlctl.gpucheck.weights_part import CPU_PULL, checkpoint_nbytes, pull_figures, pull_missed
+    from rlctl.gpucheck.weights_part import CPU_PULL, pull_figures, pull_missed
 
     figures = pull_figures(torch, CPU_PULL)
     assert set(figures["shapes"]) == set(CPU_PULL.shapes)
     for name, shape in figures["shapes"].items():
-        assert shape["bit_exact"] and shape["bytes"] == checkpoint_nbytes(CPU_PULL.shapes[name]), (name, shape)
+        assert shape["bit_exact"] and shape["bytes"] == CPU_PULL.shapes[name].nbytes(), (name, shape)
         assert shape["lane"] in LANE_CLASSES and shape["lanes"], shape
         assert shape["path"] in ("tcp", "ucx", "ucx-sm") and shape["end_to_end_gbps"] > 0 and shape["transfer_gbps"] > 0
     assert figures["missed_goals"] == pull_missed(figures)
