@@ -7,6 +7,7 @@ message naming the worker and its last error. The truth is read from the status 
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
@@ -128,7 +129,11 @@ def test_a_worker_that_crashes_every_time_it_starts_fails_the_job_naming_it(tmp_
     job, jobdir = launch(jobs, job_file)
     try:
         wait_for(lambda: status(jobs, job)["job"]["step"] >= 1, 180, "a step")
-        (model / "model.safetensors").write_bytes(random.Random(0).randbytes(100))
+        # A new file renamed over the old one, as a copy lands: truncating it in place would SIGBUS
+        # every worker that still maps it, the trainer's included, and the test would be about that.
+        corrupt = model / "model.safetensors.new"
+        corrupt.write_bytes(random.Random(0).randbytes(100))
+        os.replace(corrupt, model / "model.safetensors")
         node = node_of(jobs, job, "rollout-0")
         rlctl_json(jobs, "inject-fault", node, "--job", job, "--kind", "crash", "--worker", "rollout-0")
         snap = wait_for(lambda: (s := status(jobs, job))["job"]["state"] in ("failed", "succeeded", "stopped") and s,
@@ -137,10 +142,9 @@ def test_a_worker_that_crashes_every_time_it_starts_fails_the_job_naming_it(tmp_
         journal = list(Journal(jobdir.journal, readonly=True).read())
         ended = [e for e in journal if e.type == EventKind.JOB_STATE_CHANGED and e.data["state"] == "failed"][-1]
         reason = ended.data["reason"]
-        # Every rollout that restarts dies loading the file (the crashed one, and any other restarted
-        # meanwhile): the first slot to fail twice gives the job up.
+        # Only the crashed rollout restarts, and each of its new workers dies loading the file.
         named = re.match(GIVE_UP_PATTERN.format(n=2), reason)  # the slot, its last worker and the error it logged
-        assert named and named[2].startswith(named[1] + "."), reason
+        assert named and named[1] == "rollout-0" and named[2].startswith("rollout-0."), reason
         starts = [e for e in journal if e.type == EventKind.WORKER_STARTING and e.data["slot"] == named[1]]
         assert len(starts) >= 3, [e.data for e in starts]  # the first worker and two that never started
     finally:
