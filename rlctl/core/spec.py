@@ -120,8 +120,10 @@ JOB_SCHEMA: dict[str, Field] = {
                 "spawned; the template starts once it is past its imports. A node whose template is not ready or "
                 "has died spawns the worker as before (a dead template is restarted). A worker's interpreter "
                 "options are not supported: only `python -m module ...` and `python script.py ...` commands fork. "
-                "Per role: `fork_from_template`.",
-                True,
+                "Per role: `fork_from_template`. Unset, it is on for the ssh and slurm backends and off for the local "
+                "backend: its virtual nodes share one machine, where a template per node costs more CPU at the job's "
+                "start than its faster restarts save (docs/figures.md, \"Worker template on the local backend\").",
+                None,
             ),
             "agent_tls": Field(
                 "choice",
@@ -699,8 +701,10 @@ class JobSpec:
 
     @property
     def worker_template(self) -> bool:
-        """`[cluster] worker_template`: workers fork from a warm per-node template."""
-        return bool(self.raw["cluster"]["worker_template"])
+        """`[cluster] worker_template`: workers fork from a warm per-node template; unset, on for the
+        ssh and slurm backends and off for the local one."""
+        chosen = self.raw["cluster"]["worker_template"]
+        return self.backend != "local" if chosen is None else bool(chosen)
 
     @property
     def standby_fork_from_template(self) -> bool:

@@ -29,6 +29,17 @@ def test_quickstart_is_valid() -> None:
     assert spec.rollout.tail_batching.enabled
 
 
+def test_the_worker_template_is_on_by_default_for_real_nodes_and_off_for_the_local_backend(tmp_path: Path) -> None:
+    local = (ROOT / "examples" / "quickstart.toml").read_text()
+    assert not load_job_file(ROOT / "examples" / "quickstart.toml").worker_template
+    chosen = tmp_path / "on.toml"
+    chosen.write_text(local.replace("[cluster]\n", "[cluster]\nworker_template = true\n", 1))
+    assert load_job_file(chosen).worker_template
+    for example in ("qwen3-8b-gsm8k-slurm.toml",):
+        spec = load_job_file(ROOT / "examples" / example)
+        assert spec.backend == "slurm" and spec.worker_template
+
+
 @pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
 def test_bad_job_files_name_the_file_and_key(path: Path) -> None:
     with pytest.raises(SpecError) as info:
