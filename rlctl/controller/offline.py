@@ -65,12 +65,6 @@ class JournalShell:
             self.model.apply(ev)
         return stored
 
-    def commit_decided(self, events: list[Event]) -> list[Event]:
-        stored = self.journal.append(events)
-        for ev in stored:
-            self.model.apply(ev, decided=True)
-        return stored
-
     def connected(self, node: str) -> bool:
         return False
 

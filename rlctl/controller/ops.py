@@ -71,7 +71,7 @@ class DataOps:
             if layout is not None:
                 return layout
         if not held:
-            self.orc.shell.commit_decided(scheduler.dispatch(slot.slot, wid, int(args.get("capacity", 8)), now))
+            self.orc.shell.commit(scheduler.dispatch(slot.slot, wid, int(args.get("capacity", 8)), now))
             kind, held = scheduler.work_held_by(wid, "inflight")
         if not held:
             return self._helper_scoring(slot, now)
@@ -132,14 +132,14 @@ class DataOps:
         require_role(slot, "rollout")
         results = list(args.get("results", []))
         if results:
-            self.orc.shell.commit_decided(self.orc.scheduler.submit(slot.slot, slot.wid or "", results, now))
+            self.orc.shell.commit(self.orc.scheduler.submit(slot.slot, slot.wid or "", results, now))
         return {"cancel": self.orc.scheduler.cancelled_among([str(i) for i in args.get("item_ids", [])])}
 
     def op_rollout_submit(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         require_role(slot, "rollout")
         results = list(args.get("results", []))
         events = self.orc.scheduler.submit(slot.slot, slot.wid or "", results, now)
-        self.orc.shell.commit_decided(events)
+        self.orc.shell.commit(events)
         accepted = sum(1 for e in events if e.type in (EventKind.TRAJECTORY_STORED, EventKind.PROMPT_DEFERRED))
         return {"accepted": accepted, "cancel": self.orc.scheduler.cancelled_among([str(r.get("item_id")) for r in results])}
 
@@ -156,7 +156,7 @@ class DataOps:
         _, held = scheduler.work_held_by(wid, "scoring")
         if not held:
             capacity = int(args.get("capacity", 32))
-            self.orc.shell.commit_decided(scheduler.dispatch_scoring(slot.slot, wid, capacity, now, self._scorers()))
+            self.orc.shell.commit(scheduler.dispatch_scoring(slot.slot, wid, capacity, now, self._scorers()))
             _, held = scheduler.work_held_by(wid, "scoring")
         if not held:
             return {"wait_s": WAIT_S}
@@ -168,7 +168,7 @@ class DataOps:
         scheduler = self.orc.scheduler
         wid = slot.wid or ""
         backlog = int(self.orc.spec.reward.get("helper_backlog", 0))
-        self.orc.shell.commit_decided(scheduler.dispatch_helper_scoring(slot.slot, wid, backlog, now, self._scorers()))
+        self.orc.shell.commit(scheduler.dispatch_helper_scoring(slot.slot, wid, backlog, now, self._scorers()))
         _, held = scheduler.work_held_by(wid, "scoring")
         return {"score": self._scoring_items(held)} if held else {"wait_s": WAIT_S}
 
@@ -211,7 +211,7 @@ class DataOps:
                 self.orc.request_stop(f"failed: reward function {first['function']} on {first['item_id']}: {first['error']}")
                 return {"accepted": 0}
         events = self.orc.scheduler.submit_scores(slot.wid or "", scores, now)
-        self.orc.shell.commit_decided(events)
+        self.orc.shell.commit(events)
         self._judge_reward_calls(now)
         return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == EventKind.REWARDS_STORED)}
 

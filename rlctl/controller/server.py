@@ -127,14 +127,6 @@ class Controller:
 
     def commit(self, events: list[Event]) -> list[Event]:
         """Journal events (durably), then apply them to the model, scheduler included."""
-        return self._commit(events, decided=False)
-
-    def commit_decided(self, events: list[Event]) -> list[Event]:
-        """Journal events the scheduler decided (and so already applied to itself), then apply
-        them to the rest of the model."""
-        return self._commit(events, decided=True)
-
-    def _commit(self, events: list[Event], decided: bool) -> list[Event]:
         if self.fenced_reason:
             raise JournalFenced(self.fenced_reason)
         try:
@@ -143,7 +135,7 @@ class Controller:
             self._fenced(str(exc))
             raise
         for ev in stored:
-            self.model.apply(ev, decided=decided)
+            self.model.apply(ev)
         self.observing.on_events(stored)
         self.injection.on_events(stored)
         return stored
@@ -340,7 +332,7 @@ class Controller:
     def _maybe_start_held_out(self, now: float) -> None:
         version = self.model.published_version
         if self.scheduler.held_out_due(version, final=version >= self.model.total_steps):
-            self.commit_decided(self.scheduler.start_held_out(version, now))
+            self.commit(self.scheduler.start_held_out(version, now))
 
     def _maybe_finish(self, now: float) -> None:
         """Stop as succeeded once the last version is published and its held-out evaluation (if
@@ -412,7 +404,7 @@ class Controller:
         if held_out is not None and held_out.version < version:
             return  # the next round waits for the running held-out evaluation (its weights version stays served)
         if rnd is None or (rnd.closed and rnd.step < version):
-            self.commit_decided(self.scheduler.start_round(version, now))
+            self.commit(self.scheduler.start_round(version, now))
 
     # ------------------------------------------------------------------------------ stopping
 

@@ -121,11 +121,8 @@ class Shell(Protocol):
         ...
 
     def commit(self, events: list[Event]) -> list[Event]:
-        """Journal ``events`` (where there is a journal) and apply them to the model."""
-        ...
-
-    def commit_decided(self, events: list[Event]) -> list[Event]:
-        """The same for events the scheduler decided (and so already applied to itself)."""
+        """Journal ``events`` (where there is a journal) and apply them to the model (the round
+        scheduler skips the ones it decided itself and so holds already)."""
         ...
 
     def connected(self, node: str) -> bool:

@@ -140,9 +140,8 @@ class JobModel(FaultLedger, WeightsRegistry):
 
     # --------------------------------------------------------------------------------- apply
 
-    def apply(self, ev: Event, decided: bool = False) -> None:
-        """Advance the ledger to the event's time, then change state by one event. ``decided``: the
-        scheduler made this event and already applied it to itself."""
+    def apply(self, ev: Event) -> None:
+        """Advance the ledger to the event's time, then change state by one event."""
         if ev.type in TRANSIENT_EVENTS:
             self._on_Heartbeat(ev)
             return
@@ -156,7 +155,7 @@ class JobModel(FaultLedger, WeightsRegistry):
         handler = getattr(self, f"_on_{ev.type}", None)
         if handler is not None:
             handler(ev)
-        if self.scheduler is not None and not decided:
+        if self.scheduler is not None:
             self.scheduler.apply(ev)
 
     def _on_JobSubmitted(self, ev: Event) -> None:

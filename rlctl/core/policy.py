@@ -7,20 +7,28 @@ out each step and journals what it did. Pure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from rlctl.core.detector import Verdict
 from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.plansteps import (
+    ActivateStandby,
+    FailNode,
+    GiveUp,
+    MakeStandby,
+    MoveSlot,
+    RequestNode,
+    RequestSpare,
+    RestartAgent,
+    RestartWorker,
+    RetireStandby,
+    Rollback,
+    StartAll,
+    Step,
+    StopAll,
+    StopWorker,
+)
 from rlctl.core.states import NodeState
-
-
-@dataclass(frozen=True)
-class Step:
-    """One recovery step: ``kind`` names what to do, ``args`` with what."""
-
-    kind: str
-    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -33,9 +41,8 @@ class Claims:
 
     @classmethod
     def of(cls, steps: list[Step]) -> Claims:
-        slots = {str(s.args[key]) for s in steps for key in ("slot", "standby_slot") if s.args.get(key)}
-        slots |= {str(name) for s in steps for name in s.args.get("slots", ())}
-        return cls(frozenset(slots), frozenset(str(s.args["node"]) for s in steps if s.kind == "move-slot"))
+        return cls(frozenset().union(*(s.claimed_slots() for s in steps)),
+                   frozenset(node for s in steps if (node := s.claimed_node()) is not None))
 
 
 DEFAULT_MAX_FAILED_STARTS = 3
@@ -50,19 +57,19 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int, claims: 
         return []
     failing = model.slots.get(verdict.slot) if verdict.slot else None
     if failing is not None and max_failed_starts > 0 and failing.failed_starts >= max_failed_starts:
-        return [Step("give-up", {"slot": failing.slot, "reason": cannot_start(failing)})]
+        return [GiveUp(failing.slot, cannot_start(failing))]
     if model.policy == "full-restart":
         return _full_restart(model, verdict, claims)
     if verdict.action == "restart-agent":
-        return [Step("restart-agent", {"node": verdict.node})]
+        return [RestartAgent(verdict.node)]
     if verdict.action == "restart-role":
         # Only trainers form a collective group; a rollout or reward worker restarts alone, and so
         # does a lone trainer (below: a warm standby takes over at once when one is ready).
         slot = model.slots.get(verdict.slot or "") or model.slot_on_node(verdict.node)
         if slot is not None and slot.role != "trainer":
-            return [Step("restart-worker", {"slot": slot.slot})]
+            return [RestartWorker(slot.slot)]
         if len(trainer_group(model)) > 1 or slot is None:
-            return [Step("restart-worker", {"slot": s.slot}) for s in trainer_group(model) if s.node is not None]
+            return [RestartWorker(s.slot) for s in trainer_group(model) if s.node is not None]
     slot = model.slots.get(verdict.slot) if verdict.slot else model.slot_on_node(verdict.node)
     node_bad = verdict.action in ("replace-node", "drain-replace")
     if slot is None:
@@ -79,15 +86,15 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int, claims: 
         return _standby_takes_colocated_node(model, verdict, slot, standbys[0])
     if standbys and len(workers_on(model, verdict.node, slot)) == 1:
         # A warm standby takes the role at once; a healthy old node becomes the new spare.
-        steps = [Step("stop-worker", {"slot": slot.slot}),
-                 Step("activate-standby", {"slot": slot.slot, "standby_slot": standbys[0].slot})]
+        steps: list[Step] = [StopWorker(slot.slot),
+                             ActivateStandby(slot.slot, standbys[0].slot)]
         if node_bad:
             # The pool of warm spares is refilled with a new node, so the next fault finds one too.
             return (_retire_node(verdict, drain=verdict.action == "drain-replace") + steps
-                    + [Step("request-spare", {"exclude_node": verdict.node})])
-        return steps + [Step("make-standby", {"node": verdict.node})]
+                    + [RequestSpare(verdict.node)])
+        return steps + [MakeStandby(verdict.node)]
     if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
-        return [Step("restart-worker", {"slot": slot.slot})]
+        return [RestartWorker(slot.slot)]
     return (_retire_node(verdict, drain=verdict.action == "drain-replace")
             + _move(model, workers_on(model, verdict.node, slot), verdict.node, claims))
 
@@ -103,10 +110,10 @@ def _standby_failed(verdict: Verdict, slot: SlotRecord, node_bad: bool, max_rest
     """A warm standby's own fault: no role is affected. The standby is started again on its node;
     a bad node (or one whose standby keeps failing) is retired and the spare pool refilled."""
     if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
-        return [Step("restart-worker", {"slot": slot.slot})]
-    return ([Step("stop-worker", {"slot": slot.slot})]
+        return [RestartWorker(slot.slot)]
+    return ([StopWorker(slot.slot)]
             + _retire_node(verdict, drain=verdict.action == "drain-replace")
-            + [Step("request-spare", {"exclude_node": verdict.node})])
+            + [RequestSpare(verdict.node)])
 
 
 def workers_on(model: JobModel, node: str, slot: SlotRecord | None = None) -> list[SlotRecord]:
@@ -129,12 +136,13 @@ def _restart_trainer_group(model: JobModel, verdict: Verdict, slot: SlotRecord, 
     restore from the state replica a warm standby holds (else the checkpoint plus the retained
     batches). The standby does not take a rank: it would need the same group restart."""
     if not node_bad and slot.restarts_on_node < max_restarts_per_slot:
-        steps, moved = [Step("restart-worker", {"slot": slot.slot})], {slot.slot}
+        steps: list[Step] = [RestartWorker(slot.slot)]
+        moved = {slot.slot}
     else:
         leaving = workers_on(model, verdict.node, slot)
         steps = _retire_node(verdict, drain=verdict.action == "drain-replace") + _move(model, leaving, verdict.node, claims)
         moved = {s.slot for s in leaving}
-    return steps + [Step("restart-worker", {"slot": s.slot}) for s in trainer_group(model)
+    return steps + [RestartWorker(s.slot) for s in trainer_group(model)
                     if s.slot not in moved and s.node is not None]
 
 
@@ -144,12 +152,14 @@ def _standby_takes_colocated_node(model: JobModel, verdict: Verdict, trainer: Sl
     trainer state, and the node's engines restart beside it on the standby's node (they pull the
     weights from the other engines or the trainer). A new spare is asked for."""
     engines = [s for s in workers_on(model, verdict.node, trainer) if s is not trainer]
+    if standby.node is None:
+        raise ValueError(f"standby {standby.slot} has no node to take {trainer.slot} over on")
     return (_retire_node(verdict, drain=verdict.action == "drain-replace")
-            + [Step("stop-worker", {"slot": trainer.slot}),
-               Step("activate-standby", {"slot": trainer.slot, "standby_slot": standby.slot})]
-            + [Step("move-slot", {"slot": s.slot, "node": standby.node}) for s in engines]
-            + [Step("restart-worker", {"slot": s.slot}) for s in engines]
-            + [Step("request-spare", {"exclude_node": verdict.node})])
+            + [StopWorker(trainer.slot),
+               ActivateStandby(trainer.slot, standby.slot)]
+            + [MoveSlot(s.slot, standby.node) for s in engines]
+            + [RestartWorker(s.slot) for s in engines]
+            + [RequestSpare(verdict.node)])
 
 
 def _standbys(model: JobModel, bad_node: str, claims: Claims) -> list[SlotRecord]:
@@ -162,17 +172,17 @@ def _standbys(model: JobModel, bad_node: str, claims: Claims) -> list[SlotRecord
 
 def slots_released_by(model: JobModel, step: Step) -> list[SlotRecord]:
     """Slots whose in-flight prompts go back to the scheduler when ``step`` runs."""
-    if step.kind in ("restart-worker", "stop-worker"):
-        return [model.slots[step.args["slot"]]]
-    if step.kind == "fail-node":
-        return [s for s in model.slots.values() if s.node == step.args["node"]]
-    if step.kind == "stop-all":
+    if isinstance(step, (RestartWorker, StopWorker)):
+        return [model.slots[step.slot]]
+    if isinstance(step, FailNode):
+        return [s for s in model.slots.values() if s.node == step.node]
+    if isinstance(step, StopAll):
         return list(model.slots.values())
     return []
 
 
 def _retire_node(verdict: Verdict, drain: bool) -> list[Step]:
-    return [Step("fail-node", {"node": verdict.node, "reason": verdict.reason, "drain": drain})]
+    return [FailNode(verdict.node, verdict.reason, drain)]
 
 
 def _move(model: JobModel, slots: list[SlotRecord], bad_node: str, claims: Claims) -> list[Step]:
@@ -185,8 +195,8 @@ def _move(model: JobModel, slots: list[SlotRecord], bad_node: str, claims: Claim
     placed = [(name, model.slots_on_node(name)) for name in spares]
 
     def onto(node: str) -> list[Step]:
-        return ([Step("move-slot", {"slot": s.slot, "node": node}) for s in slots]
-                + [Step("restart-worker", {"slot": s.slot}) for s in slots])
+        moves: list[Step] = [MoveSlot(s.slot, node) for s in slots]
+        return moves + [RestartWorker(s.slot) for s in slots]
 
     for name, on_spare in placed:
         if not on_spare:
@@ -196,8 +206,8 @@ def _move(model: JobModel, slots: list[SlotRecord], bad_node: str, claims: Claim
     placed.sort(key=lambda item: replica is not None and any(s.slot == replica.slot for s in item[1]))
     for name, on_spare in placed:
         if all(s.standby for s in on_spare):
-            return [Step("retire-standby", {"standby_slot": s.slot}) for s in on_spare] + onto(name)
-    return [Step("request-node", {"slot": slots[0].slot, "slots": [s.slot for s in slots], "exclude_node": bad_node})]
+            return [RetireStandby(s.slot) for s in on_spare] + onto(name)
+    return [RequestNode(tuple(s.slot for s in slots), bad_node)]
 
 
 def _usable(model: JobModel, node: str | None) -> bool:
@@ -213,13 +223,13 @@ def _usable(model: JobModel, node: str | None) -> bool:
 
 def _full_restart(model: JobModel, verdict: Verdict, claims: Claims) -> list[Step]:
     """Stop every worker, replace the bad node, roll back to the checkpoint and start all again."""
-    steps = [Step("stop-all", {})]
+    steps: list[Step] = [StopAll()]
     if verdict.action == "restart-agent":
-        steps.append(Step("restart-agent", {"node": verdict.node}))
+        steps.append(RestartAgent(verdict.node))
     if verdict.action in ("replace-node", "drain-replace"):
         leaving = workers_on(model, verdict.node)
         steps += _retire_node(verdict, drain=verdict.action == "drain-replace")
         if leaving:
-            steps += [s for s in _move(model, leaving, verdict.node, claims) if s.kind != "restart-worker"]
-    steps += [Step("rollback", {"to_step": max(model.checkpoint_step, 0)}), Step("start-all", {})]
+            steps += [s for s in _move(model, leaving, verdict.node, claims) if not isinstance(s, RestartWorker)]
+    steps += [Rollback(max(model.checkpoint_step, 0)), StartAll()]
     return steps

@@ -9,9 +9,10 @@ recovered or ``REJUDGE_AFTER_S`` passed. Pure: the shell gives the time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 from rlctl.core import detector as det
+from rlctl.core import plansteps as ps
 from rlctl.core import policy
 from rlctl.core.effects import (
     NodeGrant,
@@ -68,7 +69,7 @@ class Tally:
     def __init__(self) -> None:
         self.verdicts: dict[str, int] = {}
         self.actions: dict[str, int] = {}
-        self.plans: list[tuple[det.Verdict, list[policy.Step]]] = []
+        self.plans: list[tuple[det.Verdict, list[ps.Step]]] = []
         self.failed_plans = 0
 
 
@@ -190,17 +191,17 @@ class Recovery:
             return next((f for f in unseen if f.kind in kinds), unseen[0]).fault_id
         return f"f-{verdict.fault}-{verdict.node}-{int(self.shell.clock() * 1000) % 10_000_000}"
 
-    def _run_plan(self, steps: list[policy.Step], verdict: det.Verdict, fault_id: str, key: tuple[str, str, str],
+    def _run_plan(self, steps: list[ps.Step], verdict: det.Verdict, fault_id: str, key: tuple[str, str, str],
                   claims: policy.Claims, handling: Handling) -> Plan:
         restarting = False  # between a full restart's stop-all and its start-all
         try:
             for step in steps:
                 if self.model.life.state.terminal:
                     break
-                if step.kind == "stop-all" and not restarting:
+                if isinstance(step, ps.StopAll) and not restarting:
                     restarting, self._whole_job_plans = True, self._whole_job_plans + 1
                 yield from self._execute(step, verdict, fault_id)
-                if step.kind == "start-all" and restarting:
+                if isinstance(step, ps.StartAll) and restarting:
                     restarting, self._whole_job_plans = False, self._whole_job_plans - 1
                 self.tally.actions[step.kind] = self.tally.actions.get(step.kind, 0) + 1
         except Exception:  # noqa: BLE001 - the shell logged it; the fault is judged anew after the cool-down
@@ -241,86 +242,88 @@ class Recovery:
                 return
             yield Sleep(COOL_DOWN_POLL_S)
 
-    def _execute(self, step: policy.Step, verdict: det.Verdict, fault_id: str) -> Plan:
-        model, args = self.model, step.args
+    def _execute(self, step: ps.Step, verdict: det.Verdict, fault_id: str) -> Plan:
+        model = self.model
         requeued = 0
-        if step.kind in ("restart-worker", "stop-worker", "fail-node", "stop-all"):
+        if isinstance(step, (ps.RestartWorker, ps.StopWorker, ps.FailNode, ps.StopAll)):
             requeued = self._release_items(step, verdict)
-        self.record(EventKind.ACTION_TAKEN, action=step.kind, node=args.get("node", verdict.node), slot=args.get("slot"),
+        named = step.journal_fields()
+        self.record(EventKind.ACTION_TAKEN, action=step.kind, node=named.get("node", verdict.node), slot=named.get("slot"),
                     reason=verdict.reason[:200], fault_ids=[fault_id], trajectories_lost=0, items_requeued=requeued,
-                    **{k: v for k, v in args.items() if k in ("standby_slot", "to_step", "exclude_node", "drain")})
+                    **{k: v for k, v in named.items() if k in ps.JOURNALED_EXTRAS})
         if requeued:
             yield WorkReturned()
-        if step.kind == "restart-worker":
-            slot = model.slots[args["slot"]]
-            if slot.node is not None and not self.shell.connected(slot.node) \
-                    and (slot.life is None or slot.life.state in (WorkerState.EXITED, WorkerState.FAILED)):
-                return  # nothing runs there: a node another plan brought in starts it when its agent registers
-            yield from some(self.workers.stop_worker(slot, grace_s=1.0))
-            if slot.node is not None and model.nodes[slot.node].life.state not in GONE_NODE:
-                yield from some(self.workers.start_worker(slot))
-        elif step.kind == "fail-node":
-            yield from self._fail_node(args["node"], args["reason"])
-        elif step.kind == "move-slot":
-            node = model.nodes[args["node"]]
-            if node.life.can_move(NodeState.ACTIVE):
-                self.record(EventKind.NODE_STATE_CHANGED, node=node.name, state=NodeState.ACTIVE.value,
-                            reason=f"takes over {args['slot']}", role=model.slots[args["slot"]].role)
-        elif step.kind == "stop-worker":
-            slot = model.slots[args["slot"]]
-            if slot.life is not None and slot.life.state != WorkerState.EXITED:
-                yield from some(self.workers.stop_worker(slot, grace_s=0.5))
-        elif step.kind == "make-standby":
-            yield from self._make_standby(args["node"])
-        elif step.kind == "activate-standby":
-            standby_node = model.slots[args["slot"]].node  # the ActionTaken above moved the role onto the standby's node
-            if standby_node is not None and model.nodes[standby_node].life.can_move(NodeState.ACTIVE):
-                self.record(EventKind.NODE_STATE_CHANGED, node=standby_node, state=NodeState.ACTIVE.value,
-                            reason=f"warm standby takes over {args['slot']}", role=model.slots[args["slot"]].role)
-            yield StandbyTakesOver(args["slot"])
-        elif step.kind == "retire-standby":
-            standby = model.slots.get(args["standby_slot"])
-            if standby is not None:
-                yield from some(self.workers.stop_worker(standby, grace_s=0.5, wait=False))
-                self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=standby.node or "", slot=standby.slot,
-                            reason="spare node re-used", fault_ids=[])
-        elif step.kind == "request-node":
-            yield from self._request_node(list(args.get("slots") or [args["slot"]]), args["exclude_node"], fault_id)
-        elif step.kind == "request-spare":
-            yield from self._request_spare(args["exclude_node"])
-        elif step.kind == "restart-agent":
-            yield StartAgent(args["node"], restart=True)
-        elif step.kind == "stop-all":
-            yield TrainingAbandoned()
-            stops = [self.workers.stop_worker(s, grace_s=1.0) for s in list(model.slots.values())
-                     if s.life is not None and s.life.state in LIVE_WORKER]
-            yield StopEverything(tuple(s for s in stops if s is not None))
-        elif step.kind == "rollback":
-            yield TrainingAbandoned()
-            self.shell.commit_decided(self.scheduler.rollback(int(args["to_step"]), self.shell.clock()))
-        elif step.kind == "give-up":
-            self.workers.request_stop(f"failed: {args['reason']}")
-        elif step.kind == "start-all":
-            yield Requeue()
-            # Nodes whose agent is not connected start their workers when it registers (agent_registered).
-            # A slot with a live worker got it from another full restart that finished first: a second
-            # worker there would orphan the first one's prompts.
-            for slot in list(model.slots.values()):
-                if slot.node is not None and model.nodes[slot.node].life.state not in GONE_NODE \
-                        and self.shell.connected(slot.node) \
-                        and not (slot.life is not None and slot.life.state in LIVE_WORKER):
+        match step:
+            case ps.RestartWorker(slot=name):
+                slot = model.slots[name]
+                if slot.node is not None and not self.shell.connected(slot.node) \
+                        and (slot.life is None or slot.life.state in (WorkerState.EXITED, WorkerState.FAILED)):
+                    return  # nothing runs there: a node another plan brought in starts it when its agent registers
+                yield from some(self.workers.stop_worker(slot, grace_s=1.0))
+                if slot.node is not None and model.nodes[slot.node].life.state not in GONE_NODE:
                     yield from some(self.workers.start_worker(slot))
-        else:
-            raise ValueError(f"unknown recovery step {step.kind!r}")
+            case ps.FailNode(node=node, reason=reason):
+                yield from self._fail_node(node, reason)
+            case ps.MoveSlot(slot=name, node=node):
+                target = model.nodes[node]
+                if target.life.can_move(NodeState.ACTIVE):
+                    self.record(EventKind.NODE_STATE_CHANGED, node=target.name, state=NodeState.ACTIVE.value,
+                                reason=f"takes over {name}", role=model.slots[name].role)
+            case ps.StopWorker(slot=name):
+                slot = model.slots[name]
+                if slot.life is not None and slot.life.state != WorkerState.EXITED:
+                    yield from some(self.workers.stop_worker(slot, grace_s=0.5))
+            case ps.MakeStandby(node=node):
+                yield from self._make_standby(node)
+            case ps.ActivateStandby(slot=name):
+                standby_node = model.slots[name].node  # the ActionTaken above moved the role onto the standby's node
+                if standby_node is not None and model.nodes[standby_node].life.can_move(NodeState.ACTIVE):
+                    self.record(EventKind.NODE_STATE_CHANGED, node=standby_node, state=NodeState.ACTIVE.value,
+                                reason=f"warm standby takes over {name}", role=model.slots[name].role)
+                yield StandbyTakesOver(name)
+            case ps.RetireStandby(standby_slot=name):
+                standby = model.slots.get(name)
+                if standby is not None:
+                    yield from some(self.workers.stop_worker(standby, grace_s=0.5, wait=False))
+                    self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=standby.node or "", slot=standby.slot,
+                                reason="spare node re-used", fault_ids=[])
+            case ps.RequestNode(slots=names, exclude_node=excluded):
+                yield from self._request_node(list(names), excluded, fault_id)
+            case ps.RequestSpare(exclude_node=excluded):
+                yield from self._request_spare(excluded)
+            case ps.RestartAgent(node=node):
+                yield StartAgent(node, restart=True)
+            case ps.StopAll():
+                yield TrainingAbandoned()
+                stops = [self.workers.stop_worker(s, grace_s=1.0) for s in list(model.slots.values())
+                         if s.life is not None and s.life.state in LIVE_WORKER]
+                yield StopEverything(tuple(s for s in stops if s is not None))
+            case ps.Rollback(to_step=to_step):
+                yield TrainingAbandoned()
+                self.shell.commit(self.scheduler.rollback(to_step, self.shell.clock()))
+            case ps.GiveUp(reason=reason):
+                self.workers.request_stop(f"failed: {reason}")
+            case ps.StartAll():
+                yield Requeue()
+                # Nodes whose agent is not connected start their workers when it registers (agent_registered).
+                # A slot with a live worker got it from another full restart that finished first: a second
+                # worker there would orphan the first one's prompts.
+                for slot in list(model.slots.values()):
+                    if slot.node is not None and model.nodes[slot.node].life.state not in GONE_NODE \
+                            and self.shell.connected(slot.node) \
+                            and not (slot.life is not None and slot.life.state in LIVE_WORKER):
+                        yield from some(self.workers.start_worker(slot))
+            case _:
+                assert_never(step)
 
-    def _release_items(self, step: policy.Step, verdict: det.Verdict) -> int:
+    def _release_items(self, step: ps.Step, verdict: det.Verdict) -> int:
         """Give the failed worker's in-flight prompts back to the scheduler; count them."""
         count = 0
         for slot in policy.slots_released_by(self.model, step):
             if slot.wid:
                 events = self.scheduler.release_worker(slot.wid, verdict.fault, self.shell.clock())
                 count += sum(len(e.data["item_ids"]) for e in events)
-                self.shell.commit_decided(events)
+                self.shell.commit(events)
         return count
 
     def _fail_node(self, name: str, reason: str) -> Plan:

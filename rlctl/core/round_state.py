@@ -17,6 +17,8 @@ from typing import Any
 from rlctl.core.elastic import ElasticConfig
 from rlctl.core.events import Event
 
+UNRETURNED_KEPT = 1024  # decided events awaiting their commit; a decision makes a handful
+
 PENDING, INFLIGHT, DONE, SCORING, SCORED = "pending", "inflight", "done", "scoring", "scored"
 
 
@@ -126,6 +128,9 @@ class RoundState:
     def __init__(self, config: SchedulerConfig, prompts: list[PromptRef],
                  held_out_prompts: list[PromptRef] | None = None) -> None:
         self.config = config
+        # Events this scheduler decided and applied to itself, until the shell's commit brings them
+        # back. Used on its own (tests, benches), nothing comes back: the oldest fall out.
+        self.unreturned: deque[Event] = deque(maxlen=UNRETURNED_KEPT)
         self.prompts = {p.prompt_id: p for p in prompts}
         self.held_out_prompts = {p.prompt_id: p for p in held_out_prompts or []}
         self.held_out: HeldOutRun | None = None
@@ -147,10 +152,21 @@ class RoundState:
     # ------------------------------------------------------------------------------- apply
 
     def apply(self, ev: Event) -> None:
-        """Change state by one event. The only mutator; replaying the journal calls just this."""
+        """Change state by one event. The only mutator; replaying the journal calls just this. An
+        event this scheduler decided (``decided``) was applied then, and is not applied again when
+        the shell's commit brings it back."""
+        for index, mine in enumerate(self.unreturned):
+            if _same_event(mine, ev):
+                del self.unreturned[index]
+                return
         handler = getattr(self, f"_on_{ev.type}", None)
         if handler is not None:
             handler(ev.data)
+
+    def decided(self, ev: Event) -> None:
+        """Apply ``ev``, an event this scheduler decides, now: its next decisions see it."""
+        self.apply(ev)
+        self.unreturned.append(ev)
 
     def _on_EpochStarted(self, data: dict[str, Any]) -> None:
         self.epoch = int(data["epoch"])
@@ -346,3 +362,9 @@ def batch_stats(batch: Batch) -> dict[str, float]:
 def _median(ordered: Sequence[int]) -> float:
     middle = len(ordered) // 2
     return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
+
+
+def _same_event(a: Event, b: Event) -> bool:
+    """The same event, before and after the journal gave it its sequence number (the journal's
+    copy keeps the event's data object): an equal event made elsewhere is another event."""
+    return a.data is b.data and a.type == b.type and a.at == b.at

@@ -319,7 +319,7 @@ class RoundScheduler(RoundState):
     # ----------------------------------------------------------------------------- helpers
 
     def _emit(self, out: list[Event], ev: Event) -> list[Event]:
-        self.apply(ev)
+        self.decided(ev)
         out.append(ev)
         return out
 

@@ -110,12 +110,6 @@ class Simulation:
             self._apply(ev)
         return events
 
-    def commit_decided(self, events: list[Event]) -> list[Event]:
-        """Events the scheduler already applied to itself: apply them to the rest of the model."""
-        for ev in events:
-            self._apply(ev, decided=True)
-        return events
-
     def connected(self, node: str) -> bool:
         return self.agent_connected(node)
 
@@ -132,8 +126,8 @@ class Simulation:
                 self.q.after(delay, self.run_plan, plan, result)
                 return
 
-    def _apply(self, ev: Event, decided: bool = False) -> None:
-        self.model.apply(ev, decided)
+    def _apply(self, ev: Event) -> None:
+        self.model.apply(ev)
         if ev.type in PLACEMENT_EVENTS:
             self._views.clear()
         elif ev.type == EventKind.JOB_STATE_CHANGED and ev.data["state"] == JobState.RUNNING.value:

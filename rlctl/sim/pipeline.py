@@ -65,7 +65,7 @@ class Pipeline:
         self.step_started_at = self.sim.now
         for fault in self.sim.failures.on_step(version, self.sim.now, self.last_step_s):
             self.sim.q.schedule(fault.at, self.sim.inject, fault)
-        self.sim.commit_decided(self.sim.scheduler.start_round(version, self.sim.now))
+        self.sim.commit(self.sim.scheduler.start_round(version, self.sim.now))
         self._start_generation()
 
     def _start_generation(self) -> None:
@@ -115,7 +115,7 @@ class Pipeline:
             events = self.sim.scheduler.dispatch(slot.slot, slot.wid or "", capacity, self.sim.now)
             if not events:
                 break
-            self.sim.commit_decided(events)
+            self.sim.commit(events)
 
     def _blocked(self, status: str) -> bool:
         """Items still held (``status``) by workers that are not working, or items not dispatched."""
@@ -165,7 +165,7 @@ class Pipeline:
                 "weights_version": rnd.weights_version,
             })
         for wid, results in by_wid.items():
-            self.sim.commit_decided(self.sim.scheduler.submit(self.sim.workers[wid].slot, wid, results, self.sim.now))
+            self.sim.commit(self.sim.scheduler.submit(self.sim.workers[wid].slot, wid, results, self.sim.now))
         return bool(by_wid)
 
     def _start_scoring(self) -> None:
@@ -181,7 +181,7 @@ class Pipeline:
                 events = self.sim.scheduler.dispatch_scoring(slot.slot, slot.wid or "", REWARD_CAPACITY, self.sim.now)
                 if not events:
                     break
-                self.sim.commit_decided(events)
+                self.sim.commit(events)
 
     def _scoring_done(self) -> None:
         self._dispatch_scoring()
@@ -196,7 +196,7 @@ class Pipeline:
             if sample.status == SCORING and sample.wid:
                 by_wid.setdefault(sample.wid, []).append({"item_id": sample.item_id, "reward": 1.0, "correct": True})
         for wid, scores in by_wid.items():
-            self.sim.commit_decided(self.sim.scheduler.submit_scores(wid, scores, self.sim.now))
+            self.sim.commit(self.sim.scheduler.submit_scores(wid, scores, self.sim.now))
         self.task = None
         self.stage = "idle"
         self.advance()

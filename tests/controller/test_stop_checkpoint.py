@@ -53,7 +53,7 @@ def _stopping_job(trainers: int = 1, checkpoint: bool = True, timeout_s: float =
     shell = RecordingShell(model)
     spec = SimpleNamespace(env=EnvSpec(), multi_turn=False, colocated=False, reward={"on_error": "zero", "helper_backlog": 0})
     orc = Orchestrator(spec, model, scheduler, None, shell)  # type: ignore[arg-type]
-    shell.commit_decided(scheduler.start_round(0, 1.0))
+    shell.commit(scheduler.start_round(0, 1.0))
     journal: list[Event] = []
     stop_save = StopSave(model, lambda kind, **data: journal.extend(orc.record(kind, **data)), lambda node: connected,
                          hung=lambda now: hung, clock=TickingClock(2.5))

@@ -24,12 +24,6 @@ class RecordingShell:
         self.journal.extend(events)
         return events
 
-    def commit_decided(self, events: list[Event]) -> list[Event]:
-        for ev in events:
-            self.model.apply(ev, decided=True)
-        self.journal.extend(events)
-        return events
-
     def connected(self, node: str) -> bool:
         return self.agents_connected
 

@@ -149,17 +149,17 @@ def test_a_lost_colocated_node_hands_the_trainer_to_the_standby_and_restarts_the
         steps = plan(model, verdict("node01", slot, "node-loss", "replace-node"), 2)
         assert kinds(steps) == ["fail-node", "stop-worker", "activate-standby", "move-slot", "restart-worker",
                                 "request-spare"], slot
-        assert steps[2].args == {"slot": "trainer-0", "standby_slot": "standby-0"}
-        assert steps[3].args == {"slot": "rollout-0", "node": "node05"}
-        assert steps[4].args == {"slot": "rollout-0"}
+        assert steps[2].journal_fields() == {"slot": "trainer-0", "standby_slot": "standby-0"}
+        assert steps[3].journal_fields() == {"slot": "rollout-0", "node": "node05"}
+        assert steps[4].journal_fields() == {"slot": "rollout-0"}
 
 
 def test_without_a_ready_standby_the_whole_colocated_node_moves_together() -> None:
     steps = plan(colocated_job(standby_phase="loading"), verdict("node01", "rollout-0", "node-loss", "replace-node"), 2)
     assert kinds(steps) == ["fail-node", "retire-standby", "move-slot", "move-slot", "restart-worker", "restart-worker"]
-    assert {s.args["slot"] for s in steps if s.kind == "move-slot"} == {"trainer-0", "rollout-0"}
+    assert {s.journal_fields()["slot"] for s in steps if s.kind == "move-slot"} == {"trainer-0", "rollout-0"}
 
 
 def test_an_engine_crash_on_a_colocated_node_restarts_the_engine_alone() -> None:
     steps = plan(colocated_job(), verdict("node01", "rollout-0", "worker-crash", "restart-worker"), 2)
-    assert kinds(steps) == ["restart-worker"] and steps[0].args == {"slot": "rollout-0"}
+    assert kinds(steps) == ["restart-worker"] and steps[0].journal_fields() == {"slot": "rollout-0"}

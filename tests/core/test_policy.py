@@ -40,14 +40,14 @@ def kinds(steps: list) -> list[str]:
 
 def test_rollout_crash_without_a_ready_standby_restarts_only_that_worker() -> None:
     steps = plan(running_job(spares=0), verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
-    assert kinds(steps) == ["restart-worker"] and steps[0].args == {"slot": "rollout-0"}
+    assert kinds(steps) == ["restart-worker"] and steps[0].journal_fields() == {"slot": "rollout-0"}
 
 
 def test_rollout_crash_with_a_ready_standby_hands_over_and_refills_the_spare() -> None:
     steps = plan(running_job(), verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
     assert kinds(steps) == ["stop-worker", "activate-standby", "make-standby"]
-    assert steps[1].args == {"slot": "rollout-0", "standby_slot": "standby-0"}
-    assert steps[2].args == {"node": "node02"}
+    assert steps[1].journal_fields() == {"slot": "rollout-0", "standby_slot": "standby-0"}
+    assert steps[2].journal_fields() == {"node": "node02"}
 
 
 def test_a_loading_standby_is_not_used() -> None:
@@ -66,8 +66,8 @@ def test_repeated_restarts_on_one_node_retire_it() -> None:
 def test_node_loss_of_a_rollout_uses_the_standby_and_refills_the_spare_pool() -> None:
     steps = plan(running_job(), verdict("node03", None, "node-loss", "replace-node"), 2)
     assert kinds(steps) == ["fail-node", "stop-worker", "activate-standby", "request-spare"]
-    assert steps[2].args == {"slot": "rollout-1", "standby_slot": "standby-0"}
-    assert steps[3].args == {"exclude_node": "node03"}
+    assert steps[2].journal_fields() == {"slot": "rollout-1", "standby_slot": "standby-0"}
+    assert steps[3].journal_fields() == {"exclude_node": "node03"}
 
 
 def test_without_spares_a_new_node_is_requested_for_a_lost_node() -> None:
@@ -78,7 +78,7 @@ def test_without_spares_a_new_node_is_requested_for_a_lost_node() -> None:
 def test_trainer_failure_activates_the_warm_standby_and_keeps_the_healthy_node() -> None:
     steps = plan(running_job(), verdict("node01", "trainer-0", "worker-crash", "restart-worker"), 2)
     assert kinds(steps) == ["stop-worker", "activate-standby", "make-standby"]
-    assert steps[1].args == {"slot": "trainer-0", "standby_slot": "standby-0"}
+    assert steps[1].journal_fields() == {"slot": "trainer-0", "standby_slot": "standby-0"}
 
 
 def test_trainer_node_loss_activates_the_standby_and_retires_the_node() -> None:
@@ -88,9 +88,9 @@ def test_trainer_node_loss_activates_the_standby_and_retires_the_node() -> None:
 
 def test_nccl_timeout_restarts_only_the_trainer_group() -> None:
     steps = plan(running_job(), verdict("node02", "rollout-0", "nccl-timeout", "restart-role"), 2)
-    assert kinds(steps) == ["restart-worker"] and steps[0].args == {"slot": "rollout-0"}
+    assert kinds(steps) == ["restart-worker"] and steps[0].journal_fields() == {"slot": "rollout-0"}
     steps = plan(running_job(spares=0), verdict("node01", "trainer-0", "nccl-timeout", "restart-role"), 2)
-    assert [(s.kind, s.args["slot"]) for s in steps] == [("restart-worker", "trainer-0")]
+    assert [(s.kind, s.journal_fields()["slot"]) for s in steps] == [("restart-worker", "trainer-0")]
 
 
 def test_agent_loss_restarts_the_agent_only() -> None:
@@ -106,7 +106,7 @@ def test_full_restart_stops_everything_and_rolls_back() -> None:
     model.apply(event("Checkpointed", 2.0, step=5, path="/c"))
     steps = plan(model, verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
     assert kinds(steps) == ["stop-all", "rollback", "start-all"]
-    assert steps[1].args == {"to_step": 5}
+    assert steps[1].journal_fields() == {"to_step": 5}
     lost = plan(model, verdict("node03", None, "node-loss", "replace-node"), 2)
     assert kinds(lost)[:2] == ["stop-all", "fail-node"] and kinds(lost)[-2:] == ["rollback", "start-all"]
 
@@ -119,11 +119,11 @@ def test_full_restart_brings_a_lost_agent_back() -> None:
 def test_a_failed_data_parallel_rank_restarts_the_whole_trainer_group() -> None:
     model = running_job(trainers=2)
     steps = plan(model, verdict("node20", "trainer-1", "worker-crash", "restart-worker"), 2)
-    assert [(s.kind, s.args.get("slot")) for s in steps] == [("restart-worker", "trainer-1"),
+    assert [(s.kind, s.journal_fields().get("slot")) for s in steps] == [("restart-worker", "trainer-1"),
                                                              ("restart-worker", "trainer-0")]
     lost = plan(model, verdict("node01", "trainer-0", "node-loss", "replace-node"), 2)
     assert kinds(lost)[0] == "fail-node" and "activate-standby" not in kinds(lost), "a standby holds no rank"
-    assert lost[-1].kind == "restart-worker" and lost[-1].args == {"slot": "trainer-1"}
+    assert lost[-1].kind == "restart-worker" and lost[-1].journal_fields() == {"slot": "trainer-1"}
 
 
 def test_a_single_trainer_still_hands_over_to_its_warm_standby() -> None:
@@ -135,7 +135,7 @@ def test_a_lone_trainer_collective_timeout_is_handed_to_the_warm_standby() -> No
     steps = plan(running_job(), verdict("node01", "trainer-0", "nccl-timeout", "restart-role"), 2)
     assert kinds(steps) == ["stop-worker", "activate-standby", "make-standby"]
     group = plan(running_job(trainers=2), verdict("node01", "trainer-0", "nccl-timeout", "restart-role"), 2)
-    assert [(s.kind, s.args["slot"]) for s in group] == [("restart-worker", "trainer-0"), ("restart-worker", "trainer-1")]
+    assert [(s.kind, s.journal_fields()["slot"]) for s in group] == [("restart-worker", "trainer-0"), ("restart-worker", "trainer-1")]
 
 
 def test_a_spare_whose_standby_is_not_ready_is_cleared_before_a_slot_moves_onto_it() -> None:
@@ -143,15 +143,15 @@ def test_a_spare_whose_standby_is_not_ready_is_cleared_before_a_slot_moves_onto_
     model = running_job()
     model.apply(event("WorkerPhase", 2.0, slot="standby-0", wid=model.slots["standby-0"].wid, phase="loading", step=0))
     steps = plan(model, verdict("node02", None, "node-loss", "replace-node"), 2)
-    assert [(s.kind, s.args.get("slot") or s.args.get("standby_slot") or s.args.get("node")) for s in steps] == [
+    assert [(s.kind, s.journal_fields().get("slot") or s.journal_fields().get("standby_slot") or s.journal_fields().get("node")) for s in steps] == [
         ("fail-node", "node02"), ("retire-standby", "standby-0"), ("move-slot", "rollout-0"), ("restart-worker", "rollout-0")]
-    assert steps[2].args["node"] == "node05"
+    assert steps[2].journal_fields()["node"] == "node05"
 
 
 def test_a_standby_that_fails_is_started_again_and_no_role_moves() -> None:
     # A hung or crashed standby is not a role's fault: nothing is handed over (to another standby, or to itself).
     steps = plan(running_job(spares=2), verdict("node06", "standby-1", "worker-hang", "restart-worker"), 2)
-    assert [(s.kind, s.args) for s in steps] == [("restart-worker", {"slot": "standby-1"})]
+    assert [(s.kind, s.journal_fields()) for s in steps] == [("restart-worker", {"slot": "standby-1"})]
 
 
 def test_a_standby_that_keeps_failing_or_whose_node_is_bad_retires_its_node() -> None:
@@ -160,7 +160,7 @@ def test_a_standby_that_keeps_failing_or_whose_node_is_bad_retires_its_node() ->
     steps = plan(model, verdict("node06", "standby-1", "worker-crash", "restart-worker"), 2)
     assert kinds(steps) == ["stop-worker", "fail-node", "request-spare"]
     steps = plan(running_job(spares=2), verdict("node06", "standby-1", "gpu-lost", "replace-node"), 2)
-    assert kinds(steps) == ["stop-worker", "fail-node", "request-spare"] and steps[2].args == {"exclude_node": "node06"}
+    assert kinds(steps) == ["stop-worker", "fail-node", "request-spare"] and steps[2].journal_fields() == {"exclude_node": "node06"}
 
 
 def test_a_standby_another_plan_activates_is_not_offered_to_the_next_plan() -> None:
@@ -169,9 +169,9 @@ def test_a_standby_another_plan_activates_is_not_offered_to_the_next_plan() -> N
     used to claim it too, and the trainer was never started again (found by hypothesis)."""
     model = running_job()
     first = plan(model, verdict("node02", "rollout-0", "worker-crash", "restart-worker"), 2)
-    assert first[1].args["standby_slot"] == "standby-0"
+    assert first[1].journal_fields()["standby_slot"] == "standby-0"
     second = plan(model, verdict("node01", "trainer-0", "worker-crash", "restart-worker"), 2, Claims.of(first))
-    assert [(s.kind, s.args) for s in second] == [("restart-worker", {"slot": "trainer-0"})]
+    assert [(s.kind, s.journal_fields()) for s in second] == [("restart-worker", {"slot": "trainer-0"})]
 
 
 def test_a_spare_node_another_plan_moves_slots_onto_is_not_offered_to_the_next_plan() -> None:
@@ -180,7 +180,7 @@ def test_a_spare_node_another_plan_moves_slots_onto_is_not_offered_to_the_next_p
     model.apply(event("AgentRegistered", 2.0, node="node09", incarnation=1, facts={}))
     model.apply(event("NodeStateChanged", 2.0, node="node09", state="ready", reason="up"))
     first = plan(model, verdict("node02", None, "node-loss", "replace-node"), 2)
-    assert ("move-slot", "node09") in [(s.kind, s.args.get("node")) for s in first]
+    assert ("move-slot", "node09") in [(s.kind, s.journal_fields().get("node")) for s in first]
     second = plan(model, verdict("node03", None, "node-loss", "replace-node"), 2, Claims.of(first))
     assert kinds(second) == ["fail-node", "request-node"]
     assert Claims.of(first) == Claims(frozenset({"rollout-0"}), frozenset({"node09"}))

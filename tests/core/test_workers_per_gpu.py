@@ -96,10 +96,10 @@ def test_a_retired_node_takes_all_its_ranks_to_one_spare_and_the_group_restarts(
     verdict = signal_verdict(model, "node01", "xid", 79, "fell off the bus", 5.0, gpu=1)
     assert verdict is not None
     steps = plan(model, verdict, 2)
-    moves = [s.args for s in steps if s.kind == "move-slot"]
-    assert steps[0].kind == "fail-node" and steps[0].args["node"] == "node01"
+    moves = [s.journal_fields() for s in steps if s.kind == "move-slot"]
+    assert steps[0].kind == "fail-node" and steps[0].journal_fields()["node"] == "node01"
     assert sorted(moves, key=str) == [{"slot": "trainer-0", "node": "node03"}, {"slot": "trainer-1", "node": "node03"}]
-    assert sorted(s.args["slot"] for s in steps if s.kind == "restart-worker") == ["trainer-0", "trainer-1"]
+    assert sorted(s.journal_fields()["slot"] for s in steps if s.kind == "restart-worker") == ["trainer-0", "trainer-1"]
 
 
 def test_without_a_spare_one_new_node_is_requested_for_all_the_workers() -> None:
@@ -107,5 +107,5 @@ def test_without_a_spare_one_new_node_is_requested_for_all_the_workers() -> None
     model.apply(event("NodeStateChanged", 2.0, node="node03", state="failed", reason="gone"))
     verdict = signal_verdict(model, "node01", "xid", 79, "", 5.0, gpu=0)
     assert verdict is not None
-    request = [s.args for s in plan(model, verdict, 2) if s.kind == "request-node"]
+    request = [s.journal_fields() for s in plan(model, verdict, 2) if s.kind == "request-node"]
     assert request == [{"slot": "trainer-0", "slots": ["trainer-0", "trainer-1"], "exclude_node": "node01"}]

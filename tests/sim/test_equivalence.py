@@ -21,6 +21,7 @@ from rlctl.core import policy
 from rlctl.core.events import Event, event
 from rlctl.core.model import JobModel
 from rlctl.core.orchestrate import Orchestrator
+from rlctl.core.plansteps import Step
 from rlctl.sim import observe
 from rlctl.sim.calibrate import read_events
 from rlctl.specfile import load_job_file
@@ -48,7 +49,7 @@ class StubController(RecordingShell):
         return self.journal
 
     @property
-    def plans(self) -> list[list[policy.Step]]:
+    def plans(self) -> list[list[Step]]:
         return [steps for _, steps in self.orc.tally.plans]
 
 
@@ -73,7 +74,7 @@ def live_verdicts(stub: StubController) -> list[dict[str, Any]]:
     return [e.data for e in stub.recorded if e.type == "Verdict"]
 
 
-def sim_side(sim: Any) -> tuple[list[dict[str, Any]], list[list[policy.Step]]]:
+def sim_side(sim: Any) -> tuple[list[dict[str, Any]], list[list[Step]]]:
     verdicts = [e.data for e in sim.events if e.type == "Verdict"]
     return verdicts, [steps for _, steps in sim.orc.tally.plans]
 
