@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.spec import EnvSpec
-from rlctl.jobtemplates import write_job
+from rlctl.lab.reference_jobs import write_job
 from rlctl.workload.agentic_loop import AgenticPolicy, evaluate, run_agentic_grpo
 from rlctl.workload.calculator_env import calculator_rows, warm_started_calculator_model
 from rlctl.workload.datafiles import read_records

@@ -31,7 +31,7 @@ from rlctl_agent import protocol
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from rlctl.jobtemplates import write_job
+from rlctl.lab.reference_jobs import write_job
 
 Row = dict[str, Any]
 

@@ -33,7 +33,7 @@ from jobrun import rlctl
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.reporting import build_report
 from rlctl.controller.store import Journal
-from rlctl.jobtemplates import write_job, write_rl_stages_env
+from rlctl.lab.reference_jobs import write_job, write_rl_stages_env
 
 KINDS = "crash,hang,node-down,agent-kill,xid,nccl-timeout"
 

@@ -106,9 +106,9 @@ class SwarmBackend:
 
 def serve(job_dir: Path) -> None:
     """Child process: the real controller with the swarm backend."""
+    from rlctl.assembly import make_workload
     from rlctl.controller.server import Controller, setup_logging
-    from rlctl.jobfile import make_workload
-    from rlctl.specfile import load_job_file
+    from rlctl.spec_loader import load_job_file
 
     _raise_fd_limit()
     jobdir = JobDir(job_dir)
@@ -356,7 +356,7 @@ def measure(nodes: int, seconds: float, tmp: Path, tls: bool, prometheus: bool =
     metrics_port = free_port() if prometheus else 0
     observability = f"[observability]\nprometheus_port = {metrics_port}\n" if prometheus else ""
     jobdir.create(JOB.format(rollouts=nodes - 2, tls="on" if tls else "off", observability=observability))
-    from rlctl.specfile import load_job_file
+    from rlctl.spec_loader import load_job_file
     from rlctl.workload.reference import ensure_reference_model
 
     ensure_reference_model(load_job_file(jobdir.spec_file))  # its tokenizer gives the controller its prompts, as at launch

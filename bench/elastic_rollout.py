@@ -39,7 +39,7 @@ from rlctl.sim.engine import SimConfig, simulate
 from rlctl.sim.faults import StepFailures
 from rlctl.sim.layout import elastic_spec
 from rlctl.sim.report import median_runs
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 GPUS = 128
 

@@ -33,7 +33,7 @@ from bad_inputs import cli
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from rlctl.jobtemplates import write_job
+from rlctl.lab.reference_jobs import write_job
 
 
 def alive(pid: int) -> bool:

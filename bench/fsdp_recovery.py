@@ -41,7 +41,7 @@ from jobrun import rlctl, wait_until
 
 from rlctl.controller.store import Journal
 from rlctl.core.events import Event
-from rlctl.jobtemplates import write_job
+from rlctl.lab.reference_jobs import write_job
 
 
 def log(message: str) -> None:

@@ -34,7 +34,7 @@ from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.events import Event, EventKind
 from rlctl.core.model import JobModel
-from rlctl.jobtemplates import write_job
+from rlctl.lab.reference_jobs import write_job
 
 FUNCTIONS = {
     "hang": "import time\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n    time.sleep(3600)\n",

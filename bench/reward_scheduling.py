@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
-from rlctl.jobtemplates import slow_reward_table, write_job
+from rlctl.lab.reference_jobs import slow_reward_table, write_job
 
 
 def rlctl(env: dict[str, str], *args: str) -> dict[str, Any]:

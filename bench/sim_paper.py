@@ -32,7 +32,7 @@ from rlctl.sim.engine import SimConfig, simulate
 from rlctl.sim.faults import StepFailures
 from rlctl.sim.layout import colocated_spec
 from rlctl.sim.report import compare, median_runs, plot_ledger, plot_sweeps
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 POLICIES = ("role", "full-restart")
 UNTIL_DURATION = 10**9  # steps: run until the virtual duration ends

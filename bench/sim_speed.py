@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from rlctl.sim.calibrate import make_failure_model
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 GPUS = 8192
 DAYS = 7.0

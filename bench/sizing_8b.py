@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rlctl.core.sizing import GIB, ModelShape, plan_sizes
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 EXAMPLE = ROOT / "examples" / "qwen3-8b-gsm8k-slurm.toml"
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,

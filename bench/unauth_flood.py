@@ -146,7 +146,7 @@ def measure(tmp: Path, nodes: int, strangers: int, hold_s: float, tls: bool, old
     root = Path(tempfile.mkdtemp(prefix="f", dir=tmp))
     jobdir = JobDir(root / "flood-job")
     jobdir.create(JOB.format(rollouts=nodes - 2, tls="on" if tls else "off"))
-    from rlctl.specfile import load_job_file
+    from rlctl.spec_loader import load_job_file
     from rlctl.workload.reference import ensure_reference_model
 
     ensure_reference_model(load_job_file(jobdir.spec_file))

@@ -229,7 +229,7 @@ def trainer_source(job_dir: Path) -> dict[str, Any]:
 
 
 def run_job(workdir: Path, transport: str, old_bounds: bool, args: argparse.Namespace) -> dict[str, Any]:
-    from rlctl.jobtemplates import write_job
+    from rlctl.lab.reference_jobs import write_job
 
     env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"), UCX_NET_DEVICES="lo", UCXPY_PROGRESS_MODE="blocking",
                UCX_WARN_UNUSED_ENV_VARS="n")

@@ -74,7 +74,7 @@ class BackendError(RuntimeError):
 
 class FaultInjector(Protocol):
     """Backend-level faults (a partition, a node down, a slow link) carried out on a backend's
-    nodes for ``rlctl inject-fault``. Given to a backend from outside (``rlctl.jobfile`` builds the
+    nodes for ``rlctl inject-fault``. Given to a backend from outside (``rlctl.assembly`` builds the
     lab's from ``[cluster.*] lab_dir``), so the backends know nothing of the lab."""
 
     supported_faults: frozenset[str]

@@ -53,15 +53,7 @@ class LocalBackend:
         self._next_index = 1
 
     def plan_text(self, request: AllocationRequest) -> str:
-        total = sum(request.nodes_by_role.values()) + request.spares
-        lines = [f"local backend: {total} virtual nodes on this machine (capacity {self.capacity or total})"]
-        index = 1
-        for role, count in list(request.nodes_by_role.items()) + [("spare", request.spares)]:
-            names = [f"node{index + i:02d}" for i in range(count)]
-            index += count
-            if names:
-                lines.append(f"  {role:8s} {', '.join(names)}  ({request.gpus_per_node.get(role, self.gpus_per_node)} simulated GPU/node)")
-        return "\n".join(lines)
+        return local_plan_text(self.capacity, self.gpus_per_node, request)
 
     async def allocate(self, request: AllocationRequest) -> list[NodeInfo]:
         total = sum(request.nodes_by_role.values()) + request.spares
@@ -180,3 +172,16 @@ def _agent_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RLCTL_AGENT_SECRET", None)
     return env
+
+
+def local_plan_text(capacity: int, gpus_per_node: int, request: AllocationRequest) -> str:
+    """The virtual nodes each role gets, as ``launch --dry-run`` shows it. Pure."""
+    total = sum(request.nodes_by_role.values()) + request.spares
+    lines = [f"local backend: {total} virtual nodes on this machine (capacity {capacity or total})"]
+    index = 1
+    for role, count in list(request.nodes_by_role.items()) + [("spare", request.spares)]:
+        names = [f"node{index + i:02d}" for i in range(count)]
+        index += count
+        if names:
+            lines.append(f"  {role:8s} {', '.join(names)}  ({request.gpus_per_node.get(role, gpus_per_node)} simulated GPU/node)")
+    return "\n".join(lines)

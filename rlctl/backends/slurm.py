@@ -94,14 +94,9 @@ class SlurmBackend:
         conf = cfg.get("slurm_conf")
         return cls(
             job_dir=job_dir,
-            partition=str(cfg.get("partition", "")),
-            account=str(cfg.get("account", "")),
-            time_limit=str(cfg.get("time_limit", "")),
-            python=str(cfg.get("python", "python3")),
+            **script_settings(cfg),
             node_workdir=str(cfg.get("node_workdir") or "/tmp/rlctl/{job_id}/{node}"),
-            exclude=frozenset(cfg.get("exclude", [])),
             allow_drain=bool(cfg.get("allow_drain", False)),
-            extra_sbatch=tuple(cfg.get("extra_sbatch", [])),
             slurm_conf=Path(str(conf)) if conf else None,
             allocate_timeout_s=float(cfg.get("allocate_timeout_s", 120.0)),
             replace_timeout_s=float(cfg.get("replace_timeout_s", 60.0)),
@@ -397,3 +392,17 @@ def _write_private(path: Path, data: bytes) -> None:
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
     os.replace(tmp, path)
+
+
+def script_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What the sbatch scripts take from a ``[cluster.slurm]`` table. Pure."""
+    return {"partition": str(cfg.get("partition", "")), "account": str(cfg.get("account", "")),
+            "time_limit": str(cfg.get("time_limit", "")), "python": str(cfg.get("python", "python3")),
+            "exclude": frozenset(cfg.get("exclude", [])), "extra_sbatch": tuple(cfg.get("extra_sbatch", []))}
+
+
+def scripts_from_config(cfg: dict[str, Any], job_dir: Path) -> SbatchScripts:
+    """The sbatch scripts a job with this ``[cluster.slurm]`` table and job directory submits. Pure."""
+    settings = script_settings(cfg)
+    return SbatchScripts(job_dir / "slurm", settings["partition"], settings["account"], settings["time_limit"],
+                         settings["python"], settings["exclude"], settings["extra_sbatch"])

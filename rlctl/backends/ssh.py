@@ -19,7 +19,7 @@ Contract (see ``rlctl.backends.base.Backend``):
   dead) is remembered in the state file and retried by every later ``release``, including the
   one at the end of the job, so a node that comes back is cleaned up.
 * ``inject`` carries out backend-level faults through the fault injector it was given (for a lab
-  job ``rlctl.jobfile`` gives the lab's: ``partition``, ``node-down``, ``slow-link``;
+  job ``rlctl.assembly`` gives the lab's: ``partition``, ``node-down``, ``slow-link``;
   ``supported_faults`` says which).
 
 Remote layout per host (``remote_dir`` may contain ``{node}``, needed when hosts share a
@@ -153,17 +153,9 @@ class SshBackend:
     def from_config(cls, cfg: dict[str, Any], job_dir: Path,
                     fault_injector: FaultInjector | None = None) -> SshBackend:
         """Build from the ``[cluster.ssh]`` table (keys: see docs/backends.md)."""
-        user = str(cfg.get("user", "root"))
-        port = int(cfg.get("port", 22))
-        spares = set(cfg.get("spares", []))
+        hosts = inventory_from_config(cfg)
         key = cfg.get("key_file") or cfg.get("key")
         key_path = Path(str(key)).expanduser() if key else None
-        hosts = [parse_host_entry(e, user=user, port=port, key_file=key_path, spare=False)
-                 for e in cfg.get("hosts", [])]
-        unknown = spares - {h.name for h in hosts}
-        if unknown:
-            raise BackendError(f"cluster.ssh.spares names hosts not in the inventory: {', '.join(sorted(unknown))}")
-        hosts = [dataclasses.replace(h, spare=h.name in spares) for h in hosts]
         known = cfg.get("known_hosts", "~/.ssh/known_hosts")
         return cls(
             hosts,
@@ -213,33 +205,11 @@ class SshBackend:
 
     # --- plan / allocate ---------------------------------------------------------------------
     def _pick(self, request: AllocationRequest) -> list[tuple[SshHost, str]]:
-        free = [h for h in self.hosts.values() if h.name not in request.exclude and h.name not in self._assigned]
-        regular = [h for h in free if not h.spare]
-        spare = [h for h in free if h.spare]
-        picks: list[tuple[SshHost, str]] = []
-        for role, count in request.nodes_by_role.items():
-            if len(regular) < count:
-                raise BackendError(f"ssh inventory: role {role!r} needs {count} hosts, "
-                                   f"{len(regular)} non-spare hosts left (inventory {len(self.hosts)})")
-            picks += [(regular.pop(0), role) for _ in range(count)]
-        pool = spare + regular
-        if len(pool) < request.spares:
-            raise BackendError(f"ssh inventory: {request.spares} spares wanted, {len(pool)} hosts left")
-        picks += [(pool.pop(0), SPARE_ROLE) for _ in range(request.spares)]
-        return picks
+        return pick_hosts(list(self.hosts.values()), frozenset(self._assigned), request)
 
     def plan_text(self, request: AllocationRequest) -> str:
         """Which inventory host gets which role. No side effects."""
-        lines = [f"# ssh backend plan for job {request.job_id}"]
-        try:
-            picks = self._pick(request)
-        except BackendError as exc:
-            return "\n".join([*lines, f"# cannot place the job: {exc}"]) + "\n"
-        for host, role in picks:
-            lines.append(f"{role:<8} {host.name:<12} {host.user}@{host.address}:{host.port}")
-        unused = [h for h in self.hosts.values() if h.name not in {p[0].name for p in picks}]
-        lines += [f"{'(free)':<8} {h.name:<12} {'spare-marked' if h.spare else ''}".rstrip() for h in unused]
-        return "\n".join(lines) + "\n"
+        return ssh_plan_text(list(self.hosts.values()), frozenset(self._assigned), request)
 
     async def allocate(self, request: AllocationRequest) -> list[NodeInfo]:
         """Assign inventory hosts to roles and spares (nothing remote happens). Call once per job."""
@@ -418,3 +388,49 @@ def hosts_from_lab(names_and_ips: Iterable[tuple[str, str]], spares: Iterable[st
     """Inventory for lab nodes (the lab's login user, port 22) with ``spares`` marked."""
     spare_set = set(spares)
     return [SshHost(name=n, address=ip, user=user, spare=n in spare_set) for n, ip in names_and_ips]
+
+
+def inventory_from_config(cfg: dict[str, Any]) -> list[SshHost]:
+    """The hosts of a ``[cluster.ssh]`` table, spares marked. Pure."""
+    user = str(cfg.get("user", "root"))
+    port = int(cfg.get("port", 22))
+    spares = set(cfg.get("spares", []))
+    key = cfg.get("key_file") or cfg.get("key")
+    key_path = Path(str(key)).expanduser() if key else None
+    hosts = [parse_host_entry(e, user=user, port=port, key_file=key_path, spare=False) for e in cfg.get("hosts", [])]
+    unknown = spares - {h.name for h in hosts}
+    if unknown:
+        raise BackendError(f"cluster.ssh.spares names hosts not in the inventory: {', '.join(sorted(unknown))}")
+    return [dataclasses.replace(h, spare=h.name in spares) for h in hosts]
+
+
+def pick_hosts(hosts: list[SshHost], assigned: frozenset[str], request: AllocationRequest) -> list[tuple[SshHost, str]]:
+    """Which free host takes which role, spares last (spare-marked hosts first for them). Pure."""
+    free = [h for h in hosts if h.name not in request.exclude and h.name not in assigned]
+    regular = [h for h in free if not h.spare]
+    spare = [h for h in free if h.spare]
+    picks: list[tuple[SshHost, str]] = []
+    for role, count in request.nodes_by_role.items():
+        if len(regular) < count:
+            raise BackendError(f"ssh inventory: role {role!r} needs {count} hosts, "
+                               f"{len(regular)} non-spare hosts left (inventory {len(hosts)})")
+        picks += [(regular.pop(0), role) for _ in range(count)]
+    pool = spare + regular
+    if len(pool) < request.spares:
+        raise BackendError(f"ssh inventory: {request.spares} spares wanted, {len(pool)} hosts left")
+    picks += [(pool.pop(0), SPARE_ROLE) for _ in range(request.spares)]
+    return picks
+
+
+def ssh_plan_text(hosts: list[SshHost], assigned: frozenset[str], request: AllocationRequest) -> str:
+    """Which inventory host gets which role, as ``launch --dry-run`` shows it. Pure."""
+    lines = [f"# ssh backend plan for job {request.job_id}"]
+    try:
+        picks = pick_hosts(hosts, assigned, request)
+    except BackendError as exc:
+        return "\n".join([*lines, f"# cannot place the job: {exc}"]) + "\n"
+    for host, role in picks:
+        lines.append(f"{role:<8} {host.name:<12} {host.user}@{host.address}:{host.port}")
+    unused = [h for h in hosts if h.name not in {p[0].name for p in picks}]
+    lines += [f"{'(free)':<8} {h.name:<12} {'spare-marked' if h.spare else ''}".rstrip() for h in unused]
+    return "\n".join(lines) + "\n"

@@ -35,7 +35,7 @@ def launch(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object for scripts."),
 ) -> None:
     """Validate JOB_FILE, plan roles onto nodes and start the job."""
-    from rlctl.specfile import load_job_file
+    from rlctl.spec_loader import load_job_file
 
     if out is not None:
         if not dry_run:
@@ -150,7 +150,7 @@ def _workload_lines(checks: dict[str, object]) -> list[str]:
 def _dry_run(spec: JobSpec, checks: dict[str, object], out: Path | None, json_out: bool) -> None:
     """Print the plan and the backend's rendering (the sbatch scripts) verbatim; with ``out``, also
     write each rendered script and ``plan.json`` into that folder, whole or not at all."""
-    from rlctl.jobfile import render_launch
+    from rlctl.backends.plans import render_launch
 
     rendering = render_launch(spec)
     plan = "\n".join([*_plan_lines(spec, rendering.plan_lines, checks), rendering.backend_text])
@@ -194,7 +194,7 @@ def _spawn_controller(jobdir: JobDir, resume: bool = False, expect_epoch: int | 
     resuming = ["--resume", *(["--expect-epoch", str(expect_epoch)] if expect_epoch is not None else [])] if resume else []
     with open(jobdir.path / "controller.out", "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "rlctl.controller", "--job-dir", str(jobdir.path), *resuming],
+            [sys.executable, "-m", "rlctl.controller_process", "--job-dir", str(jobdir.path), *resuming],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             cwd=str(jobdir.path), env=dict(os.environ),
         )
@@ -292,9 +292,9 @@ def _tail(path: Path, lines: int = 20) -> str:
 def _run_foreground(jobdir: JobDir, spec: JobSpec) -> None:
     import asyncio
 
+    from rlctl.assembly import make_backend as build
+    from rlctl.assembly import make_workload
     from rlctl.controller.server import Controller, setup_logging
-    from rlctl.jobfile import make_backend as build
-    from rlctl.jobfile import make_workload
 
     setup_logging(jobdir.log_file)
     console.print(f"running [bold]{jobdir.job_id}[/] in the foreground (log: {jobdir.log_file})")
@@ -307,7 +307,7 @@ def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json
     """Start a job's controller again after it died; it rebuilds its state from the journal. A job
     that has ended is not resumed (nothing is written to it)."""
     from rlctl.controller.replay import replay_model
-    from rlctl.specfile import load_job_dir_spec
+    from rlctl.spec_loader import load_job_dir_spec
 
     jobdir = resolve_job(job, state_dir)
     if not jobdir.journal.exists():

@@ -41,7 +41,7 @@ def sim(
     from rlctl.sim.faults import parse_duration
     from rlctl.sim.report import plot_ledger
     from rlctl.sim.weight_rates import MeasuredWeights, WeightRatesError, from_gpucheck, is_gpucheck_report
-    from rlctl.specfile import load_job_file
+    from rlctl.spec_loader import load_job_file
 
     try:
         spec = load_job_file(job_file)

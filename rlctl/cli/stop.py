@@ -178,10 +178,10 @@ def _stop_offline(jobdir: JobDir, why: str, json_out: bool) -> None:
     """No controller answers: stop the job through its backend (which also fences a paused one)."""
     import asyncio
 
+    from rlctl.assembly import make_backend
     from rlctl.controller.offline import OfflineStopError, stop_offline
     from rlctl.core.spec import SpecError
-    from rlctl.jobfile import make_backend
-    from rlctl.specfile import load_job_dir_spec
+    from rlctl.spec_loader import load_job_dir_spec
 
     try:
         spec = load_job_dir_spec(jobdir)

@@ -6,7 +6,7 @@ from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
-from rlctl.specfile import load_job_dir_spec
+from rlctl.spec_loader import load_job_dir_spec
 
 
 def replay_model(jobdir: JobDir) -> JobModel:

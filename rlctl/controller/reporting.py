@@ -14,7 +14,7 @@ from rlctl.core.events import EventKind
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
-from rlctl.specfile import load_job_dir_spec
+from rlctl.spec_loader import load_job_dir_spec
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What the controller needs from the workload, and nothing more: the seam between the two.
 
 The controller owns prompts, rounds and workers but knows nothing of tokenizers, data files,
-model folders or NCCL. It is given a ``Workload`` (``rlctl.jobfile.make_workload`` builds the
+model folders or NCCL. It is given a ``Workload`` (``rlctl.assembly.make_workload`` builds the
 reference GRPO workload's, ``rlctl.workload.seam.GrpoWorkload``, from the job spec) and asks it
 only for these.
 """

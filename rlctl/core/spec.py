@@ -2,7 +2,7 @@
 
 ``parse_spec`` takes the already-parsed TOML data and the file name (for messages) and either
 returns a JobSpec or raises SpecError listing every problem as ``file: key: what was expected``.
-Pure: reading the file is the caller's job (see rlctl.jobfile).
+Pure: reading the file is the caller's job (see rlctl.assembly).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rlctl.jobtemplates import SMALL_WORKLOAD_TABLES
 from rlctl.lab.cluster import JOB_USER, NODE_NET_DEVICE, LabStatus
+from rlctl.lab.reference_jobs import SMALL_WORKLOAD_TABLES
 
 # UCX on the node's only link; TCP transport (no RDMA in the lab); give up on an unreachable
 # holder after 2 connection retries instead of 25, so a joiner asks for another holder quickly.

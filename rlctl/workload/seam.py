@@ -1,7 +1,7 @@
 """The reference GRPO workload as the controller sees it (``rlctl.controller.seam.Workload``).
 
 Role: the one place the controller's questions about prompts, the model folder and trainer
-settings are answered from the job spec; ``rlctl.jobfile.make_workload`` hands it to the
+settings are answered from the job spec; ``rlctl.assembly.make_workload`` hands it to the
 controller, which imports nothing from ``rlctl.workload``.
 """
 

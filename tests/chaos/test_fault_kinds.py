@@ -14,7 +14,7 @@ import pytest
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.events import Event
-from rlctl.jobtemplates import RL_STAGES_TABLES, write_rl_stages_env
+from rlctl.lab.reference_jobs import RL_STAGES_TABLES, write_rl_stages_env
 from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, status, wait_for, write_job
 
 # A worker-level fault is handed to a ready warm standby (stop-worker, activate-standby) or, when
@@ -46,7 +46,7 @@ ENV_FAULTS = [
 # A worker per node; two simulated GPUs per node, so a trainer node runs 2 ranks of one FSDP2 group
 # and a rollout node 2 engines (a node-level fault moves both, a worker fault hits one); and a
 # worker per node with stream-based training, idle rollouts helping the reward worker score, and
-# multi-turn episodes against an env worker (rlctl.jobtemplates.RL_STAGES_TABLES).
+# multi-turn episodes against an env worker (rlctl.lab.reference_jobs.RL_STAGES_TABLES).
 
 
 # What each variant adds, and so the faults it injects. One worker per node gets every kind. Two

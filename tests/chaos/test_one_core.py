@@ -14,7 +14,7 @@ from rlctl.core.events import Event, EventKind
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
 from rlctl.sim.faults import SimFault, TraceFailures
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.integration.helpers import (
     kill_everything_under,
     rlctl,

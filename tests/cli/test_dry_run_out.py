@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from rlctl.backends.plans import render_launch
 from rlctl.cli.outdir import OutDirError, write_folder
-from rlctl.jobfile import render_launch
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.hf_models import gsm8k_data, tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-gsm8k-slurm.toml"

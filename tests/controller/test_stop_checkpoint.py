@@ -27,7 +27,7 @@ from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.spec import EnvSpec, parse_spec
 from rlctl.core.states import WorkerState
 from rlctl.core.stopsave import describe, plan_stop_save
-from rlctl.jobtemplates import write_job
+from rlctl.lab.reference_jobs import write_job
 from tests.core.shells import RecordingShell
 from tests.core.test_policy import running_job
 from tests.core.test_rounds import make_scheduler

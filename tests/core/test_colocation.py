@@ -15,7 +15,7 @@ from rlctl.core.launchplan import plan as launch_plan
 from rlctl.core.model import JobModel
 from rlctl.core.policy import plan
 from rlctl.core.spec import SpecError
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.core.test_orchestrate import orchestrator
 from tests.core.test_policy import kinds, verdict
 from tests.core.test_rounds import make_scheduler

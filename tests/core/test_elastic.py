@@ -22,7 +22,7 @@ from rlctl.core.elastic import (
 from rlctl.core.events import event
 from rlctl.core.model import JobModel
 from rlctl.core.spec import SpecError
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.core.test_rounds import make_scheduler
 
 # Decode-step seconds: degree 2 is 40% faster per token, a little dearer per sequence.

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from rlctl.core.sizing import GIB, ModelShape, SizingError, plan_sizes
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.hf_models import gsm8k_data, tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-gsm8k-slurm.toml"

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from rlctl.cli.app import app
 from rlctl.core.spec import SpecError, spec_reference_markdown
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = sorted((ROOT / "tests" / "spec_corpus").glob("*.toml"))
@@ -86,7 +86,7 @@ def test_docs_job_spec_is_current() -> None:
 
 
 def test_reference_job_template_scales_the_work_of_a_step(tmp_path: Path) -> None:
-    from rlctl.jobtemplates import write_job
+    from rlctl.lab.reference_jobs import write_job
 
     small = load_job_file(write_job(tmp_path / "a", name="small"))
     large = load_job_file(write_job(tmp_path / "b", name="large", step_scale=8))

@@ -14,7 +14,7 @@ from rlctl.core.model import JobModel
 from rlctl.core.orchestrate import signal_verdict
 from rlctl.core.policy import plan
 from rlctl.core.spec import SpecError
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 JOB = """
 [job]

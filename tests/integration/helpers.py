@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlctl.jobtemplates import slow_reward_table, write_job  # noqa: F401  (re-exported for the tests)
+from rlctl.lab.reference_jobs import slow_reward_table, write_job  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 

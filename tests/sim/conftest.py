@@ -10,7 +10,7 @@ from rlctl.core.spec import JobSpec
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
 from rlctl.sim.faults import TraceFailures
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data"

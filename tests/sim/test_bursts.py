@@ -25,7 +25,7 @@ from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
 from rlctl.sim.faults import SimFault, StepFailures, TraceFailures
 from rlctl.sim.layout import colocated_spec, elastic_spec
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SOAK_EXAMPLES = int(os.environ.get("RLCTL_SOAK_EXAMPLES", "0"))

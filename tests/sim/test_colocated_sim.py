@@ -11,7 +11,7 @@ from rlctl.sim.costmodel import load_cost_model
 from rlctl.sim.engine import SimConfig, simulate
 from rlctl.sim.faults import StepFailures
 from rlctl.sim.layout import colocated_costs, colocated_spec, layout_for
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 ROOT = Path(__file__).resolve().parents[2]
 

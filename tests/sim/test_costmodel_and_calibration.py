@@ -21,7 +21,7 @@ from rlctl.sim.costmodel import (
     response_quantile,
 )
 from rlctl.sim.faults import LLAMA3_RATE_PER_GPU_HOUR, parse_duration
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.sim.conftest import DATA, ROOT
 
 

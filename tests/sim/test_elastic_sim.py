@@ -12,7 +12,7 @@ from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, simulate
 from rlctl.sim.faults import StepFailures
 from rlctl.sim.layout import elastic_spec
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 ROOT = Path(__file__).resolve().parents[2]
 

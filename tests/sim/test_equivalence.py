@@ -24,7 +24,7 @@ from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.plansteps import Step
 from rlctl.sim import observe
 from rlctl.sim.calibrate import read_events
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.core.shells import RecordingShell
 from tests.core.test_rounds import make_scheduler
 from tests.sim.conftest import DATA, paused_simulation

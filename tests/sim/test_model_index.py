@@ -15,7 +15,7 @@ from rlctl.sim.calibrate import read_events
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
 from rlctl.sim.faults import SimFault, TraceFailures
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.sim.conftest import DATA, ROOT
 
 

@@ -15,7 +15,7 @@ from rlctl.core.spec import JobSpec
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
 from rlctl.sim.faults import SimFault, TraceFailures
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.recovery_cases import GIVE_UP_PATTERN, IN_PLACE, TAKEOVER, RecoveryCase, verdict_of
 
 ROOT = Path(__file__).resolve().parents[2]

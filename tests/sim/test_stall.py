@@ -14,7 +14,7 @@ from rlctl.core.events import EventKind
 from rlctl.sim.costmodel import load_cost_model
 from rlctl.sim.engine import SimConfig, Simulation, simulate
 from rlctl.sim.faults import StepFailures
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 
 ROOT = Path(__file__).resolve().parents[2]
 FREEZE_AT_STEP = 5

@@ -21,8 +21,8 @@ from rlctl_agent import protocol
 from rlctl.controller.api import ApiHandlers, ApiServer, BadRequest, encode_answer
 from rlctl.core.faultparams import FaultParamError, validate_fault
 from rlctl.core.spec import SpecError, parse_spec
-from rlctl.jobtemplates import write_job
-from rlctl.specfile import load_job_file
+from rlctl.lab.reference_jobs import write_job
+from rlctl.spec_loader import load_job_file
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

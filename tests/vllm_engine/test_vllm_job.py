@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.jobtemplates import write_job
+from rlctl.lab.reference_jobs import write_job
 from tests.hf_models import tiny_model
 from tests.integration.helpers import run_to_end
 

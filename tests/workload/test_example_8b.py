@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from tests.hf_models import gsm8k_data, tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-gsm8k-slurm.toml"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from rlctl.workload.loop import LoopConfig, run_grpo, task_prompts
 from rlctl.workload.reference import ensure_reference_model
 from rlctl.workload.trainer import TrainerConfig

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from rlctl.jobtemplates import write_job
-from rlctl.specfile import load_job_file
+from rlctl.lab.reference_jobs import write_job
+from rlctl.spec_loader import load_job_file
 from rlctl.workload.calculator_env import CalculatorEnv
 from rlctl.workload.engine import SamplingConfig, TorchEngine
 from rlctl.workload.hf_model import load_hf_policy

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.specfile import load_job_file
+from rlctl.spec_loader import load_job_file
 from rlctl.workload.hf_tokenizer import ChatTokenizer
 from rlctl.workload.prompts import PreflightError, load_prompt_set, preflight
 from tests.hf_models import gsm8k_data, tiny_model

@@ -1,4 +1,7 @@
-"""Entry point of a job's controller process: ``python -m rlctl.controller --job-dir DIR [--resume [--expect-epoch N]]``.
+"""Entry point of a job's controller process: ``python -m rlctl.controller_process --job-dir DIR [--resume [--expect-epoch N]]``.
+
+It sits above the controller package: it assembles the job (``rlctl.assembly``: the backend and the
+workload the spec names) and hands them to the ``Controller``, which never imports the workload.
 
 `rlctl launch` starts it detached; `rlctl resume` starts it again after a crash, with the controller
 epoch it read, so that of two resumes at once only one takes the job (the other exits with
@@ -12,14 +15,14 @@ import asyncio
 import sys
 from pathlib import Path
 
+from rlctl.assembly import make_backend, make_workload
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.server import Controller, setup_logging
-from rlctl.jobfile import make_backend, make_workload
-from rlctl.specfile import load_job_dir_spec
+from rlctl.spec_loader import load_job_dir_spec
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlctl.controller")
+    parser = argparse.ArgumentParser(prog="python -m rlctl.controller_process")
     parser.add_argument("--job-dir", required=True, type=Path)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--expect-epoch", type=int, default=None,

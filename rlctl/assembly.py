@@ -1,11 +1,11 @@
-"""The assembly of a job: the backend its spec names, its workload, the lab's fault injector, and
-what ``launch --dry-run`` prints. The CLI and the controller's entry point call these; the layers
-below them are handed what is built here.
+"""The assembly of a job: the backend its spec names, its workload and the lab's fault injector.
+The CLI and the controller's process entry point (``rlctl.controller_process``) call these; the
+layers below them are handed what is built here. (What ``launch --dry-run`` prints is rendered
+without building anything: ``rlctl.backends.plans``.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,35 +35,6 @@ def make_backend(spec: JobSpec, jobdir: HasPath) -> Backend:
     from rlctl.backends.slurm import SlurmBackend
 
     return SlurmBackend.from_config(cluster, jobdir.path, lab_fault_injector(cluster))
-
-
-@dataclass(frozen=True)
-class LaunchRendering:
-    """What ``launch --dry-run`` shows: the launch plan's lines, the backend's rendering of its
-    allocation (the sbatch scripts on Slurm), and the files that rendering holds, by file name."""
-
-    plan_lines: list[str]
-    backend_text: str
-    files: dict[str, str]
-
-
-def render_launch(spec: JobSpec) -> LaunchRendering:
-    """The launch plan and the backend's rendering of its allocation. Starts nothing, writes nothing."""
-    from rlctl.core.launchplan import plan
-
-    class _NoJobDir:
-        path = Path("/nonexistent-dry-run")
-
-    launch_plan = plan(spec)
-    backend = make_backend(spec, _NoJobDir())
-    request = launch_plan.allocation(f"{spec.name}-(dry-run)")
-    files: dict[str, str] = {}
-    if spec.backend == "slurm":
-        from rlctl.backends.slurm import SlurmBackend
-
-        if isinstance(backend, SlurmBackend):
-            files = {script.path.name: script.text for script in backend.scripts.rendered(request)}
-    return LaunchRendering(launch_plan.lines(), backend.plan_text(request), files)
 
 
 def make_workload(spec: JobSpec) -> Workload:
