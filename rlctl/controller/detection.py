@@ -1,6 +1,6 @@
 """Live detection: the core detector run each tick over what the agents reported.
 
-Heartbeat silences are judged every tick; progress, hang and fail-slow judgements once a second
+Heartbeat silences are judged every tick, by the core's ``NodeJudge`` (the simulator's too); progress, hang and fail-slow judgements once a second
 per worker (their bounds are seconds long), a slice of the workers each tick so that thousands of
 workers never hold the event loop for long. A silent node is probed through the backend before it
 is convicted. Verdicts go to the orchestration core, which journals and acts on them.
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from rlctl.backends.base import Backend, NodeInfo
 from rlctl.core import detector as det
+from rlctl.core.node_judging import NodeJudge, NodeSighting, ProbeAnswer
 from rlctl.core.orchestrate import Orchestrator
-from rlctl.core.states import NodeState, WorkerState
+from rlctl.core.states import WorkerState
 
 log = logging.getLogger("rlctl.controller.detection")
 
-AGENT_REGISTER_TIMEOUT_S = 30.0
 # After a controller restart, agents reconnect with backoff (up to 5 s between tries), and after
 # a paused predecessor was fenced they first wait out its silence (12 s) and may land on its
 # listener a few times (10 s each, the agent's handshake wait): a node is not blamed for its
@@ -30,8 +30,6 @@ RESUME_GRACE_S = 90.0
 WORKER_CHECK_INTERVAL_S = 1.0
 WORKER_CHECK_SLICES = 8
 PROBE_TIMEOUT_S = 10.0
-PROBE_TTL_S = 2.0
-UNJUDGED_NODES = (NodeState.FAILED, NodeState.DRAINING, NodeState.RELEASED, NodeState.ALLOCATING, NodeState.STARTING)
 
 
 @dataclass
@@ -61,7 +59,7 @@ class Detection:
         self.lag_s = 0.0
         self.probes: dict[str, tuple[bool, str, float]] = {}
         self._probing: set[str] = set()
-        self._starting_since: dict[str, float] = {}
+        self.judge = NodeJudge(self.detector, orchestrator.spec.fault_tolerance.min_silence_s)
         self._worker_round_started = 0.0
         self._worker_queue: list[str] = []  # slots still to judge in this round, popped from the end
         self._worker_slice = 1
@@ -74,49 +72,21 @@ class Detection:
         self._detect_workers_slice(now)
 
     def _detect_nodes(self, now: float) -> None:
-        model = self.model
-        heard_after = now - self.orc.spec.fault_tolerance.min_silence_s
-        in_grace = self.resumed.in_grace(now)
-        candidates = []
-        for node in list(model.nodes.values()):
-            beat = node.last_heartbeat_at
-            if beat is not None and beat > heard_after and not node.gpus_lost:
-                continue  # cheap pre-filter: no node is suspected before the acceptable pause
-            if node.life.state in UNJUDGED_NODES:
-                continue
-            if in_grace and not self.connected(node.name):
-                continue
-            candidates.append(node)
-        judged = ({n.name: n.last_heartbeat_at for n in model.nodes.values()
-                   if n.last_heartbeat_at is not None and n.life.state not in UNJUDGED_NODES} if candidates else {})
-        stalled = self.detector.observer_stall(judged, now)
-        if stalled != self._observer_stalled:
-            self._observer_stalled = stalled
-            if stalled:
+        sightings = {name: NodeSighting(name, node.last_heartbeat_at, self.connected(name),
+                                        ProbeAnswer(*probe) if (probe := self.probes.get(name)) else None)
+                     for name, node in self.model.nodes.items()}
+        judgement = self.judge.judge(self.model, sightings, now, self.lag_s, self.resumed.in_grace(now))
+        if judgement.all_quiet != self._observer_stalled:
+            self._observer_stalled = judgement.all_quiet
+            if judgement.all_quiet:
                 log.warning("all %d nodes went quiet at once: holding node verdicts (the controller's host or link "
-                            "is the likelier fault)", len(judged))
+                            "is the likelier fault)", len(sightings))
             else:
                 log.warning("node heartbeats are judged one by one again")
-        if stalled:
-            candidates = [n for n in candidates if n.gpus_lost]  # everyone quiet at once: not the nodes
-        for node in candidates:
-            probe = self.probes.get(node.name)
-            obs = det.NodeObs(
-                name=node.name,
-                role=node.role,
-                last_heartbeat_at=node.last_heartbeat_at,
-                connected=self.connected(node.name),
-                probe_reachable=probe[0] if probe and now - probe[2] < PROBE_TTL_S else None,
-                probe_detail=probe[1] if probe else "",
-                gpu_lost=node.gpus_lost,
-            )
-            verdict = self.detector.heartbeat_verdict(obs, now, self.lag_s)
-            if verdict is None:
-                continue
-            if verdict.verdict == "suspect":
-                self.orc.suspect(node.name, verdict.reason)
-                self._probe(node.name)
-                continue
+        for suspect in judgement.suspects:
+            self.orc.suspect(suspect.node, suspect.reason)
+            self._probe(suspect.node)
+        for verdict in judgement.verdicts:
             self.orc.handle(verdict)
 
     def _detect_workers_slice(self, now: float) -> None:
@@ -159,15 +129,8 @@ class Detection:
 
     def detect_startup(self, now: float) -> None:
         """Nodes whose agent never registered are replaced too (a node can die while starting)."""
-        for node in self.model.nodes.values():
-            if node.life.state != NodeState.STARTING:
-                self._starting_since.pop(node.name, None)
-                continue
-            since = self._starting_since.setdefault(node.name, now)
-            if now - since > AGENT_REGISTER_TIMEOUT_S:
-                self.orc.handle(det.Verdict(node.name, None, "failed", "agent-start", "replace-node",
-                                            f"agent on {node.name} did not register within {AGENT_REGISTER_TIMEOUT_S:.0f}s",
-                                            since))
+        for verdict in self.judge.startup(self.model, now):
+            self.orc.handle(verdict)
 
     def _probe(self, name: str) -> None:
         if name in self._probing:

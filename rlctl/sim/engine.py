@@ -23,6 +23,7 @@ from rlctl.core.effects import NodeGrant, Plan
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.launchplan import plan
 from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.node_judging import NodeJudge
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
@@ -60,6 +61,7 @@ class Simulation:
         self.total_steps = config.steps if config.steps is not None else spec.steps
         self.interval = spec.fault_tolerance.heartbeat_interval_s
         self.detector = detector_for(spec)
+        self.node_judge = NodeJudge(self.detector, spec.fault_tolerance.min_silence_s)
         sched_config = scheduler_config(spec, cost)
         prompts = max(spec.rollout.dataset_size, sched_config.batch_prompts * 4)
         self.scheduler = RoundScheduler(sched_config, synthetic_prompts(prompts, spec.seed))

@@ -14,6 +14,7 @@ import math
 from rlctl.core import detector as det
 from rlctl.core.events import EventKind
 from rlctl.core.model import SlotRecord
+from rlctl.core.node_judging import JUDGED_NODE_STATES, NodeSighting, ProbeAnswer
 from rlctl.core.states import NodeState
 from rlctl.sim import observe
 from rlctl.sim.faults import SimFault
@@ -23,7 +24,6 @@ from rlctl.sim.truth import WorkerTruth
 PARTITION_HEALS_S = 60.0  # a partition without a duration heals after a minute (the agent reconnects)
 RECHECK_S = 1.0
 WORKER_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
-WATCHED_NODE_STATES = (NodeState.READY, NodeState.STANDBY, NodeState.ACTIVE, NodeState.SUSPECT)
 
 
 def inject_fault(sim: SimSite, fault: SimFault) -> None:
@@ -160,23 +160,26 @@ def _next_tick(sim: SimSite, at: float) -> float:
 
 def _judge_silence(sim: SimSite, node: str, probe: bool | None, detail: str) -> None:
     truth, record = sim.nodes.get(node), sim.model.nodes.get(node)
-    if truth is None or record is None or truth.silent_since is None or record.life.state not in WATCHED_NODE_STATES:
+    if truth is None or record is None or truth.silent_since is None or record.life.state not in JUDGED_NODE_STATES:
         return
     if sim.stopping or sim.model.life.state.terminal:
         return
-    last = truth.last_beat(sim.now, sim.interval)
-    verdict = observe.node_verdict(sim.detector, sim.model, node, last, probe, detail, sim.now)
-    if verdict is None:
-        sim.q.schedule(_next_tick(sim, sim.now + sim.cost.detection.tick_s), _judge_silence, sim, node, None, "")
-        return
-    if verdict.verdict == "suspect":
-        sim.orc.suspect(node, verdict.reason)
+    answer = ProbeAnswer(probe, detail, sim.now) if probe is not None else None
+    sightings = {name: NodeSighting(name, other.last_beat(sim.now, sim.interval), sim.agent_connected(name),
+                                    answer if name == node else None) for name, other in sim.nodes.items()}
+    judgement = sim.node_judge.judge(sim.model, sightings, sim.now).about(node)
+    if judgement.suspects:
+        sim.orc.suspect(node, judgement.suspects[0].reason)
         reachable = truth.reachable_by_probe
         result = "process alive, agent unreachable" if reachable else "probe timed out"
         delay = 0.5 if reachable else sim.cost.detection.probe_s
         sim.q.after(delay, _judge_silence, sim, node, reachable, result)
         return
-    sim.orc.handle(verdict)
+    if not judgement.verdicts:
+        sim.q.schedule(_next_tick(sim, sim.now + sim.cost.detection.tick_s), _judge_silence, sim, node, None, "")
+        return
+    for verdict in judgement.verdicts:
+        sim.orc.handle(verdict)
     # The live tick judges every node again and again; a verdict the recovery ignored (already being
     # handled) comes back once its key is forgotten.
     sim.q.after(RECHECK_S, _judge_silence, sim, node, None, "")

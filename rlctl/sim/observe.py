@@ -1,15 +1,15 @@
 """The controller's judgement glue, shared by the simulator and checked against the live controller.
 
-Each function turns what the controller would observe (a heartbeat silence, a probe result, frozen
-progress) into the core detector's input and verdict exactly the way ``rlctl/controller/detection.py``
-does. Agent signals and worker exits need no glue: they go to the orchestration core as they do
+Each function turns what the controller would observe (heartbeats, frozen progress) into the core
+detector's input exactly the way ``rlctl/controller/detection.py`` does; node silences are judged by
+the core's ``NodeJudge``, which both call. Agent signals and worker exits need no glue: they go to the orchestration core as they do
 live. Nothing here decides anything itself. Pure.
 """
 
 from __future__ import annotations
 
 from rlctl.core import detector as det
-from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.model import SlotRecord
 from rlctl.core.spec import JobSpec
 
 HEARTBEAT_HISTORY = 30  # inter-arrival samples replayed into the detector before a judgement
@@ -31,24 +31,6 @@ def prime_heartbeats(detector: det.Detector, node: str, last_beat: float, interv
     for index, noise in enumerate(jitter):
         at = last_beat - (count - 1 - index) * interval + (noise if index < count - 1 else 0.0)
         detector.heartbeat(node, at)
-
-
-def node_verdict(
-    detector: det.Detector, model: JobModel, node: str, last_beat: float, probe: bool | None, probe_detail: str,
-    now: float, lag_s: float = 0.0,
-) -> det.Verdict | None:
-    """The controller's node judgement (``Detection``): NodeObs from the model plus the probe, then the detector."""
-    record = model.nodes[node]
-    obs = det.NodeObs(
-        name=node,
-        role=record.role,
-        last_heartbeat_at=last_beat,
-        connected=probe is None,
-        probe_reachable=probe,
-        probe_detail=probe_detail,
-        gpu_lost=record.gpus_lost,
-    )
-    return detector.heartbeat_verdict(obs, now, lag_s)
 
 
 def worker_obs(slot: SlotRecord, phase: str, progress: float, progress_age_s: float,

@@ -16,6 +16,7 @@ from rlctl.core.detector import Detector
 from rlctl.core.events import Event, EventKind
 from rlctl.core.injections import Injection
 from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.node_judging import NodeJudge
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
@@ -88,6 +89,7 @@ class SimSite(Protocol):
     model: JobModel
     scheduler: RoundScheduler
     detector: Detector
+    node_judge: NodeJudge
     orc: Orchestrator
     nodes: dict[str, NodeTruth]
     workers: dict[str, WorkerTruth]

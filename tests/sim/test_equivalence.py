@@ -20,6 +20,7 @@ from rlctl.core import detector as det
 from rlctl.core import policy
 from rlctl.core.events import Event, event
 from rlctl.core.model import JobModel
+from rlctl.core.node_judging import NodeJudgement, NodeSighting, ProbeAnswer
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.plansteps import Step
 from rlctl.sim import observe
@@ -119,6 +120,13 @@ def test_worker_exit_gives_the_same_verdict_and_plan(paired: tuple[Any, StubCont
     assert stub.plans == sim_plans
 
 
+def sim_judges(sim: Any, node: str, last: float, probe: ProbeAnswer | None = None) -> NodeJudgement:
+    """The simulator's judgement of ``node`` silent since ``last`` (every other node beating)."""
+    sightings = {name: NodeSighting(name, last if name == node else sim.now, True, probe if name == node else None)
+                 for name in sim.model.nodes}
+    return sim.node_judge.judge(sim.model, sightings, sim.now).about(node)
+
+
 @pytest.mark.parametrize("probe_reaches", [False, True])
 def test_heartbeat_silence_gives_the_same_suspicion_verdict_and_plan(paired: tuple[Any, StubController],
                                                                      probe_reaches: bool) -> None:
@@ -131,15 +139,14 @@ def test_heartbeat_silence_gives_the_same_suspicion_verdict_and_plan(paired: tup
     all_quiet(stub)
     stub.model.nodes[node].last_heartbeat_at = last
     stub.detection.detect(stub.now)  # no probe yet: suspect
-    sim_first = observe.node_verdict(sim.detector, sim.model, node, last, None, "", sim.now)
-    assert sim_first is not None and sim_first.verdict == "suspect"
+    [sim_first] = sim_judges(sim, node, last).suspects
+    assert sim_first.verdict == "suspect"
     assert stub.model.nodes[node].life.state.value == "suspect"
     sim.orc.suspect(node, sim_first.reason)
     detail = "probe said so"
     stub.detection.probes[node] = (probe_reaches, detail, stub.now)
     stub.detection.detect(stub.now)
-    verdict = observe.node_verdict(sim.detector, sim.model, node, last, probe_reaches, detail, sim.now)
-    assert verdict is not None
+    [verdict] = sim_judges(sim, node, last, ProbeAnswer(probe_reaches, detail, sim.now)).verdicts
     sim.orc.handle(verdict)
     live = [v for v in live_verdicts(stub) if v["node"] == node]
     assert [comparable(v) for v in live] == [comparable(v) for v in sim_side(sim)[0]]
