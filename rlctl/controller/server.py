@@ -48,6 +48,7 @@ from rlctl.controller.tls import ensure_job_certificate, server_context, tls_ena
 from rlctl.controller.workers import WorkerLauncher
 from rlctl.core import detector as det
 from rlctl.core import effects as fx
+from rlctl.core import job_moves as moves
 from rlctl.core import orchestrate as orc
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.launchplan import LaunchPlan, plan
@@ -330,15 +331,11 @@ class Controller:
         self._maybe_finish(now)
 
     def _maybe_start_held_out(self, now: float) -> None:
-        version = self.model.published_version
-        if self.scheduler.held_out_due(version, final=version >= self.model.total_steps):
+        if (version := moves.held_out_due(self.model, self.scheduler)) is not None:
             self.commit(self.scheduler.start_held_out(version, now))
 
     def _maybe_finish(self, now: float) -> None:
-        """Stop as succeeded once the last version is published and its held-out evaluation (if
-        the job has one) is scored."""
-        if self.model.published_version >= self.model.total_steps and self.scheduler.held_out is None \
-                and not self.stopping:
+        if moves.finished(self.model, self.scheduler) and not self.stopping:
             self.request_stop("all steps done", succeeded=True)
 
     # ---------------------------------------------------------------------------------- tick
@@ -396,14 +393,7 @@ class Controller:
         log.info("heap frozen after start: %d objects out of the collector's sight", gc.get_freeze_count())
 
     def _maybe_start_round(self, now: float) -> None:
-        rnd = self.scheduler.round
-        version = self.model.published_version
-        if version >= self.model.total_steps:
-            return
-        held_out = self.scheduler.held_out
-        if held_out is not None and held_out.version < version:
-            return  # the next round waits for the running held-out evaluation (its weights version stays served)
-        if rnd is None or (rnd.closed and rnd.step < version):
+        if (version := moves.round_due(self.model, self.scheduler)) is not None:
             self.commit(self.scheduler.start_round(version, now))
 
     # ------------------------------------------------------------------------------ stopping

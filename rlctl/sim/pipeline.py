@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlctl.core import job_moves as moves
 from rlctl.core.events import EventKind
 from rlctl.core.model_weights import state_not_older
 from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
@@ -44,19 +45,20 @@ class Pipeline:
             self._schedule_task()
 
     def advance(self) -> None:
-        """Controller.tick's `_maybe_start_round`, and the trainer picking up its batch."""
+        """The round decision of the controller's tick (`core.job_moves.round_due`), and the trainer picking up its batch."""
         model = self.sim.model
         if self.sim.stopping or model.life.state not in (JobState.RUNNING, JobState.RECOVERING):
             return
         if model.productive_since is None or self.task is not None:
             return
-        version = model.published_version
-        if version >= model.total_steps:
+        if (due := moves.round_due(model, self.sim.scheduler)) is not None:
+            self._start_step(due)
             return
+        version = model.published_version
         rnd = self.sim.scheduler.round
-        if rnd is None or (rnd.closed and rnd.step < version):
-            self._start_step(version)
-        elif not rnd.closed:
+        if version >= model.total_steps or rnd is None:
+            return
+        if not rnd.closed:
             self._resume_round()
         elif rnd.step == version and self.sim.scheduler.batch_for(version) is not None and self.sim.trainer_rate() > 0:
             self._start_training(version)
@@ -248,7 +250,7 @@ class Pipeline:
             self.sim.emit(EventKind.HEARTBEAT_SUMMARY, beats=int(nodes * self.last_step_s / self.sim.interval), nodes=nodes,
                       window_s=round(self.last_step_s, 3))
         self.stage = "idle"
-        if version >= self.sim.model.total_steps:
+        if moves.finished(self.sim.model, self.sim.scheduler):
             self.sim.end_to_end_s = self.sim.now - self.sim.model.ledger.started_at
             self.sim.finish("all steps done", succeeded=True)
             return
