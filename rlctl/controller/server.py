@@ -368,6 +368,7 @@ class Controller:
             self._maybe_start_round(now)
             self._maybe_start_held_out(now)
             self._maybe_finish(now)
+            self.orc.close_healed(now)
             self.detection.detect(now)
         if not self.stopping and (stalled := self.stall_guard.check(model, now)) is not None:
             self.commit(stalled.events)

@@ -57,6 +57,20 @@ _PARAMS: dict[str, frozenset[str]] = {
     "partition": frozenset({"duration"}),
     "slow-link": frozenset({"duration", "delay_ms"}),
 }
+# The kinds that end by themselves after their ``duration`` (a hang that is let go, a slow-down, a
+# partition or a slow link that heals).
+SELF_HEALING_KINDS = frozenset(kind for kind, names in _PARAMS.items() if "duration" in names)
+
+
+def heals_at(kind: str, params: dict[str, Any], occurred_at: float) -> float | None:
+    """When an injected fault of ``kind`` with ``params`` ends by itself; None if it does not."""
+    duration = params.get("duration")
+    if kind not in SELF_HEALING_KINDS or duration is None:
+        return None
+    value = float(duration)
+    return occurred_at + value if math.isfinite(value) else None
+
+
 # The CLI's name for each parameter, so an error names the option the user typed.
 OPTION_NAMES = {"after": "--after", "at_phase": "--at-phase", "duration": "--duration", "factor": "--factor", "code": "--code",
                 "kind": "--ecc", "gpu": "--gpu", "delay_ms": "--delay-ms", "wid": "--worker", "worker": "--worker"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rlctl.core.events import Event
+from rlctl.core.faultparams import heals_at
 from rlctl.core.records import FaultRecord, NodeRecord, SlotRecord
 from rlctl.core.states import WorkerState
 
@@ -37,6 +38,11 @@ class FaultLedger:
         def slot_on_node(self, node: str) -> SlotRecord | None: ...
         def slots_on_node(self, node: str) -> list[SlotRecord]: ...
         def slot_of_wid(self, wid: str) -> SlotRecord | None: ...
+
+    def healed_unseen(self, now: float) -> list[FaultRecord]:
+        """Open injected faults that ended by themselves (their duration passed) before anyone saw them."""
+        return [f for f in self.faults.values()
+                if f.open and f.detected_at is None and f.heals_at is not None and f.heals_at <= now + 1e-9]
 
     def open_faults(self) -> list[FaultRecord]:
         return [f for f in self.faults.values() if f.open]
@@ -87,6 +93,7 @@ class FaultLedger:
             injected=True,
             impact=self.fault_impact(slot),
             awaiting_answer=bool(d.get("awaiting_answer", False)),
+            heals_at=heals_at(d["kind"], d["params"], ev.at + float(d["params"].get("after", 0.0))),
         )
 
     def _on_FaultAccepted(self, ev: Event) -> None:

@@ -223,6 +223,15 @@ class Orchestrator:
                 return False
         return True
 
+    def close_healed(self, now: float) -> None:
+        """End the injected faults that healed by themselves (a slow-down, a hang let go, a partition
+        or a slow link past its duration) before any verdict saw them: nothing is left to recover."""
+        healed = self.model.healed_unseen(now)
+        for fault in healed:
+            self.record(EventKind.FAULT_RECOVERED, fault_ids=[fault.fault_id], slot=fault.slot, node=fault.node)
+        if healed:
+            self.update_job_state()
+
     def update_job_state(self) -> None:
         """STARTING → RUNNING once every role runs; RECOVERING → RUNNING once nothing is open or busy."""
         model = self.model

@@ -108,6 +108,7 @@ class FaultRecord:
     # An injection handed to its agent (or backend) and not yet answered: open (a verdict may see it),
     # but it takes nothing from the job until it is carried out, so a refused one costs nothing.
     awaiting_answer: bool = False
+    heals_at: float | None = None  # an injected fault that ends by itself after its duration
 
     @property
     def open(self) -> bool:

@@ -112,7 +112,7 @@ def apply_fault(sim: SimSite, fault: SimFault, fault_id: str, node: str, slot: S
                 sim.q.after(delay, _fault_signal, sim, node, "nccl-timeout", None, message, worker.wid)
     elif kind == "slow":
         if worker is not None:
-            _slow(sim, worker, float(fault.params.get("factor", 4.0)), float(fault.params.get("duration", math.inf)), fault_id)
+            _slow(sim, worker, float(fault.params.get("factor", 4.0)), float(fault.params.get("duration", math.inf)))
     else:
         raise ValueError(f"unknown simulated fault kind {kind!r}")
 
@@ -236,11 +236,11 @@ def _judge_hang(sim: SimSite, wid: str, phase: str) -> None:
 # ------------------------------------------------------------------------------ fail-slow
 
 
-def _slow(sim: SimSite, worker: WorkerTruth, factor: float, duration: float, fault_id: str) -> None:
+def _slow(sim: SimSite, worker: WorkerTruth, factor: float, duration: float) -> None:
     worker.slow = max(1.0, factor)
     sim.update_capacity()
     if math.isfinite(duration):
-        sim.q.after(duration, _heal_slow, sim, worker.wid, fault_id)
+        sim.q.after(duration, _heal_slow, sim, worker.wid)
     if worker.role == "rollout":
         sim.q.after(SLOW_TICK, _slow_tick, sim, worker.wid)
 
@@ -268,13 +268,9 @@ def _slow_tick(sim: SimSite, wid: str) -> None:
     sim.q.after(SLOW_TICK, _slow_tick, sim, wid)
 
 
-def _heal_slow(sim: SimSite, wid: str, fault_id: str) -> None:
+def _heal_slow(sim: SimSite, wid: str) -> None:
     worker = sim.workers.get(wid)
     if worker is not None:
         worker.slow = 1.0
         sim.update_capacity()
-    fault = sim.model.faults.get(fault_id)
-    if fault is not None and fault.open and fault.detected_at is None:
-        # A transient slow-down that healed before anyone noticed: the simulator knows it ended.
-        sim.emit(EventKind.FAULT_RECOVERED, fault_ids=[fault_id], slot=fault.slot, node=fault.node)
-        sim.orc.update_job_state()
+    sim.orc.close_healed(sim.now)  # unseen, it ends as the live controller's tick ends it

@@ -250,3 +250,21 @@ def step_and_start(shell: RecordingShell) -> str:
             if isinstance(effect, fx.StartWorker):
                 wid = effect.wid
     return wid
+
+
+def test_an_injected_fault_that_heals_by_itself_unseen_ends_when_its_duration_does() -> None:
+    c, shell = orchestrator()
+    shell.now = 10.0
+    for fault_id, kind, params in (("f-slow", "slow", {"duration": 5.0, "factor": 3.0}), ("f-crash", "crash", {}),
+                                   ("f-late", "hang", {"duration": 2.0, "after": 10.0})):
+        c.record(EventKind.FAULT_INJECTED, fault_id=fault_id, node="node02", kind=kind, params=params)
+    assert c.model.faults["f-slow"].heals_at == 15.0 and c.model.faults["f-late"].heals_at == 22.0
+    assert c.model.faults["f-crash"].heals_at is None
+    c.close_healed(14.9)
+    assert all(f.open for f in c.model.faults.values())
+    c.close_healed(15.0)
+    recovered = [e for e in shell.journal if e.type == EventKind.FAULT_RECOVERED]
+    assert [e.data["fault_ids"] for e in recovered] == [["f-slow"]] and not c.model.faults["f-slow"].open
+    c.model.faults["f-late"].detected_at = 21.0  # a verdict saw it: its recovery ends it, not its duration
+    c.close_healed(30.0)
+    assert c.model.faults["f-late"].open and c.model.faults["f-crash"].open
