@@ -30,9 +30,13 @@ MIN_REWARD_RISE = 0.05
 @pytest.mark.timeout(1200)
 @pytest.mark.xfail(strict=False, reason=(
     "2026-11-27: the warm-started calculator policy scores ~0 before RL on a fresh cache (0.0078 on the "
-    "clean-clone run; documented 0.574), and the code of the session start (a7f7c33) builds a model that "
-    "scores 0.0 the same way, so the cause predates this change set (the environment or the warm start); "
-    "under investigation, see the closing note of stop 35"))
+    "clean-clone run; 0.508 documented on 2026-11-25). Ruled out: transformers (5.17 and 5.24 build a "
+    "byte-identical tiny Llama and warm-start a model that answers identically), the demonstrations (the "
+    "2026-11-25 code writes the same calc.jsonl), the engine and its sampler (the 2026-11-25 code scores "
+    "today's model 0.0 too, and HF's own sampling at temperature 1 miscopies the same way). The warm model "
+    "copies the operands under greedy decoding but puts only 0.45 on the right first digit. Likeliest, not "
+    "yet verified: the copying skill is barely formed at 500 warm-start steps, so small numeric differences "
+    "(torch build, threads) decide whether it forms; next: a warm start that forms it reliably"))
 def test_grpo_with_the_calculator_raises_mean_reward() -> None:
     folder = calculator_warm_model()
     model = folder / "model"
