@@ -40,6 +40,9 @@ def inject_fault(sim: SimSite, fault: SimFault) -> None:
     fault_id = f"sim-{sim.stats.faults_injected:05d}"
     sim.emit(EventKind.FAULT_INJECTED, fault_id=fault_id, node=name, kind=fault.kind,
              params={**fault.params, "cause": fault.cause})
+    record = sim.model.faults.get(fault_id)
+    if record is not None and record.heals_at is not None:
+        sim.q.schedule(record.heals_at, _close_healed, sim)  # the live controller's tick, at the moment it matters
     cause = fault.cause or fault.kind
     sim.stats.faults_by_kind[cause] = sim.stats.faults_by_kind.get(cause, 0) + 1
     apply_fault(sim, fault, fault_id, name, slot, worker)
@@ -268,9 +271,13 @@ def _slow_tick(sim: SimSite, wid: str) -> None:
     sim.q.after(SLOW_TICK, _slow_tick, sim, wid)
 
 
+def _close_healed(sim: SimSite) -> None:
+    if not sim.model.life.state.terminal:
+        sim.orc.close_healed(sim.now)
+
+
 def _heal_slow(sim: SimSite, wid: str) -> None:
     worker = sim.workers.get(wid)
     if worker is not None:
         worker.slow = 1.0
         sim.update_capacity()
-    sim.orc.close_healed(sim.now)  # unseen, it ends as the live controller's tick ends it
