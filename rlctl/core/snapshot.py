@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlctl.core.model import JobModel
+from rlctl.core.states import NodeState
 
 RECENT_IN_SNAPSHOT = 12
 REWARD_WINDOW = 5  # steps in each round kind's moving average
@@ -104,6 +105,7 @@ def _nodes(model: JobModel, now: float) -> list[dict[str, Any]]:
         worker = by_node.get(node.name)
         slot = worker if worker is not None and not worker.standby else None
         gpu = node.gpu_summary
+        released = node.life.state == NodeState.RELEASED  # given back: no heartbeat or phase of it means anything
         out.append(
             {
                 "name": node.name,
@@ -113,9 +115,9 @@ def _nodes(model: JobModel, now: float) -> list[dict[str, Any]]:
                 "state": node.life.state.value,
                 "excluded": node.excluded,
                 "connected": node.connected,
-                "heartbeat_age_s": round(now - node.last_heartbeat_at, 3) if node.last_heartbeat_at else None,
+                "heartbeat_age_s": round(now - node.last_heartbeat_at, 3) if node.last_heartbeat_at and not released else None,
                 "worker_state": worker.life.state.value if worker and worker.life else None,
-                "phase": worker.phase if worker else None,
+                "phase": worker.phase if worker and not released else None,
                 "progress": worker.progress if worker else None,
                 "gpu_util": gpu.util if gpu else None,
                 "gpu_temp_c": gpu.temp_c if gpu else None,

@@ -54,3 +54,4 @@ def test_the_job_finishes_after_the_last_versions_evaluation() -> None:
     assert not moves.finished(model, scheduler)
     scheduler.held_out = None
     assert moves.finished(model, scheduler)
+
