@@ -15,6 +15,7 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_NESTING = 64  # arrays and objects in a message: deeper, and re-encoding it could exhaust the stack
 NONCE_BYTES = 32
 
 AGENT_TO_CONTROLLER = frozenset(
@@ -43,12 +44,7 @@ def decode(line: bytes, allowed_types: frozenset[str]) -> dict[str, Any]:
     """Parse one framed line; raise ProtocolError unless it is a known message of this version."""
     if len(line) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(line)} bytes exceeds the {MAX_MESSAGE_BYTES} byte bound")
-    try:
-        body = json.loads(line)
-    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python reads
-        raise ProtocolError(f"not JSON: {str(exc)[:200]}") from None
-    except RecursionError:  # arrays or objects nested deeper than the parser goes
-        raise ProtocolError("not JSON this side can read: nested too deeply") from None
+    body = loads_bounded(line)
     if not isinstance(body, dict):
         raise ProtocolError("message is not a JSON object")
     if body.get("v") != PROTOCOL_VERSION:
@@ -57,6 +53,34 @@ def decode(line: bytes, allowed_types: frozenset[str]) -> dict[str, Any]:
     if message_type not in allowed_types:
         raise ProtocolError(f"unknown message type {message_type!r}")
     return body
+
+
+def loads_bounded(line: bytes | str) -> Any:
+    """One JSON value whose arrays and objects nest at most ``MAX_NESTING`` deep; ProtocolError else."""
+    try:
+        value = json.loads(line)
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python reads
+        raise ProtocolError(f"not JSON: {str(exc)[:200]}") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser goes
+        raise ProtocolError("not JSON this side can read: nested too deeply") from None
+    if nesting(value) > MAX_NESTING:
+        raise ProtocolError(f"nested deeper than {MAX_NESTING} levels")
+    return value
+
+
+def nesting(value: Any, limit: int = MAX_NESTING) -> int:
+    """How deep arrays and objects nest in ``value`` (a scalar: 0), without recursion; counting
+    stops past ``limit``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            break
+        stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def new_nonce() -> str:

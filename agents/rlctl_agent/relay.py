@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from .protocol import MAX_MESSAGE_BYTES
+from .protocol import MAX_MESSAGE_BYTES, loads_bounded
 
 log = logging.getLogger("rlctl_agent.relay")
 
@@ -121,7 +121,7 @@ class WorkerRelay:
                 return
             self._attach(wid, writer)
             while line := await reader.readline():
-                self._dispatch(wid, json.loads(line))
+                self._dispatch(wid, loads_bounded(line))
         except (ValueError, TypeError, asyncio.LimitOverrunError, ConnectionError) as exc:
             log.warning("worker %s: dropping SDK connection: %s", wid or "?", exc)
         finally:
@@ -133,7 +133,7 @@ class WorkerRelay:
         line = await reader.readline()
         if not line:
             return None
-        hello = json.loads(line)
+        hello = loads_bounded(line)
         wid = hello.get("wid") if isinstance(hello, dict) and hello.get("type") == "hello" else None
         if not isinstance(wid, str) or not self._handler.is_known_worker(wid):
             log.warning("refusing SDK connection: first message is not a hello from a known worker (%r)", wid)

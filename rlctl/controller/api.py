@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlctl_agent.protocol import nesting
+
 from rlctl.core.faultparams import FaultParamError, shown, validate_fault
 
 log = logging.getLogger("rlctl.controller.api")
@@ -160,7 +162,7 @@ def parse_request(line: bytes) -> Any:
         raise BadRequest(f"nested deeper than {MAX_REQUEST_NESTING} levels") from None
     except ValueError as exc:  # not JSON, not UTF-8, an integer of more digits than Python reads
         raise BadRequest(f"not JSON: {str(exc)[:200]}") from None
-    if _nesting(request) > MAX_REQUEST_NESTING:
+    if nesting(request, MAX_REQUEST_NESTING) > MAX_REQUEST_NESTING:
         raise BadRequest(f"nested deeper than {MAX_REQUEST_NESTING} levels")
     return request
 
@@ -176,20 +178,6 @@ def encode_answer(response: dict[str, Any]) -> bytes:
 
 def _no_constant(name: str) -> float:
     raise BadRequest(f"{name} is not a number a request may hold")
-
-
-def _nesting(value: Any) -> int:
-    """How deep arrays and objects nest in ``value`` (a scalar: 0), without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if not isinstance(item, (dict, list)):
-            continue
-        deepest = max(deepest, depth)
-        if depth > MAX_REQUEST_NESTING:
-            break
-        stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
 
 
 def _json_type(value: Any) -> str:
