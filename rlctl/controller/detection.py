@@ -72,15 +72,12 @@ class Detection:
         self._detect_workers_slice(now)
 
     def _detect_nodes(self, now: float) -> None:
-        sightings = {name: NodeSighting(name, node.last_heartbeat_at, self.connected(name),
-                                        ProbeAnswer(*probe) if (probe := self.probes.get(name)) else None)
-                     for name, node in self.model.nodes.items()}
-        judgement = self.judge.judge(self.model, sightings, now, self.lag_s, self.resumed.in_grace(now))
+        judgement = self.judge.judge(self.model, self, now, self.lag_s, self.resumed.in_grace(now))
         if judgement.all_quiet != self._observer_stalled:
             self._observer_stalled = judgement.all_quiet
             if judgement.all_quiet:
                 log.warning("all %d nodes went quiet at once: holding node verdicts (the controller's host or link "
-                            "is the likelier fault)", len(sightings))
+                            "is the likelier fault)", len(self.model.nodes))
             else:
                 log.warning("node heartbeats are judged one by one again")
         for suspect in judgement.suspects:
@@ -88,6 +85,15 @@ class Detection:
             self._probe(suspect.node)
         for verdict in judgement.verdicts:
             self.orc.handle(verdict)
+
+    # The judge's NodeSightings, read from the model, the hub and the probes' answers.
+    def last_heartbeat_at(self, node: str) -> float | None:
+        return self.model.nodes[node].last_heartbeat_at
+
+    def sighting(self, node: str) -> NodeSighting:
+        probe = self.probes.get(node)
+        return NodeSighting(node, self.model.nodes[node].last_heartbeat_at, self.connected(node),
+                            ProbeAnswer(*probe) if probe else None)
 
     def _detect_workers_slice(self, now: float) -> None:
         """Judge the next slice of this round's workers; the fail-slow comparison with role peers

@@ -1,6 +1,6 @@
 """Judging the nodes at one moment, for the live controller and the simulator alike. Pure.
 
-From typed sightings (each node's last heartbeat, whether its agent is connected, the last answer
+From typed sightings (``NodeSightings``: each node's last heartbeat, whether its agent is connected, the last answer
 of the second-path probe) ``NodeJudge.judge`` decides which nodes are suspected (and so probed),
 which are convicted, and whether every node went quiet at once, which holds the verdicts: the
 observer, not the nodes, is then the likelier fault. ``NodeJudge.startup`` convicts a node whose
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from rlctl.core import detector as det
 from rlctl.core.model import JobModel
+from rlctl.core.records import NodeRecord
 from rlctl.core.states import NodeState
 
 JUDGED_NODE_STATES = (NodeState.READY, NodeState.STANDBY, NodeState.ACTIVE, NodeState.SUSPECT)
@@ -41,6 +43,30 @@ class NodeSighting:
     probe: ProbeAnswer | None = None
 
 
+class NodeSightings(Protocol):
+    """Where the judge reads what the shell observed. It asks every judged node for its last
+    heartbeat, and only the nodes quiet past the acceptable pause for their whole sighting, so a
+    shell with thousands of nodes builds a handful of sightings a tick, not thousands."""
+
+    def last_heartbeat_at(self, node: str) -> float | None: ...
+
+    def sighting(self, node: str) -> NodeSighting: ...
+
+
+@dataclass(frozen=True)
+class SightingTable:
+    """Sightings the shell gathered up front, by node name."""
+
+    by_node: Mapping[str, NodeSighting]
+
+    def last_heartbeat_at(self, node: str) -> float | None:
+        sighting = self.by_node.get(node)
+        return sighting.last_heartbeat_at if sighting is not None else None
+
+    def sighting(self, node: str) -> NodeSighting:
+        return self.by_node.get(node) or NodeSighting(node, None, False)
+
+
 @dataclass(frozen=True)
 class NodeJudgement:
     """What one moment's judging decided: ``suspects`` are to be marked suspect and probed,
@@ -65,32 +91,30 @@ class NodeJudge:
     min_silence_s: float
     _starting_since: dict[str, float] = field(default_factory=dict)
 
-    def judge(self, model: JobModel, sightings: Mapping[str, NodeSighting], now: float, lag_s: float = 0.0,
+    def judge(self, model: JobModel, sightings: NodeSightings, now: float, lag_s: float = 0.0,
               in_resume_grace: bool = False) -> NodeJudgement:
         """Judge every node in a judged state. ``in_resume_grace``: a resumed controller waits for
         the agents to come back before it blames a disconnected node for its silence."""
         heard_after = now - self.min_silence_s
-        candidates = []
-        for node in model.nodes.values():
-            if node.life.state not in JUDGED_NODE_STATES or node.name not in sightings:
-                continue
-            sighting = sightings[node.name]
-            beat = sighting.last_heartbeat_at
+        judged = [node for node in model.nodes.values() if node.life.state in JUDGED_NODE_STATES]
+        candidates: list[tuple[NodeRecord, NodeSighting]] = []
+        for node in judged:
+            beat = sightings.last_heartbeat_at(node.name)
             if beat is not None and beat > heard_after and not node.gpus_lost:
                 continue  # no node is suspected before the acceptable pause
+            sighting = sightings.sighting(node.name)
             if in_resume_grace and not sighting.connected:
                 continue
-            candidates.append(node)
-        beats = ({name: s.last_heartbeat_at for name, s in sightings.items() if s.last_heartbeat_at is not None
-                  and name in model.nodes and model.nodes[name].life.state in JUDGED_NODE_STATES}
-                 if candidates else {})
+            candidates.append((node, sighting))
+        beats = {}
+        if candidates:
+            beats = {node.name: beat for node in judged if (beat := sightings.last_heartbeat_at(node.name)) is not None}
         all_quiet = self.detector.observer_stall(beats, now)
         if all_quiet:
-            candidates = [n for n in candidates if n.gpus_lost]  # a lost GPU is still the node's own fault
+            candidates = [(n, s) for n, s in candidates if n.gpus_lost]  # a lost GPU is still the node's own fault
         suspects: list[det.Verdict] = []
         verdicts: list[det.Verdict] = []
-        for node in candidates:
-            sighting = sightings[node.name]
+        for node, sighting in candidates:
             probe = sighting.probe
             obs = det.NodeObs(node.name, node.role, sighting.last_heartbeat_at, sighting.connected,
                               probe.reachable if probe is not None and now - probe.at < PROBE_TTL_S else None,

@@ -14,7 +14,7 @@ import math
 from rlctl.core import detector as det
 from rlctl.core.events import EventKind
 from rlctl.core.model import SlotRecord
-from rlctl.core.node_judging import JUDGED_NODE_STATES, NodeSighting, ProbeAnswer
+from rlctl.core.node_judging import JUDGED_NODE_STATES, NodeSighting, ProbeAnswer, SightingTable
 from rlctl.core.states import NodeState
 from rlctl.sim import observe
 from rlctl.sim.faults import SimFault
@@ -170,7 +170,7 @@ def _judge_silence(sim: SimSite, node: str, probe: bool | None, detail: str) -> 
     answer = ProbeAnswer(probe, detail, sim.now) if probe is not None else None
     sightings = {name: NodeSighting(name, other.last_beat(sim.now, sim.interval), sim.agent_connected(name),
                                     answer if name == node else None) for name, other in sim.nodes.items()}
-    judgement = sim.node_judge.judge(sim.model, sightings, sim.now).about(node)
+    judgement = sim.node_judge.judge(sim.model, SightingTable(sightings), sim.now).about(node)
     if judgement.suspects:
         sim.orc.suspect(node, judgement.suspects[0].reason)
         reachable = truth.reachable_by_probe

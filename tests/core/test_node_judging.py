@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from rlctl.core import detector as det
 from rlctl.core.events import event
-from rlctl.core.node_judging import AGENT_REGISTER_TIMEOUT_S, PROBE_TTL_S, NodeJudge, NodeSighting, ProbeAnswer
+from rlctl.core.node_judging import (
+    AGENT_REGISTER_TIMEOUT_S,
+    PROBE_TTL_S,
+    NodeJudge,
+    NodeSighting,
+    ProbeAnswer,
+    SightingTable,
+)
 from tests.core.test_policy import running_job
 
 NOW = 1000.0
@@ -23,11 +30,11 @@ def judge() -> NodeJudge:
 
 
 def sightings(silent: dict[str, float], probe: ProbeAnswer | None = None,
-              disconnected: frozenset[str] = frozenset()) -> dict[str, NodeSighting]:
+              disconnected: frozenset[str] = frozenset()) -> SightingTable:
     """Every node of the test job beating now, except ``silent`` (node → its last beat)."""
     names = ("node01", "node02", "node03", "node04", "node05")
-    return {n: NodeSighting(n, silent.get(n, NOW - 0.5), n not in disconnected, probe if n in silent else None)
-            for n in names}
+    return SightingTable({n: NodeSighting(n, silent.get(n, NOW - 0.5), n not in disconnected,
+                                          probe if n in silent else None) for n in names})
 
 
 def test_a_silent_node_is_suspected_then_convicted_by_what_the_probe_says() -> None:
@@ -75,3 +82,23 @@ def test_a_node_whose_agent_never_registers_is_replaced_after_the_bound() -> Non
     [verdict] = nodes.startup(model, NOW + AGENT_REGISTER_TIMEOUT_S + 1)
     assert (verdict.node, verdict.fault, verdict.action, verdict.evidence_since) == ("node09", "agent-start",
                                                                                       "replace-node", NOW)
+
+
+class CountingSightings:
+    """The shell's side, counting which nodes the judge asked for a whole sighting."""
+
+    def __init__(self, table: SightingTable) -> None:
+        self.table, self.asked = table, []
+
+    def last_heartbeat_at(self, node: str) -> float | None:
+        return self.table.last_heartbeat_at(node)
+
+    def sighting(self, node: str) -> NodeSighting:
+        self.asked.append(node)
+        return self.table.sighting(node)
+
+
+def test_only_nodes_quiet_past_the_pause_are_asked_for_a_whole_sighting() -> None:
+    shell = CountingSightings(sightings({"node02": NOW - 30.0}))
+    judgement = judge().judge(running_job(), shell, NOW)
+    assert shell.asked == ["node02"] and [v.node for v in judgement.suspects] == ["node02"]

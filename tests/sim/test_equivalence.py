@@ -20,7 +20,7 @@ from rlctl.core import detector as det
 from rlctl.core import policy
 from rlctl.core.events import Event, event
 from rlctl.core.model import JobModel
-from rlctl.core.node_judging import NodeJudgement, NodeSighting, ProbeAnswer
+from rlctl.core.node_judging import NodeJudgement, NodeSighting, ProbeAnswer, SightingTable
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.plansteps import Step
 from rlctl.sim import observe
@@ -124,7 +124,7 @@ def sim_judges(sim: Any, node: str, last: float, probe: ProbeAnswer | None = Non
     """The simulator's judgement of ``node`` silent since ``last`` (every other node beating)."""
     sightings = {name: NodeSighting(name, last if name == node else sim.now, True, probe if name == node else None)
                  for name in sim.model.nodes}
-    return sim.node_judge.judge(sim.model, sightings, sim.now).about(node)
+    return sim.node_judge.judge(sim.model, SightingTable(sightings), sim.now).about(node)
 
 
 @pytest.mark.parametrize("probe_reaches", [False, True])
