@@ -29,10 +29,9 @@ class PlanStep:
 
 
 @dataclass(frozen=True)
-class RestartWorker(PlanStep):
-    """Stop the slot's worker if it runs, and start a new one where the slot is placed now."""
+class SlotStep(PlanStep):
+    """A step about one slot, which the plan holds while it runs."""
 
-    kind: ClassVar[str] = "restart-worker"
     slot: str
 
     def claimed_slots(self) -> frozenset[str]:
@@ -40,14 +39,17 @@ class RestartWorker(PlanStep):
 
 
 @dataclass(frozen=True)
-class StopWorker(PlanStep):
+class RestartWorker(SlotStep):
+    """Stop the slot's worker if it runs, and start a new one where the slot is placed now."""
+
+    kind: ClassVar[str] = "restart-worker"
+
+
+@dataclass(frozen=True)
+class StopWorker(SlotStep):
     """Stop the slot's worker (its role is taken over elsewhere)."""
 
     kind: ClassVar[str] = "stop-worker"
-    slot: str
-
-    def claimed_slots(self) -> frozenset[str]:
-        return frozenset({self.slot})
 
 
 @dataclass(frozen=True)
@@ -61,15 +63,11 @@ class FailNode(PlanStep):
 
 
 @dataclass(frozen=True)
-class MoveSlot(PlanStep):
+class MoveSlot(SlotStep):
     """Place the slot on ``node`` (a spare), which becomes active."""
 
     kind: ClassVar[str] = "move-slot"
-    slot: str
     node: str
-
-    def claimed_slots(self) -> frozenset[str]:
-        return frozenset({self.slot})
 
     def claimed_node(self) -> str | None:
         return self.node
@@ -84,11 +82,10 @@ class MakeStandby(PlanStep):
 
 
 @dataclass(frozen=True)
-class ActivateStandby(PlanStep):
+class ActivateStandby(SlotStep):
     """The warm standby ``standby_slot`` takes the role of ``slot`` over on its own node."""
 
     kind: ClassVar[str] = "activate-standby"
-    slot: str
     standby_slot: str
 
     def claimed_slots(self) -> frozenset[str]:
@@ -160,15 +157,11 @@ class StartAll(PlanStep):
 
 
 @dataclass(frozen=True)
-class GiveUp(PlanStep):
+class GiveUp(SlotStep):
     """Fail the job: ``slot`` cannot be recovered, for ``reason``."""
 
     kind: ClassVar[str] = "give-up"
-    slot: str
     reason: str
-
-    def claimed_slots(self) -> frozenset[str]:
-        return frozenset({self.slot})
 
 
 Step = (RestartWorker | StopWorker | FailNode | MoveSlot | MakeStandby | ActivateStandby | RetireStandby
