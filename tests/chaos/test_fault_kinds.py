@@ -1,12 +1,23 @@
 """Every fault kind injected into a running reference job on the local backend: detected with the
 right verdict, recovered by the right action, the job keeps training, nothing is lost or trained
-twice; with one worker per node, with two simulated GPUs per node (2 FSDP trainer ranks, 2
-rollout engines a node), and with stream training, reward helpers and an env role (whose own faults
-are injected too). The truth is read from the journal."""
+twice. Three variants, each injecting what it adds:
+
+- one worker per node: every kind;
+- two simulated GPUs per node (a trainer node runs 2 ranks of one FSDP2 group, a rollout node 2
+  engines): placement by GPU (each rank serves its own shard, both engines generate), an XID 79 on
+  the trainer node's GPU 1 attributed to the rank there and both ranks moved to one new node, a
+  crash of one engine restarting that engine alone, and a crash, a hang and an XID of one rank or
+  engine;
+- stream training, reward helpers and an env role: a crash of each role with their state (the env
+  role's hang, with a flaky environment, is in tests/integration/test_env_job.py).
+
+The truth is read from the journal."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,7 +33,8 @@ from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, 
 WORKER_LEVEL = {"stop-worker", "restart-worker"}
 NODE_LEVEL = {"fail-node"}
 # (node role to hit, inject arguments, expected verdict, allowed first actions, detection bound s)
-FAULTS = [
+Fault = tuple[str, list[str], str, set[str], float]
+FAULTS: list[Fault] = [
     ("rollout", ["--kind", "crash"], "worker-crash", WORKER_LEVEL, 1.0),
     ("rollout", ["--kind", "hang"], "worker-hang", WORKER_LEVEL, 10.0),
     ("reward", ["--kind", "crash"], "worker-crash", WORKER_LEVEL, 1.0),
@@ -36,42 +48,110 @@ FAULTS = [
     ("rollout", ["--kind", "ecc", "--ecc", "dbe"], "gpu-ecc-dbe", NODE_LEVEL, 2.0),
 ]
 
-
-# The env role's own faults, in a job that has one.
-ENV_FAULTS = [
-    ("env", ["--kind", "crash"], "worker-crash", WORKER_LEVEL, 1.0),
-    ("env", ["--kind", "hang"], "worker-hang", WORKER_LEVEL, 10.0),
-]
-
-# A worker per node; two simulated GPUs per node, so a trainer node runs 2 ranks of one FSDP2 group
-# and a rollout node 2 engines (a node-level fault moves both, a worker fault hits one); and a
-# worker per node with stream-based training, idle rollouts helping the reward worker score, and
-# multi-turn episodes against an env worker (rlctl.lab.reference_jobs.RL_STAGES_TABLES).
-
-
-# What each variant adds, and so the faults it injects. One worker per node gets every kind. Two
-# GPUs per node adds placement: a worker fault hits one of a node's two workers (a crash, a hang
-# of an FSDP rank, an XID attributed by GPU), a node fault moves both (node-down, ECC). Stream
-# training with reward helpers and an env role adds their state: a crash of each role and the
-# env's own faults. (CI time: the variants once injected all 11 kinds each, 5-6 minutes apiece.)
-TWO_GPU_FAULTS = [f for f in FAULTS if (f[0], f[1][1]) in {("rollout", "crash"), ("trainer", "crash"), ("trainer", "hang"),
-                                                            ("rollout", "xid"), ("rollout", "node-down"), ("rollout", "ecc")}
-                  and f[1][-1] != "79"]
+# Two GPUs a node. The GPU loss comes first, while the trainer group's two ranks still share their
+# first node; then one engine's crash; then a rank's crash and hang and an engine's XID.
+TRAINER_GPU_LOST: Fault = ("trainer", ["--kind", "xid", "--code", "79", "--gpu", "1"], "gpu-lost", NODE_LEVEL, 2.0)
+ONE_ENGINE_CRASH: Fault = ("rollout", ["--kind", "crash", "--worker", "rollout-1"], "worker-crash", WORKER_LEVEL, 1.0)
+TWO_GPU_FAULTS: list[Fault] = [TRAINER_GPU_LOST, ONE_ENGINE_CRASH] + [
+    f for f in FAULTS if (f[0], f[1][1]) in {("trainer", "crash"), ("trainer", "hang")} or f[1][-1] == "13"]
 STAGES_FAULTS = [f for f in FAULTS if f[1] == ["--kind", "crash"]]
 
 
-@pytest.fixture(params=[(1, "", FAULTS), (2, "", TWO_GPU_FAULTS), (1, RL_STAGES_TABLES, STAGES_FAULTS)],
-                ids=["one-worker-per-node", "two-gpus-per-node", "stream-reward-helpers-and-env"])
+@dataclass(frozen=True)
+class Injected:
+    """One fault as injected and recovered: what was asked, where, and the status's record of it."""
+
+    fault: Fault
+    node: str
+    fault_id: str
+    record: dict
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A job shape and the faults it adds; ``before`` checks the journal once the job trains,
+    ``after`` checks it against the injected faults once every one is recovered."""
+
+    gpus_per_node: int
+    rollouts: int
+    extra_tables: str
+    faults: list[Fault]
+    before: Callable[[list[Event]], None] = lambda events: None
+    after: Callable[[list[Event], list[Injected]], None] = lambda events, injected: None
+    multi_turn: bool = False
+
+
+def two_gpu_placement(events: list[Event]) -> None:
+    """Each node's workers sit on its GPUs, both ranks train as one sharded group serving a shard
+    each (no gather to rank 0), and both engines of the rollout node generate and hold weights."""
+    placed = {e.data["node"]: e.data.get("slots", {}) for e in events if e.type == "NodeAllocated"}
+    trainer_node = next(node for node, slots in placed.items() if "trainer-0" in slots)
+    rollout_node = next(node for node, slots in placed.items() if "rollout-0" in slots)
+    assert placed[trainer_node] == {"trainer-0": [0], "trainer-1": [1]}
+    assert placed[rollout_node] == {"rollout-0": [0], "rollout-1": [1]}
+    assert {e.data["slot"] for e in events if e.type == "WorkerPhase" and e.data["phase"] == "training"} == \
+        {"trainer-0", "trainer-1"}, "both ranks of the node train"
+    assert {e.data["slot"] for e in events if e.type == "ItemsDispatched"} >= {"rollout-0", "rollout-1"}, \
+        "both engines of the node generate"
+    trained = [e.data["metrics"] for e in events if e.type == "StepTrained"]
+    assert trained and all((m["ranks"], m["sharded"]) == (2.0, 1.0) for m in trained), "one FSDP group of 2 ranks"
+    published = [e.data["source"] for e in events if e.type == "WeightsPublished"]
+    assert published and all(s.get("sharded") and len(s["shards"]) == 2 for s in published), \
+        "each rank serves its own shard"
+    assert {e.data["slot"] for e in events if e.type == "WeightsHeld"} >= {"rollout-0", "rollout-1"}
+
+
+def two_gpu_attribution(events: list[Event], injected: list[Injected]) -> None:
+    """The XID 79 on GPU 1 is the rank on GPU 1's, and both ranks moved to one new node and trained
+    there; the engine's crash was handled on that engine's slot alone."""
+    lost = next(i for i in injected if i.fault is TRAINER_GPU_LOST)
+    verdict = next(e for e in events if e.type == "Verdict" and e.data["fault"] == lost.fault_id)
+    assert verdict.data["slot"] == "trainer-1" and f"{lost.node} GPU 1" in verdict.data["reason"], verdict.data
+    # A move names no fault: the moves of this one are those before the next injection's verdict.
+    later = [e.seq for e in events if e.type == "Verdict" and e.seq > verdict.seq
+             and e.data["fault"] in {i.fault_id for i in injected} - {lost.fault_id}]
+    moved = {e.data["slot"]: e.data["node"] for e in events if verdict.seq < e.seq < min(later, default=e.seq + 1)
+             and e.type == "ActionTaken" and e.data["action"] == "move-slot"}
+    assert set(moved) == {"trainer-0", "trainer-1"} and len(set(moved.values())) == 1, moved
+    assert lost.node not in moved.values()
+    training_after = {e.data["slot"] for e in events if e.seq > verdict.seq and e.type == "WorkerPhase"
+                      and e.data["phase"] == "training"}
+    assert training_after >= {"trainer-0", "trainer-1"}
+    crash = next(i for i in injected if i.fault is ONE_ENGINE_CRASH)
+    verdict = next(e for e in events if e.type == "Verdict" and e.data["fault"] == crash.fault_id)
+    assert verdict.data["slot"] == "rollout-1", verdict.data
+    slots = {e.data.get("slot") for e in events if e.type == "ActionTaken" and crash.fault_id in e.data.get("fault_ids", [])}
+    assert slots == {"rollout-1"}, slots
+
+
+def streamed_multi_turn(events: list[Event], injected: list[Injected]) -> None:
+    """Episodes took several turns, every step was trained once and in order through the crashes
+    (the trainer's among them), and some parts were trained before their step's batch formed."""
+    assert any(e.data.get("env", {}).get("turns", 0) > 1 for e in events if e.type == "TrajectoryStored")
+    trained = [e.data["step"] for e in events if e.type == "StepTrained"]
+    assert trained == list(range(len(trained))), trained
+    early = [e.data["metrics"]["stream_parts_before_batch"] for e in events if e.type == "StepTrained"]
+    assert sum(early) >= 1, f"no part was trained before its batch formed: {early}"
+
+
+VARIANTS = {
+    "one-worker-per-node": Variant(1, 2, "", FAULTS),
+    "two-gpus-per-node": Variant(2, 1, "", TWO_GPU_FAULTS, before=two_gpu_placement, after=two_gpu_attribution),
+    "stream-reward-helpers-and-env": Variant(1, 2, RL_STAGES_TABLES, STAGES_FAULTS + [
+        ("env", ["--kind", "crash"], "worker-crash", WORKER_LEVEL, 1.0)], after=streamed_multi_turn, multi_turn=True),
+}
+
+
+@pytest.fixture(params=list(VARIANTS))
 def job(tmp_path: Path, request: pytest.FixtureRequest):
     state_dir = tmp_path / "jobs"
-    gpus_per_node, extra, faults = request.param
-    if extra:
+    variant = VARIANTS[request.param]
+    if variant.multi_turn:
         write_rl_stages_env(tmp_path)
-    job_file = write_job(tmp_path, name="chaos", spares=2, max_restarts=20, gpus_per_node=gpus_per_node,
-                         extra_tables=extra)
+    job_file = write_job(tmp_path, name="chaos", spares=2, max_restarts=20, gpus_per_node=variant.gpus_per_node,
+                         rollouts=variant.rollouts, extra_tables=variant.extra_tables)
     launched = rlctl_json(state_dir, "launch", str(job_file))
-    yield (state_dir, launched["job_id"], JobDir(Path(launched["job_dir"])), "[roles.env]" in extra,
-           faults + (ENV_FAULTS if "[roles.env]" in extra else []))
+    yield state_dir, launched["job_id"], JobDir(Path(launched["job_dir"])), variant
     rlctl(state_dir, "stop", launched["job_id"], check=False)
     kill_everything_under(tmp_path)
 
@@ -99,29 +179,32 @@ def recovered(state_dir: Path, job: str, fault_id: str) -> dict | None:
 
 @pytest.mark.slow
 def test_every_fault_kind_is_detected_and_recovered(job) -> None:
-    state_dir, job_id, jobdir, has_env, faults = job
+    state_dir, job_id, jobdir, variant = job
     wait_for(lambda: status(state_dir, job_id)["job"]["step"] >= 2, 180, "the job to train")
-    for role, args, verdict, action, detection_bound in faults:
+    variant.before(list(Journal(jobdir.journal, readonly=True).read()))
+    injected: list[Injected] = []
+    for fault in variant.faults:
+        role, args, verdict, action, detection_bound = fault
         node, snap = node_with_role(state_dir, job_id, role)
         step_before = snap["job"]["step"]
-        injected = rlctl_json(state_dir, "inject-fault", node, "--job", job_id, *args)
+        asked = rlctl_json(state_dir, "inject-fault", node, "--job", job_id, *args)
         try:
-            fault = wait_for(lambda: recovered(state_dir, job_id, injected["fault_id"]), 90,  # noqa: B023 (waited on here)
-                             f"{args} on {role} {node} to be recovered")
+            record = wait_for(lambda: recovered(state_dir, job_id, asked["fault_id"]), 90,  # noqa: B023 (waited on here)
+                              f"{args} on {role} {node} to be recovered")
         except AssertionError:
             snap = status(state_dir, job_id)
             raise AssertionError(f"not recovered: job {snap['job']}\nfaults {snap['faults']}\nnodes {snap['nodes']}")
-        assert fault["verdict"] == verdict, fault
-        assert fault["detection_s"] <= detection_bound, fault
-        assert fault["trajectories_lost"] == 0
-        actions = _actions_for(jobdir, injected["fault_id"])
+        assert record["verdict"] == verdict, record
+        assert record["detection_s"] <= detection_bound, record
+        assert record["trajectories_lost"] == 0
+        actions = _actions_for(jobdir, asked["fault_id"])
         assert actions and actions[0] in action, (args, actions)
+        injected.append(Injected(fault, node, asked["fault_id"], record))
         wait_for(lambda: status(state_dir, job_id)["job"]["step"] >= step_before + 1, 90,  # noqa: B023 (waited on here)
                  f"training to continue after {args}")
     events = list(Journal(jobdir.journal, readonly=True).read())
     _check_no_loss_no_duplicates(events)
-    if has_env:
-        assert any(e.data.get("env", {}).get("turns", 0) > 1 for e in events if e.type == "TrajectoryStored")
+    variant.after(events, injected)
     assert not [e for e in events if e.type == "SchedulerRolledBack"], "role policy must never roll back"
 
 

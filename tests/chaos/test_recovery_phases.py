@@ -88,18 +88,29 @@ def launch(state_dir: Path, job_file: Path) -> tuple[str, JobDir]:
     return launched["job_id"], JobDir(Path(launched["job_dir"]))
 
 
-def test_faults_in_each_phase_of_a_recovery_are_recovered(tmp_path: Path, jobs: Path) -> None:
+def test_faults_in_each_phase_of_a_recovery_are_recovered_and_a_worker_that_never_starts_gives_up(
+        tmp_path: Path, jobs: Path) -> None:
     """No spare nodes: a worker fault restarts the worker in place and a node-down brings a
-    replacement node, so the armed fault meets the new worker starting, loading and syncing."""
+    replacement node, so the armed fault meets the new worker starting, loading and syncing. Then,
+    in the same job, the model file is corrupted under it (it passed the launch check) and a rollout
+    crashes: every new rollout dies loading it, and after ``max_failed_starts`` (2 here) the job fails
+    with a message naming the worker and the error it logged, instead of restarting it forever.
+    Injected faults never count as failed starts, so the cases before cannot use the bound up."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("qwen3"), model)
     job_file = write_job(tmp_path, name="phases", spares=0, max_restarts=20)
+    job_file.write_text(job_file.read_text().replace("[fault_tolerance]\n", "[fault_tolerance]\nmax_failed_starts = 2\n")
+                        + user_tables(model))
     job, jobdir = launch(jobs, job_file)
     try:
         wait_for(lambda: status(jobs, job)["job"]["step"] >= 2, 240, "two steps")
         results = [hit_during_recovery(jobs, job, case) for case in IN_PLACE]
-        journal = list(Journal(jobdir.journal, readonly=True).read())
+        journal = journal_of(jobdir)
         for case, result in zip(IN_PLACE, results, strict=True):
             assert verdict_of(journal, result["armed"]["fault_id"]) == (case.verdict, case.action), result
             assert result["armed"]["slot"] == case.slot, result
+        assert status(jobs, job)["job"]["state"] == "running"
+        a_worker_that_never_starts_gives_up(jobs, job, jobdir, model)
     finally:
         rlctl(jobs, "stop", job, check=False)
 
@@ -117,35 +128,23 @@ def test_a_standby_hit_while_it_takes_a_role_over_is_recovered(tmp_path: Path, j
         rlctl(jobs, "stop", job, check=False)
 
 
-def test_a_worker_that_crashes_every_time_it_starts_fails_the_job_naming_it(tmp_path: Path, jobs: Path) -> None:
-    """The model file is corrupted under a running job (it passed the launch check), then a rollout
-    crashes: every new rollout dies loading it. After ``max_failed_starts`` (2 here) the job fails
-    with a message naming the worker and the error it logged, instead of restarting it forever."""
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model("qwen3"), model)
-    job_file = write_job(tmp_path, name="cannotstart", spares=0, max_restarts=20, extra_tables="")
-    job_file.write_text(job_file.read_text().replace("[fault_tolerance]\n", "[fault_tolerance]\nmax_failed_starts = 2\n")
-                        + user_tables(model))
-    job, jobdir = launch(jobs, job_file)
-    try:
-        wait_for(lambda: status(jobs, job)["job"]["step"] >= 1, 180, "a step")
-        # A new file renamed over the old one, as a copy lands: truncating it in place would SIGBUS
-        # every worker that still maps it, the trainer's included, and the test would be about that.
-        corrupt = model / "model.safetensors.new"
-        corrupt.write_bytes(random.Random(0).randbytes(100))
-        os.replace(corrupt, model / "model.safetensors")
-        node = node_of(jobs, job, "rollout-0")
-        rlctl_json(jobs, "inject-fault", node, "--job", job, "--kind", "crash", "--worker", "rollout-0")
-        snap = wait_for(lambda: (s := status(jobs, job))["job"]["state"] in ("failed", "succeeded", "stopped") and s,
-                        RECOVERY_TIMEOUT_S, "the job to give up")
-        assert snap["job"]["state"] == "failed", snap["job"]
-        journal = list(Journal(jobdir.journal, readonly=True).read())
-        ended = [e for e in journal if e.type == EventKind.JOB_STATE_CHANGED and e.data["state"] == "failed"][-1]
-        reason = ended.data["reason"]
-        # Only the crashed rollout restarts, and each of its new workers dies loading the file.
-        named = re.match(GIVE_UP_PATTERN.format(n=2), reason)  # the slot, its last worker and the error it logged
-        assert named and named[1] == "rollout-0" and named[2].startswith("rollout-0."), reason
-        starts = [e for e in journal if e.type == EventKind.WORKER_STARTING and e.data["slot"] == named[1]]
-        assert len(starts) >= 3, [e.data for e in starts]  # the first worker and two that never started
-    finally:
-        rlctl(jobs, "stop", job, check=False)
+def a_worker_that_never_starts_gives_up(jobs: Path, job: str, jobdir: JobDir, model: Path) -> None:
+    # A new file renamed over the old one, as a copy lands: truncating it in place would SIGBUS
+    # every worker that still maps it, the trainer's included, and the test would be about that.
+    corrupt = model / "model.safetensors.new"
+    corrupt.write_bytes(random.Random(0).randbytes(100))
+    os.replace(corrupt, model / "model.safetensors")
+    node = node_of(jobs, job, "rollout-0")
+    crash = rlctl_json(jobs, "inject-fault", node, "--job", job, "--kind", "crash", "--worker", "rollout-0")
+    snap = wait_for(lambda: (s := status(jobs, job))["job"]["state"] in ("failed", "succeeded", "stopped") and s,
+                    RECOVERY_TIMEOUT_S, "the job to give up")
+    assert snap["job"]["state"] == "failed", snap["job"]
+    journal = journal_of(jobdir)
+    ended = [e for e in journal if e.type == EventKind.JOB_STATE_CHANGED and e.data["state"] == "failed"][-1]
+    reason = ended.data["reason"]
+    # Only the crashed rollout restarts, and each of its new workers dies loading the file.
+    named = re.match(GIVE_UP_PATTERN.format(n=2), reason)  # the slot, its last worker and the error it logged
+    assert named and named[1] == "rollout-0" and named[2].startswith("rollout-0."), reason
+    crashed_at = next(e.seq for e in journal if e.type == EventKind.FAULT_INJECTED and e.data["fault_id"] == crash["fault_id"])
+    starts = [e for e in journal if e.type == EventKind.WORKER_STARTING and e.data["slot"] == named[1] and e.seq > crashed_at]
+    assert len(starts) >= 2, [e.data for e in starts]  # two new workers, and neither started
