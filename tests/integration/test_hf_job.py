@@ -1,7 +1,8 @@
 """A user's job on the local backend: their Hugging Face model folder, their verl-layout parquet and
 their reward file (verl's form), with held-out evaluation, through a rollout crash, a trainer crash, a reward function that
-raises and hangs, and a controller kill + resume; then `rlctl export` gives a folder transformers
-loads with the trainer's logits. The truth is read from the journal."""
+raises and hangs, and a controller kill + resume, to its end, which waits for the final version's
+held-out evaluation; then `rlctl export` gives a folder transformers loads with the trainer's
+logits. The truth is read from the journal."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ from tests.integration.helpers import (
     pid_alive,
     rlctl,
     rlctl_json,
-    run_to_end,
     status,
     wait_for,
     write_job,
 )
 
 # The user's reward file: scores like gsm8k, but raises on some responses and hangs on others.
+STEPS = 14  # not a multiple of eval_every: the final version is evaluated as well
 REWARD_FILE = textwrap.dedent('''
     import re, time, zlib
 
@@ -69,7 +70,7 @@ def job(tmp_path: Path):
     (tmp_path / "my_reward.py").write_text(REWARD_FILE)
     tables = user_tables(max_response_tokens=32, eval_every=4, eval_max_prompts=16,
                          reward='path = "my_reward.py"\ntimeout_s = 1.0')
-    job_file = write_job(tmp_path, name="userjob", spares=2, max_restarts=20, extra_tables=tables)
+    job_file = write_job(tmp_path, name="userjob", steps=STEPS, spares=2, max_restarts=20, extra_tables=tables)
     state_dir = tmp_path / "jobs"
     launched = rlctl_json(state_dir, "launch", str(job_file))
     yield state_dir, launched["job_id"], JobDir(Path(launched["job_dir"]))
@@ -96,9 +97,12 @@ def test_user_model_data_and_reward_through_faults_and_resume(tmp_path: Path, jo
     os.kill(controller, signal.SIGKILL)
     wait_for(lambda: not pid_alive(controller), 10, "the controller to die")
     rlctl(state_dir, "resume", job_id)
-    wait_for(lambda: (s := status(state_dir, job_id)) and s["controller"].get("live") and s["job"]["step"] >= step_before + 3
-             and s["job"]["step"] >= 9, 240, "training to continue after resume and pass a checkpoint")
-    rlctl_json(state_dir, "stop", job_id)
+    wait_for(lambda: (s := status(state_dir, job_id)) and s["controller"].get("live")
+             and s["job"]["step"] >= min(step_before + 3, STEPS) and s["job"]["step"] >= 9, 240,
+             "training to continue after resume and pass a checkpoint")
+    done = wait_for(lambda: (s := status(state_dir, job_id)) and s["job"]["state"] in ("succeeded", "failed") and s,
+                    240, "the job to end")
+    assert done["job"]["state"] == "succeeded" and done["job"]["step"] == STEPS, done["job"]
 
     events = list(Journal(jobdir.journal, readonly=True).read())
     _check_the_cursor(events)
@@ -146,11 +150,16 @@ def _check_the_cursor(events: list) -> None:
 
 
 def _check_held_out(events: list, state_dir: Path, job_id: str) -> None:
-    """Versions 0, 4, 8 were evaluated on the 16 held-out prompts, each once, through the crashes and
-    the controller's restart; no held-out sample was ever trained; report and status show them."""
+    """Every fourth version and the final one were evaluated on the 16 held-out prompts, each once,
+    through the crashes and the controller's restart, and the job ended only once the final
+    version's evaluation was scored (the trainer kept serving those weights until then); no
+    held-out sample was ever trained; report and status show them."""
     scored = [e.data for e in events if e.type == "HeldOutScored"]
     versions = [d["version"] for d in scored]
-    assert versions[:3] == [0, 4, 8] and len(versions) == len(set(versions)), versions
+    assert versions == [0, 4, 8, 12, STEPS], versions
+    ends = [i for i, e in enumerate(events) if e.type == "JobStateChanged" and e.data["state"] == "stopping"]
+    last_scored = max(i for i, e in enumerate(events) if e.type == "HeldOutScored")
+    assert ends and last_scored < ends[0], "the job stopped before the final evaluation"
     assert all(d["prompts"] == 16 and 0.0 <= d["reward_mean"] <= 1.0 for d in scored)
     trained = {p for e in events if e.type == "BatchFormed" for p in e.data["prompt_ids"]}
     assert not any(p.startswith("e") for p in trained)
@@ -171,20 +180,3 @@ def _compare_logits(export: Path, checkpoint: Path) -> None:
     ids = torch.arange(3, 40).unsqueeze(0)
     with torch.no_grad():
         torch.testing.assert_close(trainer.model(ids), loaded(input_ids=ids).logits, rtol=0, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_a_job_with_held_out_prompts_evaluates_the_final_weights_before_it_ends(tmp_path: Path) -> None:
-    """The job ends only once the final version's held-out evaluation is scored (the trainer keeps
-    serving those weights until then), and every due version is evaluated once."""
-    tables = user_tables(max_response_tokens=24, eval_every=2, eval_max_prompts=8,
-                         reward='function = "gsm8k"\ntimeout_s = 2.0')
-    snap, events = run_to_end(tmp_path / "jobs", write_job(tmp_path, name="heldout", steps=5, spares=0,
-                                                           extra_tables=tables), 240)
-    assert snap["job"]["state"] == "succeeded" and snap["job"]["step"] == 5
-    assert [h["version"] for h in snap["held_out"]] == [0, 2, 4, 5]
-    assert all(h["prompts"] == 8 for h in snap["held_out"])
-    assert not [e for e in events if e.type == "Verdict"]
-    ends = [i for i, e in enumerate(events) if e.type == "JobStateChanged" and e.data["state"] == "stopping"]
-    last_scored = max(i for i, e in enumerate(events) if e.type == "HeldOutScored")
-    assert ends and last_scored < ends[0]  # the stop came after the final evaluation
