@@ -18,6 +18,7 @@ from rlctl.controller.api import ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir, new_job_id, state_root
 from rlctl.controller.predecessor import EXIT_FENCED
 from rlctl.controller.store import Journal
+from rlctl.core.event_payloads import ControllerStartedData
 from rlctl.core.spec import JobSpec, SpecError
 
 CONTROLLER_READY_TIMEOUT_S = 60.0
@@ -243,7 +244,8 @@ def _taken_over(jobdir: JobDir) -> str:
         starts = list(journal.read(types=("ControllerStarted",)))
     finally:
         journal.close()
-    by = f" (controller pid {starts[-1].data['pid']}, epoch {starts[-1].data.get('epoch')})" if starts else ""
+    newest = starts[-1].as_(ControllerStartedData) if starts else None
+    by = f" (controller pid {newest.pid}, epoch {newest.epoch})" if newest is not None else ""
     return (f"{jobdir.job_id} was taken over by another controller{by} while this resume started; this "
             "resume did nothing, the other controller runs the job")
 

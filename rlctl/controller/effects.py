@@ -18,14 +18,15 @@ from rlctl.backends.base import AgentLaunch, Backend, NodeInfo
 from rlctl.controller.agents import AgentHub
 from rlctl.controller.workers import WorkerLauncher
 from rlctl.core import effects as fx
-from rlctl.core.events import EventKind
+from rlctl.core.event_payloads import EventPayload, FaultSignalData
+from rlctl.core.events import Event
 from rlctl.core.model import JobModel
 
 log = logging.getLogger("rlctl.controller.effects")
 
 RELEASE_TIMEOUT_S = 15.0
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
-Record = Callable[..., Any]
+Record = Callable[[EventPayload], list[Event]]
 
 
 class EffectRunner:
@@ -101,7 +102,7 @@ class EffectRunner:
             await self.backend.start_agent(node, self.launch)
         except Exception as exc:  # noqa: BLE001 - one node's failure must not stop the others
             log.warning("starting the agent on %s failed: %s", node.name, exc)
-            self.record(EventKind.FAULT_SIGNAL, node=node.name, kind="agent-start-failed", detail=str(exc)[:300])
+            self.record(FaultSignalData(node=node.name, kind="agent-start-failed", detail=str(exc)[:300]))
             return exc
         return None
 

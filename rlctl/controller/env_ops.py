@@ -11,7 +11,8 @@ from typing import Any
 
 from rlctl.controller.op_rules import WAIT_S, require_role, takes_work
 from rlctl.core.envcalls import EnvCalls, lease_s
-from rlctl.core.events import EventKind, event
+from rlctl.core.event_payloads import EnvFailedData
+from rlctl.core.events import Event
 from rlctl.core.model import SlotRecord
 from rlctl.core.orchestrate import Orchestrator
 
@@ -61,5 +62,5 @@ class EnvOps:
     def _journal_failures(self, now: float) -> None:
         failures = self.calls.take_failures()
         if failures:
-            self.orc.shell.commit([event(EventKind.ENV_FAILED, now, item_id=f.item_id, turn=f.turn, slot=f.slot,
-                                         error=f.error, action=f.action) for f in failures])
+            self.orc.shell.commit([Event.of(now, EnvFailedData(item_id=f.item_id, turn=f.turn, slot=f.slot,
+                                                               error=f.error, action=f.action)) for f in failures])

@@ -17,7 +17,15 @@ from typing import Any
 from rlctl.controller.op_rules import OpError
 from rlctl.controller.ops import DataOps
 from rlctl.core import detector as det
-from rlctl.core.events import EventKind, event
+from rlctl.core.event_payloads import (
+    AgentDisconnectedData,
+    HeartbeatData,
+    HeartbeatSummaryData,
+    NodeStateChangedData,
+    WorkerPhaseData,
+    WorkerStartedData,
+)
+from rlctl.core.events import Event
 from rlctl.core.orchestrate import Orchestrator, restored_state
 from rlctl.core.states import NodeState
 
@@ -50,8 +58,9 @@ class AgentInbox:
                 heard += 1
             elif node.life.state not in (NodeState.RELEASED, NodeState.FAILED):
                 silent[node.name] = node.last_heartbeat_at
-        self.orc.record(EventKind.HEARTBEAT_SUMMARY, beats=self.beats_since_summary, nodes=heard,
-                        window_s=round(now - self.last_summary, 3), fresh_since=fresh_since, silent=silent)
+        self.orc.record(HeartbeatSummaryData(beats=self.beats_since_summary, nodes=heard,
+                                             window_s=round(now - self.last_summary, 3), fresh_since=fresh_since,
+                                             silent=silent))
         self.beats_since_summary = 0
         self.last_summary = now
 
@@ -66,7 +75,7 @@ class AgentInbox:
 
     async def on_gone(self, node: str, reason: str) -> None:
         if node in self.model.nodes:
-            self.orc.record(EventKind.AGENT_DISCONNECTED, node=node, reason=reason)
+            self.orc.record(AgentDisconnectedData(node=node, reason=reason))
 
     async def on_message(self, node: str, message: dict[str, Any]) -> None:
         kind = message["type"]
@@ -77,15 +86,14 @@ class AgentInbox:
             elif kind == "worker_msg":
                 await self._on_worker_msg(node, message, now)
             elif kind == "worker_phase":
-                slot = self.model.slot_of_wid(str(message.get("wid")))
-                if slot is not None:
-                    self.orc.record(EventKind.WORKER_PHASE, slot=slot.slot, wid=slot.wid, phase=str(message.get("phase")),
-                                    step=int(message.get("step") or 0))
+                wid = str(message.get("wid"))
+                if (slot := self.model.slot_of_wid(wid)) is not None:
+                    self.orc.record(WorkerPhaseData(slot=slot.slot, wid=wid, phase=str(message.get("phase")),
+                                                    step=int(message.get("step") or 0)))
             elif kind == "worker_started":
-                slot = self.model.slot_of_wid(str(message.get("wid")))
-                if slot is not None:
-                    self.orc.record(EventKind.WORKER_STARTED, slot=slot.slot, wid=slot.wid,
-                                    pid=int(message.get("pid") or 0))
+                wid = str(message.get("wid"))
+                if (slot := self.model.slot_of_wid(wid)) is not None:
+                    self.orc.record(WorkerStartedData(slot=slot.slot, wid=wid, pid=int(message.get("pid") or 0)))
             elif kind == "worker_exited":
                 self.orc.worker_exited(str(message.get("wid")), message.get("exit_code"), message.get("signal"),
                                        str(message.get("error") or "")[:300])
@@ -102,7 +110,7 @@ class AgentInbox:
             return
         self.detector.heartbeat(node, now)
         workers = message.get("workers", [])
-        self.model.apply(event(EventKind.HEARTBEAT, now, node=node, gpus=message.get("gpus") or [], workers=workers))
+        self.model.apply(Event.of(now, HeartbeatData(node=node, gpus=message.get("gpus") or [], workers=workers)))
         self.beats_since_summary += 1
         if self.heartbeat_latency is not None and "sent_mono" in message:
             applied = time.monotonic()
@@ -112,8 +120,8 @@ class AgentInbox:
             if slot is not None:
                 self.detector.progress(slot.wid or "", slot.progress, now, busy=slot.phase in det.THROUGHPUT_PHASES)
         if record.life.state == NodeState.SUSPECT:
-            self.orc.record(EventKind.NODE_STATE_CHANGED, node=node, state=restored_state(self.model, node).value,
-                            reason="heartbeats resumed: suspicion refuted")
+            self.orc.record(NodeStateChangedData(node=node, state=restored_state(self.model, node).value,
+                                                 reason="heartbeats resumed: suspicion refuted"))
 
     async def _on_worker_msg(self, node: str, message: dict[str, Any], now: float) -> None:
         wid = str(message.get("wid"))

@@ -25,6 +25,16 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from rlctl.backends.base import Backend, NodeInfo
+from rlctl.core.event_payloads import (
+    EventPayload,
+    FaultAcceptedData,
+    FaultCancelledData,
+    FaultInjectedData,
+    FaultRefusedData,
+    FaultScheduledData,
+    WorkerPhaseData,
+    WorkerStartedData,
+)
 from rlctl.core.events import Event, EventKind
 from rlctl.core.faultparams import AGENT_FAULTS, BACKEND_FAULTS, FaultParamError, shown, validate_fault
 from rlctl.core.injections import Injection, InjectionBook, InjectionState
@@ -39,7 +49,7 @@ AGENT_ACK_WAIT_S = 10.0
 
 
 class FaultInjection:
-    def __init__(self, model: JobModel, record: Callable[..., list[Event]], backend: Backend,
+    def __init__(self, model: JobModel, record: Callable[[EventPayload], list[Event]], backend: Backend,
                  node_infos: dict[str, NodeInfo], command: Command, spawn: Spawn) -> None:
         self.model = model
         self.record = record
@@ -68,13 +78,13 @@ class FaultInjection:
         fault_id = f"inj-{uuid.uuid4().hex[:8]}"
         if checked.get("at_phase"):
             running = sorted([slot.slot, slot.wid] for slot in model.slots.values() if slot.wid)
-            self._journal(EventKind.FAULT_SCHEDULED, fault_id=fault_id, node=node, kind=kind, params=checked,
-                          due_at=time.time(), passed_over=running)
+            self._journal(FaultScheduledData(fault_id=fault_id, node=node, kind=kind, params=checked,
+                                             due_at=time.time(), passed_over=running))
             return {"ok": True, "fault_id": fault_id, "node": node, "kind": kind, "state": InjectionState.PENDING.value,
                     "at_phase": checked["at_phase"]}
         if delay > 0:
-            self._journal(EventKind.FAULT_SCHEDULED, fault_id=fault_id, node=node, kind=kind, params=checked,
-                          due_at=time.time() + delay)
+            self._journal(FaultScheduledData(fault_id=fault_id, node=node, kind=kind, params=checked,
+                                             due_at=time.time() + delay))
             injection = self.book.injections[fault_id]
             self._arm(injection)
             return {"ok": True, "fault_id": fault_id, "node": node, "kind": kind, "state": injection.state.value,
@@ -118,16 +128,17 @@ class FaultInjection:
         """Carry out the armed injections (``--at-phase``) whose worker reports their phase in
         ``events``: ``WorkerStarted`` is the phase ``starting``, ``WorkerPhase`` the others."""
         for ev in events:
-            if ev.type == EventKind.WORKER_STARTED:
+            reported = ev.payload if ev.type in (EventKind.WORKER_STARTED, EventKind.WORKER_PHASE) else None
+            if isinstance(reported, WorkerStartedData):
                 phase = "starting"
-            elif ev.type == EventKind.WORKER_PHASE:
-                phase = str(ev.data["phase"])
+            elif isinstance(reported, WorkerPhaseData):
+                phase = reported.phase
             else:
                 continue
-            slot = self.model.slots.get(str(ev.data["slot"]))
+            slot = self.model.slots.get(reported.slot)
             if slot is None or self.model.life.state.terminal:
                 continue
-            wid = str(ev.data["wid"])
+            wid = reported.wid
             for injection in self.book.armed():
                 if injection.fault_id not in self._firing and injection.fires_for(slot.node, slot.slot, slot.role,
                                                                                    wid, phase):
@@ -167,25 +178,25 @@ class FaultInjection:
             log.warning("delayed fault %s on %s was refused: %s", injection.fault_id, injection.node, answer["error"])
 
     def _cancel(self, injection: Injection, reason: str) -> None:
-        self._journal(EventKind.FAULT_CANCELLED, fault_id=injection.fault_id, node=injection.node, reason=reason)
+        self._journal(FaultCancelledData(fault_id=injection.fault_id, node=injection.node, reason=reason))
         timer = self._timers.pop(injection.fault_id, None)
         if timer is not None:
             timer.cancel()
 
     async def _carry_out(self, fault_id: str, node: str, kind: str, params: dict[str, Any]) -> dict[str, Any]:
-        self._journal(EventKind.FAULT_INJECTED, fault_id=fault_id, node=node, kind=kind, params=params,
-                      awaiting_answer=True)
+        self._journal(FaultInjectedData(fault_id=fault_id, node=node, kind=kind, params=params,
+                                        awaiting_answer=True))
         by_backend = self._by_backend_kind(kind)
         refusal = await (self._by_backend(node, kind, params) if by_backend else self._by_agent(node, kind, params))
         if refusal is not None:
-            self._journal(EventKind.FAULT_REFUSED, fault_id=fault_id, node=node, reason=refusal)
+            self._journal(FaultRefusedData(fault_id=fault_id, node=node, reason=refusal))
             return {"ok": False, "error": refusal, "fault_id": fault_id}
-        self._journal(EventKind.FAULT_ACCEPTED, fault_id=fault_id, node=node)
+        self._journal(FaultAcceptedData(fault_id=fault_id, node=node))
         return {"ok": True, "fault_id": fault_id, "node": node, "kind": kind,
                 "state": InjectionState.CARRIED_OUT.value}
 
-    def _journal(self, type_: EventKind, /, **data: Any) -> None:
-        for ev in self.record(type_, **data):
+    def _journal(self, payload: EventPayload) -> None:
+        for ev in self.record(payload):
             self.book.apply(ev)
 
     def _by_backend_kind(self, kind: str) -> bool:

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from rlctl.controller.jobdir import JobDir
+from rlctl.core.event_payloads import StepTrainedData
 from rlctl.core.events import Event, EventKind
 from rlctl.core.model import JobModel
 from rlctl.core.spec import JobSpec
@@ -77,7 +78,7 @@ class Observing:
             return
         for ev in events:
             if ev.type == EventKind.STEP_TRAINED:
-                step = int(ev.data["step"])
+                step = ev.as_(StepTrainedData).step
                 self.curves.offer(step, curve_point(self.model, step))
 
     def catch_up(self) -> None:

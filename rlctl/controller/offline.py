@@ -24,7 +24,8 @@ from rlctl.controller.stopsave import tidy_checkpoints
 from rlctl.controller.store import Journal
 from rlctl.core import detector as det
 from rlctl.core import effects as fx
-from rlctl.core.events import Event, EventKind
+from rlctl.core.event_payloads import JobStateChangedData, StopCheckpointData, WorkerExitedData
+from rlctl.core.events import Event
 from rlctl.core.model import JobModel
 from rlctl.core.orchestrate import LIVE_WORKER, Orchestrator
 from rlctl.core.rounds import RoundScheduler, config_from_spec
@@ -92,7 +93,7 @@ async def stop_offline(jobdir: JobDir, spec: JobSpec, backend: Backend, reason: 
         shell = JournalShell(journal, model)
         orc = Orchestrator(spec, model, scheduler, det.Detector(det.config_from_spec(spec.fault_tolerance)), shell)
         if model.life.can_move(JobState.STOPPING):
-            orc.record(EventKind.JOB_STATE_CHANGED, state=JobState.STOPPING.value, reason=reason)
+            orc.record(JobStateChangedData(state=JobState.STOPPING.value, reason=reason))
         stopping = [slot for slot in model.slots.values() if slot.life is not None and slot.life.state in LIVE_WORKER]
         stops = [stop for slot in stopping if (stop := orc.stop_worker(slot)) is not None]
         live = [NodeInfo(name=n.name, host=n.host, backend_ref=n.backend_ref)
@@ -103,13 +104,13 @@ async def stop_offline(jobdir: JobDir, spec: JobSpec, backend: Backend, reason: 
         except BackendError as exc:
             raise OfflineStopError(str(exc)) from exc
         for stop in stops:
-            orc.record(EventKind.WORKER_EXITED, slot=stop.slot, wid=stop.wid, exit_code=None, signal="SIGKILL",
-                       reason="stopped with the job (no controller ran)")
+            orc.record(WorkerExitedData(slot=stop.slot, wid=stop.wid, exit_code=None, signal="SIGKILL",
+                                        reason="stopped with the job (no controller ran)"))
         tidy_checkpoints(jobdir.checkpoints)
         unsaved = StopSavePlan(False, model.published_version, model.checkpoint_step, 0.0, "")
         saved = outcome_data(StopSaveOutcome.NO_CONTROLLER, unsaved, model.checkpoint_step, 0.0,
                              "the controller is gone, and only it can ask the trainer to save")
-        orc.record(EventKind.STOP_CHECKPOINT, **saved)
+        orc.record(StopCheckpointData(**saved))
         orc.release_events_for_end()
         orc.end(JobState.STOPPED, reason)
         log.info("stopped %s offline: %d node(s) released, %d worker(s) stopped", job_id, len(live), len(stops))

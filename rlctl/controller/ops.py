@@ -16,6 +16,17 @@ from rlctl.controller.stopsave import StopSave
 from rlctl.core.colocation import engine_may_generate, trainer_may_step
 from rlctl.core.elastic import ElasticConfig, current_degree, layout_change
 from rlctl.core.envcalls import answer_deadline_s
+from rlctl.core.event_payloads import (
+    CheckpointedData,
+    EngineResizedData,
+    RewardFunctionFailedData,
+    RewardsStoredData,
+    StepTrainedData,
+    TrainerStateHeldData,
+    WeightsHeldData,
+    WeightsPublishedData,
+    WeightsSourceFailedData,
+)
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.model import SlotRecord
 from rlctl.core.orchestrate import Orchestrator
@@ -120,10 +131,10 @@ class DataOps:
     def op_rollout_resized(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         """An engine parked (``tensor_parallel`` 0) or was rebuilt at ``tensor_parallel`` over ``gpus``."""
         require_role(slot, "rollout")
-        self.orc.shell.commit([event(EventKind.ENGINE_RESIZED, now, slot=slot.slot, wid=slot.wid or "",
-                                     tensor_parallel=int(args["tensor_parallel"]),
-                                     gpus=[int(g) for g in args.get("gpus", [])],
-                                     seconds=float(args.get("seconds", 0.0)))])
+        resized = EngineResizedData(slot=slot.slot, wid=slot.wid or "", tensor_parallel=int(args["tensor_parallel"]),
+                                    gpus=[int(g) for g in args.get("gpus", [])],
+                                    seconds=float(args.get("seconds", 0.0)))
+        self.orc.shell.commit([Event.of(now, resized)])
         return {}
 
     def op_rollout_poll(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
@@ -201,19 +212,21 @@ class DataOps:
         if failed:
             on_error = str(self.orc.spec.reward["on_error"])
             failures = [
-                event(EventKind.REWARD_FUNCTION_FAILED, now, function=str(s.get("function", ""))[:200], item_id=str(s["item_id"]),
-                      prompt_id=getattr(scheduler.find_sample(str(s["item_id"])), "prompt_id", ""), error=str(s["error"])[:500], on_error=on_error)
+                RewardFunctionFailedData(function=str(s.get("function", ""))[:200], item_id=str(s["item_id"]),
+                                         prompt_id=getattr(scheduler.find_sample(str(s["item_id"])), "prompt_id", ""),
+                                         error=str(s["error"])[:500], on_error=on_error)
                 for s in failed
             ]
-            self.orc.shell.commit(failures)
+            self.orc.shell.commit([Event.of(now, failure) for failure in failures])
             if on_error == "fail":
-                first = failures[0].data
-                self.orc.request_stop(f"failed: reward function {first['function']} on {first['item_id']}: {first['error']}")
+                first = failures[0]
+                self.orc.request_stop(f"failed: reward function {first.function} on {first.item_id}: {first.error}")
                 return {"accepted": 0}
         events = self.orc.scheduler.submit_scores(slot.wid or "", scores, now)
         self.orc.shell.commit(events)
         self._judge_reward_calls(now)
-        return {"accepted": sum(len(e.data["scores"]) for e in events if e.type == EventKind.REWARDS_STORED)}
+        stored = [e.as_(RewardsStoredData) for e in events if e.type == EventKind.REWARDS_STORED]
+        return {"accepted": sum(len(rewards.scores) for rewards in stored)}
 
     def _judge_reward_calls(self, now: float) -> None:
         """Journal that the reward function started or stopped failing on most calls, and fail the
@@ -249,8 +262,8 @@ class DataOps:
             return
         held = self.orc.model.state_replica
         if held is None or held.wid != slot.wid or step > held.version:
-            self.orc.shell.commit([event(EventKind.TRAINER_STATE_HELD, now, slot=slot.slot, wid=slot.wid, step=step,
-                                         source=source)])
+            self.orc.shell.commit([Event.of(now, TrainerStateHeldData(slot=slot.slot, wid=slot.wid, step=step,
+                                                                      source=source))])
 
     def op_trainer_init(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         model = self.orc.model
@@ -357,9 +370,10 @@ class DataOps:
         events: list[Event] = []
         if "metrics" in args and version - 1 not in self.orc.model.step_metrics:
             metrics = {**self.orc.scheduler.batch_stats.get(version - 1, {}), **dict(args["metrics"])}
-            events.append(event(EventKind.STEP_TRAINED, now, step=version - 1, metrics=metrics))
-        state = {"state_source": dict(args["state_source"])} if isinstance(args.get("state_source"), dict) else {}
-        events.append(event(EventKind.WEIGHTS_PUBLISHED, now, version=version, slot=slot.slot, source=dict(args["source"]), **state))
+            events.append(Event.of(now, StepTrainedData(step=version - 1, metrics=metrics)))
+        state_source = dict(args["state_source"]) if isinstance(args.get("state_source"), dict) else None
+        events.append(Event.of(now, WeightsPublishedData(version=version, slot=slot.slot, source=dict(args["source"]),
+                                                         state_source=state_source)))
         self.orc.shell.commit(events)
         self.on_weights_published(now)
         return {}
@@ -371,7 +385,7 @@ class DataOps:
 
     def op_trainer_checkpointed(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         require_role(slot, "trainer")
-        self.orc.shell.commit([event(EventKind.CHECKPOINTED, now, step=int(args["step"]), path=str(args["path"]))])
+        self.orc.shell.commit([Event.of(now, CheckpointedData(step=int(args["step"]), path=str(args["path"])))])
         return {}
 
     def op_trainer_stop_saved(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
@@ -384,9 +398,10 @@ class DataOps:
     def op_trainer_restored(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         require_role(slot, "trainer")
         replayed = [int(s) for s in args.get("replayed_steps", [])]
+        # ``state_step`` is journaled even when None: readers of the journal look for it.
         self.orc.shell.commit(
-            [event(EventKind.TRAINER_RESTORED, now, slot=slot.slot, checkpoint_step=args.get("checkpoint_step"), replayed_steps=replayed,
-                   state_step=args.get("state_step"))]
+            [event(EventKind.TRAINER_RESTORED, now, slot=slot.slot, checkpoint_step=args.get("checkpoint_step"),
+                   replayed_steps=replayed, state_step=args.get("state_step"))]
         )
         return {}
 
@@ -396,12 +411,11 @@ class DataOps:
         """A worker holds ``version``; after a pull, with its bytes, seconds and the lane it took
         (``rlctl.roles.rollout.pull_record``). The first pull of the job that could have taken a
         faster lane is also journaled as a ``WeightsSlowerLane`` warning."""
-        pulled = ({"bytes": int(args["bytes"]), "seconds": float(args.get("seconds", 0.0)),
-                   "holders": int(args.get("holders", 1)), **_lane_fields(args)} if "bytes" in args else {})
-        held = event(EventKind.WEIGHTS_HELD, now, version=int(args["version"]), slot=slot.slot,
-                     source=dict(args["source"]), **pulled)
-        warning = self.orc.model.slower_lane_warning(slot.slot, held.data, now) if pulled else None
-        self.orc.shell.commit([held] if warning is None else [held, warning])
+        pulled: dict[str, Any] = ({"bytes": int(args["bytes"]), "seconds": float(args.get("seconds", 0.0)),
+                                   "holders": int(args.get("holders", 1)), **_lane_fields(args)} if "bytes" in args else {})
+        held = WeightsHeldData(version=int(args["version"]), slot=slot.slot, source=dict(args["source"]), **pulled)
+        warning = self.orc.model.slower_lane_warning(held, now) if pulled else None
+        self.orc.shell.commit([Event.of(now, held)] if warning is None else [Event.of(now, held), warning])
         return {}
 
     def op_weights_source(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
@@ -410,8 +424,9 @@ class DataOps:
         version = int(args.get("version", self.orc.model.published_version))
         failed = args.get("failed_source")
         if isinstance(failed, dict):
-            self.orc.shell.commit([event(EventKind.WEIGHTS_SOURCE_FAILED, now, version=version, source=failed, reporter=slot.slot,
-                                 error=str(args.get("error", ""))[:200])])
+            unreachable = WeightsSourceFailedData(version=version, source=failed, reporter=slot.slot,
+                                                  error=str(args.get("error", ""))[:200])
+            self.orc.shell.commit([Event.of(now, unreachable)])
         return {"weights_sources": self.orc.model.weights_sources(version, exclude_slot=slot.slot)}
 
     def op_job_wait(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:

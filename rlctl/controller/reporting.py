@@ -10,6 +10,7 @@ from typing import Any
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
+from rlctl.core.event_payloads import RewardsStoredData, StepTrainedData, WeightsPublishedData
 from rlctl.core.events import EventKind
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
@@ -56,12 +57,14 @@ def build_report(jobdir: JobDir) -> tuple[dict[str, Any], Timeline]:
         for ev in journal.read():
             model.apply(ev)
             if ev.type == EventKind.WEIGHTS_PUBLISHED:
-                timeline.steps.append((ev.at, int(ev.data["version"])))
+                timeline.steps.append((ev.at, ev.as_(WeightsPublishedData).version))
                 timeline.ettr.append((ev.at, model.ledger.ettr()))
-            elif ev.type == EventKind.STEP_TRAINED and ev.data["metrics"].get("mean_reward") is not None:
-                timeline.rewards.append((ev.at, float(ev.data["metrics"]["mean_reward"])))
+            elif ev.type == EventKind.STEP_TRAINED:
+                reward = ev.as_(StepTrainedData).metrics.get("mean_reward")
+                if reward is not None:
+                    timeline.rewards.append((ev.at, float(reward)))
             elif ev.type == EventKind.REWARDS_STORED:
-                tally.add(ev.data["scores"])
+                tally.add(ev.as_(RewardsStoredData).scores)
             elif ev.type == EventKind.REWARD_FUNCTION_FAILED:
                 tally.failures += 1
     finally:

@@ -50,7 +50,14 @@ from rlctl.core import detector as det
 from rlctl.core import effects as fx
 from rlctl.core import job_moves as moves
 from rlctl.core import orchestrate as orc
-from rlctl.core.events import Event, EventKind, event
+from rlctl.core.event_payloads import (
+    ConnectionRefusedData,
+    ControllerStartedData,
+    EventPayload,
+    JobStateChangedData,
+    JobSubmittedData,
+)
+from rlctl.core.events import Event
 from rlctl.core.launchplan import LaunchPlan, plan
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
@@ -147,8 +154,8 @@ class Controller:
     def run_plan(self, plan: fx.Plan) -> None:
         self.effects.run(plan)
 
-    def record(self, type_: EventKind, **data: Any) -> list[Event]:
-        return self.commit([event(type_, time.time(), **data)])
+    def record(self, payload: EventPayload) -> list[Event]:
+        return self.commit([Event.of(time.time(), payload)])
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` in the background; its failure is logged, never left unobserved."""
@@ -176,7 +183,7 @@ class Controller:
         if self.fenced_reason:
             return
         log.warning("refused %d connection(s) from %s (node %r): %s", count, source, node, reason)
-        self.record(EventKind.CONNECTION_REFUSED, source=source, node=node, reason=reason, count=count)
+        self.record(ConnectionRefusedData(source=source, node=node, reason=reason, count=count))
 
     async def _relay(self, node: str, wid: str, payload: dict[str, Any]) -> bool:
         return await self.hub.relay(node, wid, payload)
@@ -253,10 +260,10 @@ class Controller:
     async def _start_fresh(self) -> None:
         spec = self.spec
         self.journal.take_over()
-        self.record(EventKind.JOB_SUBMITTED, job_id=self.jobdir.job_id, spec_file=str(self.jobdir.spec_file),
-                    backend=spec.backend, policy=spec.fault_tolerance.policy, steps=spec.steps)
+        self.record(JobSubmittedData(job_id=self.jobdir.job_id, spec_file=str(self.jobdir.spec_file),
+                                     backend=spec.backend, policy=spec.fault_tolerance.policy, steps=spec.steps))
         await self._bind(port=0, resumed=False)
-        self.record(EventKind.JOB_STATE_CHANGED, state=JobState.STARTING.value, reason="allocating nodes")
+        self.record(JobStateChangedData(state=JobState.STARTING.value, reason="allocating nodes"))
         nodes = await self.backend.allocate(self.plan.allocation(self.jobdir.job_id))
         self.node_infos.update((n.name, n) for n in nodes)
         self.orc.place([fx.NodeGrant(n.name, n.host, n.backend_ref) for n in nodes], self.plan.roles,
@@ -280,7 +287,8 @@ class Controller:
                             f"`rlctl resume` read it at epoch {self.expect_epoch}; it runs the job")
         self.observing.catch_up()
         info = self.jobdir.read_controller()
-        await self._bind(port=int(info.get("agent_port", 0)), resumed=True, **({"predecessor_killed": killed.pid} if killed else {}))
+        await self._bind(port=int(info.get("agent_port", 0)), resumed=True,
+                         predecessor_killed=killed.pid if killed else None)
         for node in self.model.nodes.values():
             self.node_infos[node.name] = NodeInfo(name=node.name, host=node.host, backend_ref=node.backend_ref)
         await self.backend.adopt(list(self.node_infos.values()))
@@ -290,8 +298,9 @@ class Controller:
         else:
             self.injection.rearm(time.time())
 
-    async def _bind(self, port: int, resumed: bool, **started: Any) -> None:
-        """Listen for agents and the CLI. The new epoch is journaled before any agent is accepted."""
+    async def _bind(self, port: int, resumed: bool, predecessor_killed: int | None = None) -> None:
+        """Listen for agents and the CLI. The new epoch is journaled before any agent is accepted;
+        ``predecessor_killed``: the pid of the controller a resume had to kill."""
         host = self.plan.controller_host
         certificate = None
         if tls_enabled(self.spec.agent_tls, crosses_network=not self.backend.on_this_machine):
@@ -299,8 +308,8 @@ class Controller:
         self.hub.epoch = self.model.controller_epoch + 1
         self.agent_port = await self.hub.start(host, port, server_context(certificate) if certificate else None,
                                                accept=False)
-        self.record(EventKind.CONTROLLER_STARTED, pid=os.getpid(), resumed=resumed, agent_port=self.agent_port,
-                    epoch=self.hub.epoch, **started)
+        self.record(ControllerStartedData(pid=os.getpid(), resumed=resumed, agent_port=self.agent_port,
+                                          epoch=self.hub.epoch, predecessor_killed=predecessor_killed))
         await self.hub.serve()
         bundle = build_agent_zipapp(self.jobdir.path / "agent")
         self.effects.launch = AgentLaunch(

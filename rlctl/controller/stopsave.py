@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.core.checkpoint_names import leftover_of
-from rlctl.core.events import Event, EventKind
+from rlctl.core.event_payloads import EventPayload, StopCheckpointData
+from rlctl.core.events import Event
 from rlctl.core.model import JobModel
 from rlctl.core.stopsave import LEADER_SLOT, StopSaveOutcome, StopSavePlan, leader_alive, outcome_data
 
@@ -37,7 +38,7 @@ class StopSave:
     ``core.stopsave.leader_hung``); ``clock`` is the time the wait is measured on (the ``now``
     given to ``begin``). Not thread-safe: used on the controller's event loop."""
 
-    def __init__(self, model: JobModel, record: Callable[..., list[Event]], connected: Callable[[str], bool],
+    def __init__(self, model: JobModel, record: Callable[[EventPayload], list[Event]], connected: Callable[[str], bool],
                  hung: Callable[[float], str] = lambda now: "", clock: Callable[[], float] = time.time) -> None:
         self.model = model
         self.record = record
@@ -109,7 +110,7 @@ class StopSave:
     def _end(self, outcome: StopSaveOutcome, reason: str, now: float, **extra: Any) -> None:
         assert self.plan is not None
         data = outcome_data(outcome, self.plan, self.model.checkpoint_step, max(0.0, now - self.asked_at), reason, **extra)
-        self.record(EventKind.STOP_CHECKPOINT, **data)
+        self.record(StopCheckpointData(**data))
         self.result = data
         log.info("stop checkpoint: %s (%s)", outcome.value, reason)
 

@@ -83,7 +83,7 @@ class Journal:
                 cursor = self._db.execute(
                     "INSERT INTO events(type, at, payload) VALUES (?, ?, ?)", (ev.type, ev.at, ev.to_json())
                 )
-                stored.append(Event(type=ev.type, at=ev.at, data=ev.data, seq=int(cursor.lastrowid or 0)))
+                stored.append(ev.numbered(int(cursor.lastrowid or 0)))
             if self._owned_seq is not None:
                 self._owned_seq = stored[-1].seq
         return stored

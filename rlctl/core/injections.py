@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from rlctl.core.event_payloads import (
+    FaultAcceptedData,
+    FaultCancelledData,
+    FaultInjectedData,
+    FaultRefusedData,
+    FaultScheduledData,
+)
 from rlctl.core.events import Event, EventKind
 
 RECENT_LISTED = 20  # settled injections a listing shows besides the unsettled ones
@@ -68,6 +75,7 @@ class Injection:
 
 FAULT_EVENTS = frozenset({EventKind.FAULT_SCHEDULED, EventKind.FAULT_INJECTED, EventKind.FAULT_ACCEPTED,
                           EventKind.FAULT_REFUSED, EventKind.FAULT_CANCELLED})
+InjectionPayload = FaultScheduledData | FaultInjectedData | FaultAcceptedData | FaultRefusedData | FaultCancelledData
 
 
 @dataclass
@@ -80,31 +88,30 @@ class InjectionBook:
         """Take one journal event into account; events of other kinds change nothing."""
         if ev.type not in FAULT_EVENTS:
             return
-        d = ev.data
-        known = self.injections.get(str(d["fault_id"]))
-        if ev.type == EventKind.FAULT_SCHEDULED:
-            self.injections[d["fault_id"]] = Injection(d["fault_id"], d["node"], d["kind"], dict(d["params"]), ev.at,
-                                                       float(d["due_at"]), InjectionState.PENDING,
-                                                       at_phase=str(d["params"].get("at_phase", "")),
-                                                       passed_over=frozenset((str(s), str(w)) for s, w in
-                                                                             d.get("passed_over", [])))
-        elif ev.type == EventKind.FAULT_INJECTED:
+        d = ev.payload
+        if not isinstance(d, InjectionPayload):
+            return
+        known = self.injections.get(d.fault_id)
+        if isinstance(d, FaultScheduledData):
+            self.injections[d.fault_id] = Injection(d.fault_id, d.node, d.kind, dict(d.params), ev.at, float(d.due_at),
+                                                    InjectionState.PENDING, at_phase=str(d.params.get("at_phase", "")),
+                                                    passed_over=frozenset((str(s), str(w)) for s, w in d.passed_over))
+        elif isinstance(d, FaultInjectedData):
             # Before answers were journaled, an injection was journaled once carried out (or about to be).
-            state = InjectionState.INJECTING if d.get("awaiting_answer") else InjectionState.CARRIED_OUT
+            state = InjectionState.INJECTING if d.awaiting_answer else InjectionState.CARRIED_OUT
             if known is None:
-                self.injections[d["fault_id"]] = Injection(d["fault_id"], d["node"], d["kind"], dict(d["params"]),
-                                                           ev.at, ev.at, state)
+                self.injections[d.fault_id] = Injection(d.fault_id, d.node, d.kind, dict(d.params), ev.at, ev.at, state)
             else:
-                known.state, known.node = state, d["node"]  # an armed one is carried out where its slot runs
+                known.state, known.node = state, d.node  # an armed one is carried out where its slot runs
             if state == InjectionState.CARRIED_OUT:
-                self.injections[d["fault_id"]].settled_at = ev.at
+                self.injections[d.fault_id].settled_at = ev.at
         elif known is not None:
             known.settled_at = ev.at
-            if ev.type == EventKind.FAULT_ACCEPTED:
+            if isinstance(d, FaultAcceptedData):
                 known.state = InjectionState.CARRIED_OUT
             else:
-                known.state = InjectionState.REFUSED if ev.type == EventKind.FAULT_REFUSED else InjectionState.CANCELLED
-                known.reason = str(d["reason"])
+                known.state = InjectionState.REFUSED if isinstance(d, FaultRefusedData) else InjectionState.CANCELLED
+                known.reason = d.reason
 
     def pending(self) -> list[Injection]:
         return [i for i in self.injections.values() if i.state == InjectionState.PENDING]

@@ -16,6 +16,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.core.ettr import EttrLedger, without_progress
+from rlctl.core.event_payloads import (
+    ActionTakenData,
+    AgentDisconnectedData,
+    AgentRegisteredData,
+    ControllerStartedData,
+    EngineResizedData,
+    HeartbeatData,
+    HeartbeatSummaryData,
+    JobStateChangedData,
+    JobSubmittedData,
+    NodeAllocatedData,
+    NodeStateChangedData,
+    RewardFunctionFailedData,
+    RewardsStoredData,
+    WorkerExitedData,
+    WorkerPhaseData,
+    WorkerStartedData,
+    WorkerStartingData,
+)
 from rlctl.core.events import TRANSIENT_EVENTS, Event, EventKind
 from rlctl.core.model_faults import PROCESS_FAULTS, FaultLedger
 from rlctl.core.model_weights import LaneTotals, WeightsRegistry
@@ -147,7 +166,7 @@ class JobModel(FaultLedger, WeightsRegistry):
             return
         if not self.life.state.terminal and ev.at > self.ledger.last_at:
             # A resumed controller's start closes a stretch in which no controller ran at all.
-            outage = ev.type == EventKind.CONTROLLER_STARTED and ev.data.get("resumed")
+            outage = ev.type == EventKind.CONTROLLER_STARTED and ev.as_(ControllerStartedData).resumed
             self.ledger.advance(ev.at, {"controller": 1.0} if outage else self.ettr_weights())
         self.last_seq = max(self.last_seq, ev.seq)
         if ev.type not in QUIET_EVENTS:
@@ -159,58 +178,59 @@ class JobModel(FaultLedger, WeightsRegistry):
             self.scheduler.apply(ev)
 
     def _on_JobSubmitted(self, ev: Event) -> None:
-        self.policy = ev.data["policy"]
-        self.total_steps = int(ev.data.get("steps", 0))
+        submitted = ev.as_(JobSubmittedData)
+        self.policy = submitted.policy
+        self.total_steps = submitted.steps
         self.life = Lifecycle.begin(JobState.PENDING, ev.at, "submitted")
         self.ledger = EttrLedger(started_at=ev.at)
 
     def _on_JobStateChanged(self, ev: Event) -> None:
-        self.life.move(JobState(ev.data["state"]), ev.at, ev.data["reason"])
+        changed = ev.as_(JobStateChangedData)
+        self.life.move(JobState(changed.state), ev.at, changed.reason)
 
     def _on_NodeAllocated(self, ev: Event) -> None:
-        d = ev.data
-        self.nodes[d["node"]] = NodeRecord(
-            name=d["node"],
-            host=d["host"],
-            role=d["role"],
+        d = ev.as_(NodeAllocatedData)
+        self.nodes[d.node] = NodeRecord(
+            name=d.node,
+            host=d.host,
+            role=d.role,
             life=Lifecycle.begin(NodeState.STARTING, ev.at, "allocated"),
-            backend_ref=d.get("backend_ref", ""),
+            backend_ref=d.backend_ref,
         )
-        # ``slots`` (slot -> GPUs) names every worker of the node; ``slot`` alone is a one-worker node;
-        # ``slot_roles`` gives each slot's role where they differ (colocated engines on a trainer node).
-        placed: dict[str, list[int]] = d.get("slots") or ({d["slot"]: []} if d["slot"] else {})
-        standby = bool(d.get("standby", False))
+        placed = d.slots or ({d.slot: []} if d.slot else {})
         for slot_name, gpus in placed.items():
             slot = self.slots.get(slot_name)
             if slot is None:
-                role = (d.get("slot_roles") or {}).get(slot_name) or d.get("role_of_slot", d["role"])
-                slot = self.slots[slot_name] = SlotRecord(slot=slot_name, role=role, node=d["node"], standby=standby)
+                role = (d.slot_roles or {}).get(slot_name) or (d.role_of_slot if d.role_of_slot is not None else d.role)
+                slot = self.slots[slot_name] = SlotRecord(slot=slot_name, role=role, node=d.node, standby=d.standby)
             else:
-                slot.node = d["node"]
+                slot.node = d.node
             if gpus:
                 slot.gpus = tuple(int(g) for g in gpus)
             self._node_slots = None
 
     def _on_NodeStateChanged(self, ev: Event) -> None:
-        node = self.nodes.get(ev.data["node"])
+        changed = ev.as_(NodeStateChangedData)
+        node = self.nodes.get(changed.node)
         if node is None:
             return
-        node.life.move(NodeState(ev.data["state"]), ev.at, ev.data["reason"])
-        if ev.data["state"] in (NodeState.FAILED.value, NodeState.RELEASED.value):
+        node.life.move(NodeState(changed.state), ev.at, changed.reason)
+        if changed.state in (NodeState.FAILED.value, NodeState.RELEASED.value):
             node.connected = False
-        if ev.data["state"] == NodeState.FAILED.value:
-            self._seen_with_retired_node(node.name, ev.at, ev.data["reason"])
-        if ev.data.get("exclude"):
+        if changed.state == NodeState.FAILED.value:
+            self._seen_with_retired_node(node.name, ev.at, changed.reason)
+        if changed.exclude:
             node.excluded = True
-        if "role" in ev.data:
-            node.role = ev.data["role"]
+        if changed.role is not None:
+            node.role = changed.role
 
     def _on_AgentRegistered(self, ev: Event) -> None:
-        node = self.nodes.get(ev.data["node"])
+        registered = ev.as_(AgentRegisteredData)
+        node = self.nodes.get(registered.node)
         if node is None:
             return
-        node.incarnation = int(ev.data["incarnation"])
-        node.facts = dict(ev.data["facts"])
+        node.incarnation = registered.incarnation
+        node.facts = dict(registered.facts)
         node.connected = True
         node.last_heartbeat_at = ev.at
         if self.policy == "role":  # under full-restart the fault lasts until everything restarted
@@ -218,8 +238,9 @@ class JobModel(FaultLedger, WeightsRegistry):
 
     def _on_ControllerStarted(self, ev: Event) -> None:
         """A resumed controller hears no agent yet: every node's silence is counted from now."""
-        self.controller_epoch = int(ev.data.get("epoch") or self.controller_epoch + 1)
-        if not ev.data.get("resumed"):
+        started = ev.as_(ControllerStartedData)
+        self.controller_epoch = started.epoch or self.controller_epoch + 1
+        if not started.resumed:
             return
         for node in self.nodes.values():
             node.last_heartbeat_at = ev.at
@@ -227,14 +248,14 @@ class JobModel(FaultLedger, WeightsRegistry):
 
     def _on_Heartbeat(self, ev: Event) -> None:
         """An agent's heartbeat: the node was heard, its GPU samples, its workers' progress."""
-        node = self.nodes.get(ev.data["node"])
+        beat = ev.as_(HeartbeatData)
+        node = self.nodes.get(beat.node)
         if node is None:
             return
         node.last_heartbeat_at = ev.at
-        gpus = ev.data.get("gpus") or []
-        node.gpu_summary = GpuSummary.of(gpus)
-        node.gpus_lost = any(g.get("lost") for g in gpus)
-        for worker in ev.data.get("workers", []):
+        node.gpu_summary = GpuSummary.of(beat.gpus)
+        node.gpus_lost = any(g.get("lost") for g in beat.gpus)
+        for worker in beat.workers:
             slot = self.slot_of_wid(str(worker.get("wid")))
             if slot is None:
                 continue
@@ -245,19 +266,20 @@ class JobModel(FaultLedger, WeightsRegistry):
             slot.progress = progress
 
     def _on_AgentDisconnected(self, ev: Event) -> None:
-        node = self.nodes.get(ev.data["node"])
+        node = self.nodes.get(ev.as_(AgentDisconnectedData).node)
         if node is not None:
             node.connected = False
 
     def _on_HeartbeatSummary(self, ev: Event) -> None:
-        self.heartbeats_total += int(ev.data["beats"])
-        for name, at in ev.data.get("last_seen", {}).items():  # journals written before fresh_since
+        summary = ev.as_(HeartbeatSummaryData)
+        self.heartbeats_total += summary.beats
+        for name, seen_at in summary.last_seen.items():
             if name in self.nodes:
-                self.nodes[name].last_heartbeat_at = float(at)
-        fresh_since = ev.data.get("fresh_since")
+                self.nodes[name].last_heartbeat_at = float(seen_at)
+        fresh_since = summary.fresh_since
         if fresh_since is None:
             return
-        silent: dict[str, float | None] = ev.data.get("silent", {})
+        silent = summary.silent
         for node in self.nodes.values():
             if node.name in silent:
                 at = silent[node.name]
@@ -271,24 +293,24 @@ class JobModel(FaultLedger, WeightsRegistry):
         return f"{slot}.{self.workers_started + 1}"
 
     def _on_WorkerStarting(self, ev: Event) -> None:
-        d = ev.data
+        d = ev.as_(WorkerStartingData)
         self.workers_started += 1
-        slot = self.slots.get(d["slot"])
+        slot = self.slots.get(d.slot)
         if slot is None:
-            slot = SlotRecord(slot=d["slot"], role=d["role"], node=d["node"], standby=bool(d.get("standby", False)))
-            self.slots[d["slot"]] = slot
+            slot = SlotRecord(slot=d.slot, role=d.role, node=d.node, standby=d.standby)
+            self.slots[d.slot] = slot
             self._node_slots = None
-        if slot.node != d["node"]:
+        if slot.node != d.node:
             slot.restarts_on_node = 0
             self._node_slots = None
         elif slot.wid is not None:
             slot.restarts_on_node += 1
-        slot.node = d["node"]
-        slot.wid = d["wid"]
-        self.wid_slots[d["wid"]] = slot.slot
+        slot.node = d.node
+        slot.wid = d.wid
+        self.wid_slots[d.wid] = slot.slot
         for holders in self.weights_holders.values():
             holders.pop(slot.slot, None)  # the previous worker of this slot no longer serves
-        slot.generation = int(d.get("generation", slot.generation + 1))
+        slot.generation = d.generation if d.generation is not None else slot.generation + 1
         slot.life = Lifecycle.begin(WorkerState.STARTING, ev.at, "start requested")
         slot.phase, slot.phase_since, slot.progress_at, slot.pid = "starting", ev.at, ev.at, None
         slot.weights_version = -1
@@ -296,24 +318,27 @@ class JobModel(FaultLedger, WeightsRegistry):
         slot.serving = False
 
     def _on_EngineResized(self, ev: Event) -> None:
-        slot = self._slot_for(ev)
+        resized = ev.as_(EngineResizedData)
+        slot = self._slot_for(resized.slot, resized.wid)
         if slot is not None:
-            slot.tensor_parallel = int(ev.data["tensor_parallel"])
+            slot.tensor_parallel = resized.tensor_parallel
             if slot.tensor_parallel == 0:  # a restarted follower is back in its wide group's place: recovered
                 self._recover_slot(slot, ev.at)
 
     def _on_WorkerStarted(self, ev: Event) -> None:
-        slot = self._slot_for(ev)
+        started = ev.as_(WorkerStartedData)
+        slot = self._slot_for(started.slot, started.wid)
         if slot is not None and slot.life is not None:
-            slot.pid = ev.data["pid"]
+            slot.pid = started.pid
             if slot.life.can_move(WorkerState.RUNNING):
                 slot.life.move(WorkerState.RUNNING, ev.at, "process started")
 
     def _on_WorkerPhase(self, ev: Event) -> None:
-        slot = self._slot_for(ev)
+        reported = ev.as_(WorkerPhaseData)
+        slot = self._slot_for(reported.slot, reported.wid)
         if slot is None:
             return
-        phase, step = ev.data["phase"], int(ev.data["step"])
+        phase, step = reported.phase, reported.step
         if slot.role == "trainer" and not slot.standby and phase == "training":
             self.training_seconds.setdefault(step, -ev.at)
         slot.phase, slot.phase_step, slot.phase_since, slot.progress_at = phase, step, ev.at, ev.at
@@ -328,18 +353,19 @@ class JobModel(FaultLedger, WeightsRegistry):
             self._recover_slot(slot, ev.at)
 
     def _on_WorkerExited(self, ev: Event) -> None:
-        slot = self._slot_for(ev)
+        exited = ev.as_(WorkerExitedData)
+        slot = self._slot_for(exited.slot, exited.wid)
         if slot is None or slot.life is None:
             return
-        code, sig = ev.data["exit_code"], ev.data["signal"]
+        code, sig = exited.exit_code, exited.signal
         target = WorkerState.EXITED if code == 0 and sig is None else WorkerState.FAILED
         if slot.life.state == WorkerState.STOPPING:
             target = WorkerState.EXITED
             self._seen_with_stopped_worker(slot, ev.at)
         elif target == WorkerState.FAILED and sig not in NOT_THE_WORKERS_EXIT and not self._injected_into(slot):
             how = f"signal {sig}" if sig else f"exit code {code}"
-            error = str(ev.data.get("error") or "")
-            slot.count_failed_start(str(ev.data["wid"]), f"{how}; last error: {error}" if error else how)
+            error = exited.error
+            slot.count_failed_start(exited.wid, f"{how}; last error: {error}" if error else how)
         if slot.life.can_move(target):
             slot.life.move(target, ev.at, f"exit code {code}" if sig is None else f"signal {sig}")
         elif slot.life.can_move(WorkerState.EXITED):
@@ -349,10 +375,11 @@ class JobModel(FaultLedger, WeightsRegistry):
             holders.pop(slot.slot, None)
 
     def _on_RewardFunctionFailed(self, ev: Event) -> None:
-        self.reward_calls.failed(str(ev.data["function"]), str(ev.data["error"]), ev.at, self.ledger.seconds["productive"])
+        failed = ev.as_(RewardFunctionFailedData)
+        self.reward_calls.failed(failed.function, failed.error, ev.at, self.ledger.seconds["productive"])
 
     def _on_RewardsStored(self, ev: Event) -> None:
-        returned = sum(1 for score in ev.data["scores"] if not score.get("failed"))
+        returned = sum(1 for score in ev.as_(RewardsStoredData).scores if not score.get("failed"))
         self.reward_calls.returned(returned, self.ledger.seconds["productive"])
 
     def _on_RewardFunctionFailing(self, ev: Event) -> None:
@@ -366,39 +393,39 @@ class JobModel(FaultLedger, WeightsRegistry):
         self.reward_calls.failing_since = None
 
     def _on_ActionTaken(self, ev: Event) -> None:
-        d = ev.data
-        for fault_id in d.get("fault_ids", []):
+        d = ev.as_(ActionTakenData)
+        for fault_id in d.fault_ids:
             fault = self.faults.get(fault_id)
             if fault is not None:
-                fault.action = d["action"]
-                fault.trajectories_lost += int(d.get("trajectories_lost", 0))
-        if d["action"] == "move-slot":
-            slot = self.slots.get(d["slot"])
+                fault.action = d.action
+                fault.trajectories_lost += d.trajectories_lost
+        if d.action == "move-slot":
+            slot = self.slots.get(d.slot or "")
             if slot is not None:
-                slot.node = d["node"]
+                slot.node = d.node
                 slot.restarts_on_node = 0
                 self._node_slots = None
-        if d["action"] == "vacate-slot":
-            slot = self.slots.get(d["slot"])
+        if d.action == "vacate-slot":
+            slot = self.slots.get(d.slot or "")
             if slot is not None:
                 slot.node, slot.wid = None, None
                 self._node_slots = None
-            if d.get("degraded"):
+            if d.degraded:
                 # No node to put the role back on: the job goes on with fewer workers; the fault is
                 # over (its capacity loss is visible in the roles view), not recovering forever.
-                for fault_id in d.get("fault_ids", []):
+                for fault_id in d.fault_ids:
                     fault = self.faults.get(fault_id)
                     if fault is not None and fault.open:
                         fault.action = "degraded"
                         self._recover_fault(fault, ev.at)
-        if d["action"] == "activate-standby":
+        if d.action == "activate-standby":
             self._activate_standby(d)
-        if d["action"] == "stop-all":
+        if d.action == "stop-all":
             self.full_stop_at = ev.at
 
-    def _activate_standby(self, d: dict[str, Any]) -> None:
-        standby = self.slots.pop(d["standby_slot"], None)
-        target = self.slots.get(d["slot"])
+    def _activate_standby(self, d: ActionTakenData) -> None:
+        standby = self.slots.pop(d.standby_slot, None)
+        target = self.slots.get(d.slot or "")
         self._node_slots = None
         if standby is None or target is None:
             return
@@ -409,9 +436,10 @@ class JobModel(FaultLedger, WeightsRegistry):
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _slot_for(self, ev: Event) -> SlotRecord | None:
-        slot = self.slots.get(ev.data.get("slot", ""))
-        if slot is None or slot.wid != ev.data.get("wid"):
+    def _slot_for(self, slot_name: str, wid: str) -> SlotRecord | None:
+        """The slot an event about worker ``wid`` of ``slot_name`` is about, while that worker is its own."""
+        slot = self.slots.get(slot_name)
+        if slot is None or slot.wid != wid:
             return None
         return slot
 

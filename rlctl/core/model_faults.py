@@ -13,6 +13,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlctl.core.event_payloads import (
+    FaultAcceptedData,
+    FaultInjectedData,
+    FaultRecoveredData,
+    FaultRefusedData,
+    FaultSignalData,
+    VerdictData,
+)
 from rlctl.core.events import Event
 from rlctl.core.faultparams import heals_at
 from rlctl.core.records import FaultRecord, NodeRecord, SlotRecord
@@ -80,79 +88,83 @@ class FaultLedger:
         return 1.0 / max(peers, 1)
 
     def _on_FaultInjected(self, ev: Event) -> None:
-        d = ev.data
-        aimed = str(d["params"].get("worker") or "")  # a slot of the node or a worker id (``--worker``)
-        slot = (self.slots.get(aimed) or self.slot_of_wid(aimed) or self.slot_on_node(d["node"])
-                or next(iter(self.slots_on_node(d["node"])), None))
-        self.faults[d["fault_id"]] = FaultRecord(
-            fault_id=d["fault_id"],
-            kind=d["kind"],
-            node=d["node"],
+        d = ev.as_(FaultInjectedData)
+        aimed = str(d.params.get("worker") or "")  # a slot of the node or a worker id (``--worker``)
+        slot = (self.slots.get(aimed) or self.slot_of_wid(aimed) or self.slot_on_node(d.node)
+                or next(iter(self.slots_on_node(d.node)), None))
+        occurred_at = ev.at + float(d.params.get("after", 0.0))
+        self.faults[d.fault_id] = FaultRecord(
+            fault_id=d.fault_id,
+            kind=d.kind,
+            node=d.node,
             slot=slot.slot if slot else None,
-            occurred_at=ev.at + float(d["params"].get("after", 0.0)),
+            occurred_at=occurred_at,
             injected=True,
             impact=self.fault_impact(slot),
-            awaiting_answer=bool(d.get("awaiting_answer", False)),
-            heals_at=heals_at(d["kind"], d["params"], ev.at + float(d["params"].get("after", 0.0))),
+            awaiting_answer=d.awaiting_answer,
+            heals_at=heals_at(d.kind, d.params, occurred_at),
         )
 
     def _on_FaultAccepted(self, ev: Event) -> None:
-        fault = self.faults.get(ev.data["fault_id"])
+        fault = self.faults.get(ev.as_(FaultAcceptedData).fault_id)
         if fault is not None:
             fault.awaiting_answer = False
 
     def _on_FaultRefused(self, ev: Event) -> None:
-        fault = self.faults.get(ev.data["fault_id"])
+        refused = ev.as_(FaultRefusedData)
+        fault = self.faults.get(refused.fault_id)
         if fault is not None:
-            fault.refused = str(ev.data["reason"]) or "refused"
+            fault.refused = refused.reason or "refused"
 
     def _on_FaultSignal(self, ev: Event) -> None:
-        node = self.nodes.get(ev.data["node"])
+        signal = ev.as_(FaultSignalData)
+        node = self.nodes.get(signal.node)
         if node is not None:
-            node.last_signal = f"{ev.data['kind']}: {ev.data['detail']}"[:120]
+            node.last_signal = f"{signal.kind}: {signal.detail}"[:120]
 
     def _on_Verdict(self, ev: Event) -> None:
-        d = ev.data
-        if d["verdict"] not in ("failed", "slow"):
+        d = ev.as_(VerdictData)
+        if d.verdict not in ("failed", "slow"):
             return
-        named = self.faults.get(d["fault"])  # the open fault the verdict names, else the node's open fault
-        fault = named if named is not None and named.open else self._open_fault_for(d["node"], d.get("slot"))
-        slot = self.slots.get(d["slot"]) if d.get("slot") else None
+        named = self.faults.get(d.fault)  # the open fault the verdict names, else the node's open fault
+        fault = named if named is not None and named.open else self._open_fault_for(d.node, d.slot)
+        slot = self.slots.get(d.slot) if d.slot else None
         explained = slot is not None and self._injected_into(slot)  # before this verdict sees the injection
+        judged = d.fault_kind if d.fault_kind is not None else d.fault
         if fault is None:
-            hit = slot if slot is not None else self.slot_on_node(d["node"])
+            hit = slot if slot is not None else self.slot_on_node(d.node)
             # Never over a closed record of the same id (a refused injection): a new fault.
-            fault_id = d["fault"] if d["fault"] not in self.faults else f"{d['fault']}@{ev.seq or ev.at}"
+            fault_id = d.fault if d.fault not in self.faults else f"{d.fault}@{ev.seq or ev.at}"
             fault = FaultRecord(
                 fault_id=fault_id,
-                kind=d.get("fault_kind", d["fault"]),
-                node=d["node"],
+                kind=judged,
+                node=d.node,
                 slot=hit.slot if hit else None,
-                occurred_at=float(d.get("evidence_since", ev.at)),
+                occurred_at=float(d.evidence_since if d.evidence_since is not None else ev.at),
                 injected=False,
                 impact=self.fault_impact(hit),
             )
             self.faults[fault.fault_id] = fault
         if fault.detected_at is None:
-            twins = self._twins(fault, ev.at, replaced=d["verdict"] == "failed" and d.get("action") in REPLACING_ACTIONS)
+            twins = self._twins(fault, ev.at, replaced=d.verdict == "failed" and d.action in REPLACING_ACTIONS)
             for seen in (fault, *twins):
                 seen.detected_at = ev.at
                 seen.awaiting_answer = False  # seen, so it happened (its agent's answer may come later)
-                seen.verdict = d.get("fault_kind", d["fault"])
-                seen.reason = d["reason"]
-                seen.action = d.get("action", "")
-            failed = self.slots.get(d.get("slot") or "")
+                seen.verdict = judged
+                seen.reason = d.reason
+                seen.action = d.action
+            failed = self.slots.get(d.slot or "")
             if failed is not None and failed.slot != fault.slot:
                 # The worker that failed: an injection's guess may have named its neighbour.
                 for seen in (fault, *twins):
                     seen.slot, seen.impact = failed.slot, self.fault_impact(failed)
-        if slot is not None and d["verdict"] == "failed" and slot.wid and d.get("wid") == slot.wid and not explained:
-            slot.count_failed_start(slot.wid, d["reason"])
+        if slot is not None and d.verdict == "failed" and slot.wid and d.wid == slot.wid and not explained:
+            slot.count_failed_start(slot.wid, d.reason)
         if slot is not None and slot.life is not None and slot.life.can_move(WorkerState.FAILED):
-            slot.life.move(WorkerState.FAILED, ev.at, d["reason"][:80])
+            slot.life.move(WorkerState.FAILED, ev.at, d.reason[:80])
 
     def _on_FaultRecovered(self, ev: Event) -> None:
-        for fault_id in ev.data["fault_ids"]:
+        for fault_id in ev.as_(FaultRecoveredData).fault_ids:
             fault = self.faults.get(fault_id)
             if fault is not None and fault.recovered_at is None:
                 self._recover_fault(fault, ev.at)

@@ -13,7 +13,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlctl.core.ettr import EttrLedger
-from rlctl.core.events import Event, EventKind, event
+from rlctl.core.event_payloads import (
+    CheckpointedData,
+    JobStalledData,
+    SchedulerRolledBackData,
+    StepTrainedData,
+    TrainerRestoredData,
+    TrainerStateHeldData,
+    WeightsHeldData,
+    WeightsPublishedData,
+    WeightsSlowerLaneData,
+    WeightsSourceFailedData,
+)
+from rlctl.core.events import Event
 from rlctl.core.records import SlotRecord, TrainerStateOffer
 from rlctl.core.states import WorkerState
 
@@ -87,15 +99,16 @@ class WeightsRegistry:
         def _recover_after_full_restart(self, at: float) -> None: ...
 
     def _on_WeightsPublished(self, ev: Event) -> None:
-        version = int(ev.data["version"])
+        published = ev.as_(WeightsPublishedData)
+        version = published.version
         if self.productive_since is None:
             self.productive_since = ev.at  # init ends once the first weights exist
-        self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
+        self.weights_holders.setdefault(version, {})[published.slot] = dict(published.source)
         if version > self.published_version:
             self.published_version = version
-            self.published_checksum = str(ev.data["source"].get("checksum", ""))
-        state_source = ev.data.get("state_source")
-        if isinstance(state_source, dict) and (publisher := self.slots.get(ev.data["slot"])) is not None:
+            self.published_checksum = str(published.source.get("checksum", ""))
+        state_source = published.state_source
+        if state_source is not None and (publisher := self.slots.get(published.slot)) is not None:
             self.trainer_state = TrainerStateOffer(version, publisher.slot, publisher.wid, dict(state_source))
         self.productive_at_version.setdefault(version, self.ledger.seconds["productive"])
         for old in [v for v in self.weights_holders if v < version - 1]:
@@ -105,26 +118,29 @@ class WeightsRegistry:
         """Strike a holder a joiner could not fetch from off the list, except the trainer that
         published the version: while it runs it is the source of last resort (a transient failure
         must not leave a version with no holder at all)."""
-        holders = self.weights_holders.get(int(ev.data["version"]), {})
+        failed = ev.as_(WeightsSourceFailedData)
+        holders = self.weights_holders.get(failed.version, {})
         for slot_name, source in list(holders.items()):
             slot = self.slots.get(slot_name)
             if slot is not None and slot.role == "trainer" and not slot.standby:
                 continue
-            if source.get("port") == ev.data["source"].get("port") and source.get("host") == ev.data["source"].get("host"):
+            if source.get("port") == failed.source.get("port") and source.get("host") == failed.source.get("host"):
                 del holders[slot_name]
 
     def _on_WeightsHeld(self, ev: Event) -> None:
-        version = int(ev.data["version"])
-        self.weights_holders.setdefault(version, {})[ev.data["slot"]] = dict(ev.data["source"])
-        if "bytes" in ev.data:  # a pull (a trainer's own publish has none)
-            self.weight_sync_bytes += int(ev.data["bytes"])
-            self.weight_sync_seconds += float(ev.data.get("seconds", 0.0))
+        held = ev.as_(WeightsHeldData)
+        version = held.version
+        self.weights_holders.setdefault(version, {})[held.slot] = dict(held.source)
+        if held.bytes is not None:  # a pull (a trainer's own publish has none)
+            seconds = float(held.seconds or 0.0)
+            self.weight_sync_bytes += held.bytes
+            self.weight_sync_seconds += seconds
             self.weight_syncs += 1
-            lane = self.weight_sync_lanes.setdefault(str(ev.data.get("lane") or "unknown"), LaneTotals())
-            lane.bytes += int(ev.data["bytes"])
-            lane.seconds += float(ev.data.get("seconds", 0.0))
+            lane = self.weight_sync_lanes.setdefault(held.lane or "unknown", LaneTotals())
+            lane.bytes += held.bytes
+            lane.seconds += seconds
             lane.pulls += 1
-        slot = self.slots.get(ev.data["slot"])
+        slot = self.slots.get(held.slot)
         if slot is not None:
             slot.weights_version = max(slot.weights_version, version)
             if slot.role == "rollout" and version >= self.published_version:
@@ -132,23 +148,24 @@ class WeightsRegistry:
                 if self.policy == "full-restart":
                     self._recover_after_full_restart(ev.at)
 
-    def slower_lane_warning(self, slot: str, pull: dict[str, Any], now: float) -> Event | None:
-        """The warning that a pull (``weights.held``'s data) took a slower lane than the node has,
-        once per job; None otherwise."""
-        faster = pull.get("faster_lane")
-        if self.slower_lane_warned or not isinstance(faster, str) or not faster:
+    def slower_lane_warning(self, pull: WeightsHeldData, now: float) -> Event | None:
+        """The warning that a pull took a slower lane than the node has, once per job; None otherwise."""
+        faster = pull.faster_lane
+        if self.slower_lane_warned or not faster:
             return None
-        lane, same_node, gbps = str(pull.get("lane", "tcp")), bool(pull.get("same_node")), float(pull.get("gbps", 0.0))
-        return event(EventKind.WEIGHTS_SLOWER_LANE, now, slot=slot, version=int(pull["version"]), lane=lane,
-                     faster_lane=faster, same_node=same_node, gbps=gbps,
-                     reason=slower_lane_reason(lane, faster, same_node, gbps))
+        lane, same_node = pull.lane if pull.lane is not None else "tcp", bool(pull.same_node)
+        gbps = float(pull.gbps if pull.gbps is not None else 0.0)
+        return Event.of(now, WeightsSlowerLaneData(slot=pull.slot, version=pull.version, lane=lane, faster_lane=faster,
+                                                   same_node=same_node, gbps=gbps,
+                                                   reason=slower_lane_reason(lane, faster, same_node, gbps)))
 
     def _on_WeightsSlowerLane(self, ev: Event) -> None:
         self.slower_lane_warned = True
 
     def _on_StepTrained(self, ev: Event) -> None:
-        step = int(ev.data["step"])
-        self.step_metrics[step] = dict(ev.data["metrics"])
+        trained = ev.as_(StepTrainedData)
+        step = trained.step
+        self.step_metrics[step] = dict(trained.metrics)
         self.step_trained_at.setdefault(step, ev.at)
         self.ettr_at_step.setdefault(step, self.ledger.ettr())
         started = self.training_seconds.get(step)
@@ -156,8 +173,9 @@ class WeightsRegistry:
             self.training_seconds[step] = ev.at + started
 
     def _on_Checkpointed(self, ev: Event) -> None:
-        self.checkpoint_step = int(ev.data["step"])
-        self.checkpoint_path = str(ev.data["path"])
+        checkpointed = ev.as_(CheckpointedData)
+        self.checkpoint_step = checkpointed.step
+        self.checkpoint_path = checkpointed.path
 
     def weights_source(self, version: int, exclude_slot: str = "") -> dict[str, Any] | None:
         """A live holder of ``version``, preferring rollouts over the trainer to spread the load."""
@@ -214,14 +232,14 @@ class WeightsRegistry:
         return offer if server.life.state is WorkerState.RUNNING else None
 
     def _on_TrainerStateHeld(self, ev: Event) -> None:
-        self.state_replica = TrainerStateOffer(int(ev.data["step"]), str(ev.data["slot"]), ev.data["wid"],
-                                               dict(ev.data["source"]))
+        held = ev.as_(TrainerStateHeldData)
+        self.state_replica = TrainerStateOffer(held.step, held.slot, held.wid, dict(held.source))
 
     def _on_TrainerRestored(self, ev: Event) -> None:
-        replayed = [int(s) for s in ev.data["replayed_steps"]]
-        lost = sum(max(0.0, self.training_seconds.get(s, 0.0)) for s in replayed)
+        restored = ev.as_(TrainerRestoredData)
+        lost = sum(max(0.0, self.training_seconds.get(s, 0.0)) for s in restored.replayed_steps)
         self.ledger.reclassify(lost, "productive", "lost")
-        slot = self.slots.get(ev.data["slot"])
+        slot = self.slots.get(restored.slot)
         if slot is not None:
             # Rank 0 reports for the data-parallel group: every rank restored in lockstep with it.
             for rank in [slot] + [s for s in self.slots_of("trainer") if s is not slot]:
@@ -235,10 +253,10 @@ class WeightsRegistry:
             self.ledger.reclassify(self.ledger.seconds["productive"] - since, "productive", "lost")
 
     def _on_JobStalled(self, ev: Event) -> None:
-        self._lose_productive_since(int(ev.data["since_version"]))
+        self._lose_productive_since(ev.as_(JobStalledData).since_version)
 
     def _on_SchedulerRolledBack(self, ev: Event) -> None:
-        to_step = int(ev.data["to_step"])
+        to_step = ev.as_(SchedulerRolledBackData).to_step
         self._lose_productive_since(to_step)
         self.published_version = to_step
         self.weights_holders = {v: h for v, h in self.weights_holders.items() if v <= to_step}

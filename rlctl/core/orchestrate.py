@@ -18,7 +18,19 @@ from typing import Any
 
 from rlctl.core import detector as det
 from rlctl.core.effects import Effect, NodeGrant, Shell, StartWorker, StopWorker, in_order, some
-from rlctl.core.events import Event, EventKind, event
+from rlctl.core.event_payloads import (
+    AgentRegisteredData,
+    EventPayload,
+    FaultRecoveredData,
+    FaultSignalData,
+    JobStateChangedData,
+    NodeAllocatedData,
+    NodeStateChangedData,
+    WorkerExitedData,
+    WorkerPhaseData,
+    WorkerStartingData,
+)
+from rlctl.core.events import Event
 from rlctl.core.launchplan import RolePlan
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.recovery import GONE_NODE, LIVE_WORKER, Recovery, Tally
@@ -54,8 +66,8 @@ class Orchestrator:
 
     # --------------------------------------------------------------------------- events
 
-    def record(self, kind: EventKind, /, **data: Any) -> list[Event]:
-        return self.shell.commit([event(kind, self.shell.clock(), **data)])
+    def record(self, payload: EventPayload) -> list[Event]:
+        return self.shell.commit([Event.of(self.shell.clock(), payload)])
 
     @property
     def stopping(self) -> bool:
@@ -94,13 +106,13 @@ class Orchestrator:
                     for guest in guests:
                         slots.update(guest.node_slots(index))
                         slot_roles.update({name: guest.role for name in guest.node_slots(index)})
-                events.append(event(EventKind.NODE_ALLOCATED, now, node=node.name, host=node.host, role=role,
-                                    slot=next(iter(slots)), slots=slots, backend_ref=node.backend_ref,
-                                    **({"slot_roles": slot_roles} if guests and role == "trainer" else {})))
+                events.append(Event.of(now, NodeAllocatedData(
+                    node=node.name, host=node.host, role=role, slot=next(iter(slots)), slots=slots,
+                    slot_roles=slot_roles if guests and role == "trainer" else None, backend_ref=node.backend_ref)))
         for index, node in enumerate(queue):
-            events.append(event(EventKind.NODE_ALLOCATED, now, node=node.name, host=node.host, role="spare",
-                                slot=f"standby-{index}" if warm_spares else "", role_of_slot="trainer", standby=True,
-                                backend_ref=node.backend_ref))
+            events.append(Event.of(now, NodeAllocatedData(
+                node=node.name, host=node.host, role="spare", slot=f"standby-{index}" if warm_spares else "",
+                role_of_slot="trainer", standby=True, backend_ref=node.backend_ref)))
         self.shell.commit(events)
 
     # -------------------------------------------------------------------------- workers
@@ -110,8 +122,8 @@ class Orchestrator:
         if slot.node is None:
             return None
         wid = self.model.next_wid(slot.slot)
-        self.record(EventKind.WORKER_STARTING, slot=slot.slot, wid=wid, node=slot.node, role=slot.role,
-                    generation=slot.generation + 1, standby=slot.standby)
+        self.record(WorkerStartingData(slot=slot.slot, wid=wid, node=slot.node, role=slot.role,
+                                       generation=slot.generation + 1, standby=slot.standby))
         return StartWorker(slot.slot, wid, slot.node, slot.role, slot.standby)
 
     def stop_worker(self, slot: SlotRecord, grace_s: float = 3.0, wait: bool = True) -> StopWorker | None:
@@ -122,7 +134,7 @@ class Orchestrator:
             return None
         self.stopping_wids.add(slot.wid)
         if slot.life is not None and slot.life.can_move(WorkerState.STOPPING):
-            self.record(EventKind.WORKER_PHASE, slot=slot.slot, wid=slot.wid, phase="stopping", step=slot.phase_step)
+            self.record(WorkerPhaseData(slot=slot.slot, wid=slot.wid, phase="stopping", step=slot.phase_step))
         return StopWorker(slot.slot, slot.wid, slot.node, slot.role, slot.standby, grace_s, wait)
 
     def wants_worker(self, slot: SlotRecord) -> bool:
@@ -141,10 +153,10 @@ class Orchestrator:
         record = self.model.nodes[node]
         returning = record.incarnation != 0  # a node that registered before (agent or controller restart)
         self.detector.heartbeat(node, self.shell.clock())
-        self.record(EventKind.AGENT_REGISTERED, node=node, incarnation=incarnation, facts=facts)
+        self.record(AgentRegisteredData(node=node, incarnation=incarnation, facts=facts))
         if record.life.state in (NodeState.STARTING, NodeState.SUSPECT):
             target = NodeState.READY if record.life.state == NodeState.STARTING else restored_state(self.model, node)
-            self.record(EventKind.NODE_STATE_CHANGED, node=node, state=target.value, reason="agent registered")
+            self.record(NodeStateChangedData(node=node, state=target.value, reason="agent registered"))
         effects: list[Effect] = []
         for slot in self.model.slots_on_node(node):
             if slot.wid in alive_wids:
@@ -158,14 +170,14 @@ class Orchestrator:
                 effects.extend(some(self.start_worker(slot)))
         target_state = self.model.placement_state(node)
         if target_state is not None:
-            self.record(EventKind.NODE_STATE_CHANGED, node=node, state=target_state.value,
-                        reason="placed" if target_state == NodeState.ACTIVE else "kept as a spare")
+            reason = "placed" if target_state == NodeState.ACTIVE else "kept as a spare"
+            self.record(NodeStateChangedData(node=node, state=target_state.value, reason=reason))
         if effects:
             self.shell.run_plan(in_order(effects))
 
     def worker_lost(self, slot: SlotRecord, reason: str) -> None:
         """A live worker that nobody saw exit is gone (its agent came back without it)."""
-        self.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=None, signal=reason)
+        self.record(WorkerExitedData(slot=slot.slot, wid=slot.wid or "", exit_code=None, signal=reason))
         self._worker_gone(slot, None, reason)
 
     def worker_exited(self, wid: str, exit_code: int | None, signal_name: str | None, error: str = "") -> None:
@@ -173,8 +185,7 @@ class Orchestrator:
         slot = self.model.slot_of_wid(wid)
         if slot is None:
             return
-        self.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=exit_code, signal=signal_name,
-                    **({"error": error} if error else {}))
+        self.record(WorkerExitedData(slot=slot.slot, wid=wid, exit_code=exit_code, signal=signal_name, error=error))
         if slot.wid in self.stopping_wids:
             # We asked it to stop. If nothing replaced it meanwhile (its node was unreachable when
             # the others were restarted) and the job wants the slot filled, start it now.
@@ -198,16 +209,16 @@ class Orchestrator:
     def fault_signal(self, node: str, kind: str, code: int | None, detail: str, gpu: Any = None,
                      worker: str | None = None) -> None:
         """An agent's fault signal (XID, ECC, NCCL watchdog...): journaled, classified, acted on."""
-        self.record(EventKind.FAULT_SIGNAL, node=node, kind=kind, detail=detail[:300], code=code, gpu=gpu, worker=worker)
-        verdict = signal_verdict(self.model, node, kind, code, detail, self.shell.clock(),
-                                 gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else None, worker)
+        gpu_index = gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else None
+        self.record(FaultSignalData(node=node, kind=kind, detail=detail[:300], code=code, gpu=gpu_index, worker=worker))
+        verdict = signal_verdict(self.model, node, kind, code, detail, self.shell.clock(), gpu_index, worker)
         if verdict is not None:
             self.handle(verdict)
 
     def suspect(self, node: str, reason: str) -> None:
         record = self.model.nodes[node]
         if record.life.can_move(NodeState.SUSPECT) and record.life.state != NodeState.SUSPECT:
-            self.record(EventKind.NODE_STATE_CHANGED, node=node, state=NodeState.SUSPECT.value, reason=reason[:200])
+            self.record(NodeStateChangedData(node=node, state=NodeState.SUSPECT.value, reason=reason[:200]))
 
     # ------------------------------------------------------------------------- recovery
 
@@ -228,7 +239,7 @@ class Orchestrator:
         or a slow link past its duration) before any verdict saw them: nothing is left to recover."""
         healed = self.model.healed_unseen(now)
         for fault in healed:
-            self.record(EventKind.FAULT_RECOVERED, fault_ids=[fault.fault_id], slot=fault.slot, node=fault.node)
+            self.record(FaultRecoveredData(fault_ids=[fault.fault_id], slot=fault.slot, node=fault.node))
         if healed:
             self.update_job_state()
 
@@ -236,18 +247,18 @@ class Orchestrator:
         """STARTING → RUNNING once every role runs; RECOVERING → RUNNING once nothing is open or busy."""
         model = self.model
         if model.life.state == JobState.STARTING and self.all_roles_running():
-            self.record(EventKind.JOB_STATE_CHANGED, state=JobState.RUNNING.value, reason="every role has a running worker")
+            self.record(JobStateChangedData(state=JobState.RUNNING.value, reason="every role has a running worker"))
         elif (model.life.state == JobState.RECOVERING and not self.recovery.busy_slots and not model.open_faults()
               and all(s.life is not None and s.life.state == WorkerState.RUNNING for s in model.slots.values()
                       if s.node is not None and not s.standby)):
-            self.record(EventKind.JOB_STATE_CHANGED, state=JobState.RUNNING.value, reason="recovered")
+            self.record(JobStateChangedData(state=JobState.RUNNING.value, reason="recovered"))
 
     def request_stop(self, reason: str, succeeded: bool = False) -> None:
         if self.closed():
             return
         self.stop = StopRequest(reason, succeeded)
         if self.model.life.can_move(JobState.STOPPING):
-            self.record(EventKind.JOB_STATE_CHANGED, state=JobState.STOPPING.value, reason=reason)
+            self.record(JobStateChangedData(state=JobState.STOPPING.value, reason=reason))
 
     def final_state(self) -> JobState:
         request = self.stop or StopRequest("stopped")
@@ -261,16 +272,16 @@ class Orchestrator:
         if life.state.terminal:
             return
         if life.state != JobState.STOPPING and life.can_move(JobState.STOPPING):
-            self.record(EventKind.JOB_STATE_CHANGED, state=JobState.STOPPING.value, reason=reason)
+            self.record(JobStateChangedData(state=JobState.STOPPING.value, reason=reason))
         if self.model.life.can_move(state):
-            self.record(EventKind.JOB_STATE_CHANGED, state=state.value, reason=reason)
+            self.record(JobStateChangedData(state=state.value, reason=reason))
 
     def release_events_for_end(self) -> None:
         """Every node not yet given back is drained and released (the job ended)."""
         for node in list(self.model.nodes.values()):
             for target in (NodeState.DRAINING, NodeState.RELEASED):
                 if node.life.can_move(target):
-                    self.record(EventKind.NODE_STATE_CHANGED, node=node.name, state=target.value, reason="job ended")
+                    self.record(NodeStateChangedData(node=node.name, state=target.value, reason="job ended"))
 
 
 # ------------------------------------------------------------------------------------ helpers

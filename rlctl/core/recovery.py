@@ -9,7 +9,7 @@ recovered or ``REJUDGE_AFTER_S`` passed. Pure: the shell gives the time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, assert_never
+from typing import Protocol, assert_never
 
 from rlctl.core import detector as det
 from rlctl.core import plansteps as ps
@@ -31,7 +31,18 @@ from rlctl.core.effects import (
     WorkReturned,
     some,
 )
-from rlctl.core.events import Event, EventKind, event
+from rlctl.core.event_payloads import (
+    ActionTakenData,
+    EventPayload,
+    ItemsReturnedData,
+    JobStateChangedData,
+    NodeAllocatedData,
+    NodeStateChangedData,
+    VerdictData,
+    WorkerExitedData,
+    WorkerStartingData,
+)
+from rlctl.core.events import Event
 from rlctl.core.faultparams import injected_kinds_seen_as
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.rounds import RoundScheduler
@@ -99,8 +110,8 @@ class Recovery:
         self._deferred: dict[str, tuple[det.Verdict, str | None]] = {}  # slot -> verdict met while a plan restored it
         self._whole_job_plans = 0
 
-    def record(self, kind: EventKind, /, **data: Any) -> list[Event]:
-        return self.shell.commit([event(kind, self.shell.clock(), **data)])
+    def record(self, payload: EventPayload) -> list[Event]:
+        return self.shell.commit([Event.of(self.shell.clock(), payload)])
 
     @property
     def busy_slots(self) -> frozenset[str]:
@@ -163,7 +174,7 @@ class Recovery:
             self._forget(key, handling)
             return
         if self.model.life.can_move(JobState.RECOVERING):
-            self.record(EventKind.JOB_STATE_CHANGED, state=JobState.RECOVERING.value, reason=verdict.reason[:120])
+            self.record(JobStateChangedData(state=JobState.RECOVERING.value, reason=verdict.reason[:120]))
         claims = policy.Claims.of(steps)
         self._busy_slots.update(claims.slots)
         self._claimed_nodes.update(claims.nodes)
@@ -176,9 +187,9 @@ class Recovery:
 
     def _journal(self, verdict: det.Verdict) -> str:
         fault_id = self._fault_id_for(verdict)
-        self.record(EventKind.VERDICT, node=verdict.node, slot=verdict.slot, verdict=verdict.verdict, fault=fault_id,
-                    fault_kind=verdict.fault, action=verdict.action, reason=verdict.reason,
-                    evidence_since=verdict.evidence_since, **({"wid": verdict.wid} if verdict.wid else {}))
+        self.record(VerdictData(node=verdict.node, slot=verdict.slot, verdict=verdict.verdict, fault=fault_id,
+                                fault_kind=verdict.fault, action=verdict.action, reason=verdict.reason,
+                                evidence_since=verdict.evidence_since, wid=verdict.wid or None))
         self.tally.verdicts[verdict.fault] = self.tally.verdicts.get(verdict.fault, 0) + 1
         return fault_id
 
@@ -248,9 +259,9 @@ class Recovery:
         if isinstance(step, (ps.RestartWorker, ps.StopWorker, ps.FailNode, ps.StopAll)):
             requeued = self._release_items(step, verdict)
         named = step.journal_fields()
-        self.record(EventKind.ACTION_TAKEN, action=step.kind, node=named.get("node", verdict.node), slot=named.get("slot"),
-                    reason=verdict.reason[:200], fault_ids=[fault_id], trajectories_lost=0, items_requeued=requeued,
-                    **{k: v for k, v in named.items() if k in ps.JOURNALED_EXTRAS})
+        self.record(ActionTakenData(action=step.kind, node=named.get("node", verdict.node), slot=named.get("slot"),
+                                    reason=verdict.reason[:200], fault_ids=[fault_id], items_requeued=requeued,
+                                    **{k: v for k, v in named.items() if k in ps.JOURNALED_EXTRAS}))
         if requeued:
             yield WorkReturned()
         match step:
@@ -267,8 +278,8 @@ class Recovery:
             case ps.MoveSlot(slot=name, node=node):
                 target = model.nodes[node]
                 if target.life.can_move(NodeState.ACTIVE):
-                    self.record(EventKind.NODE_STATE_CHANGED, node=target.name, state=NodeState.ACTIVE.value,
-                                reason=f"takes over {name}", role=model.slots[name].role)
+                    self.record(NodeStateChangedData(node=target.name, state=NodeState.ACTIVE.value,
+                                                     reason=f"takes over {name}", role=model.slots[name].role))
             case ps.StopWorker(slot=name):
                 slot = model.slots[name]
                 if slot.life is not None and slot.life.state != WorkerState.EXITED:
@@ -278,15 +289,16 @@ class Recovery:
             case ps.ActivateStandby(slot=name):
                 standby_node = model.slots[name].node  # the ActionTaken above moved the role onto the standby's node
                 if standby_node is not None and model.nodes[standby_node].life.can_move(NodeState.ACTIVE):
-                    self.record(EventKind.NODE_STATE_CHANGED, node=standby_node, state=NodeState.ACTIVE.value,
-                                reason=f"warm standby takes over {name}", role=model.slots[name].role)
+                    self.record(NodeStateChangedData(node=standby_node, state=NodeState.ACTIVE.value,
+                                                     reason=f"warm standby takes over {name}",
+                                                     role=model.slots[name].role))
                 yield StandbyTakesOver(name)
             case ps.RetireStandby(standby_slot=name):
                 standby = model.slots.get(name)
                 if standby is not None:
                     yield from some(self.workers.stop_worker(standby, grace_s=0.5, wait=False))
-                    self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=standby.node or "", slot=standby.slot,
-                                reason="spare node re-used", fault_ids=[])
+                    self.record(ActionTakenData(action="vacate-slot", node=standby.node or "", slot=standby.slot,
+                                                reason="spare node re-used"))
             case ps.RequestNode(slots=names, exclude_node=excluded):
                 yield from self._request_node(list(names), excluded, fault_id)
             case ps.RequestSpare(exclude_node=excluded):
@@ -322,28 +334,28 @@ class Recovery:
         for slot in policy.slots_released_by(self.model, step):
             if slot.wid:
                 events = self.scheduler.release_worker(slot.wid, verdict.fault, self.shell.clock())
-                count += sum(len(e.data["item_ids"]) for e in events)
+                count += sum(len(e.as_(ItemsReturnedData).item_ids) for e in events)
                 self.shell.commit(events)
         return count
 
     def _fail_node(self, name: str, reason: str) -> Plan:
         model = self.model
         if model.nodes[name].life.can_move(NodeState.FAILED):
-            self.record(EventKind.NODE_STATE_CHANGED, node=name, state=NodeState.FAILED.value, reason=reason[:200],
-                        exclude=self.spec.fault_tolerance.exclude_failed_nodes)
+            self.record(NodeStateChangedData(node=name, state=NodeState.FAILED.value, reason=reason[:200],
+                                             exclude=self.spec.fault_tolerance.exclude_failed_nodes))
         self.detector.forget(name)
         live = (*LIVE_WORKER, WorkerState.STOPPING)
         for slot in list(model.slots.values()):
             if slot.node == name and slot.wid and slot.life is not None and slot.life.state in live:
-                self.record(EventKind.WORKER_EXITED, slot=slot.slot, wid=slot.wid, exit_code=None, signal="node-failed")
+                self.record(WorkerExitedData(slot=slot.slot, wid=slot.wid, exit_code=None, signal="node-failed"))
         yield ReleaseNode(name)
         for slot in list(model.slots.values()):
             if slot.node == name and slot.standby:
-                self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=name, slot=slot.slot,
-                            reason="spare node failed", fault_ids=[])
+                self.record(ActionTakenData(action="vacate-slot", node=name, slot=slot.slot,
+                                            reason="spare node failed"))
         for target in (NodeState.DRAINING, NodeState.RELEASED):
             if model.nodes[name].life.can_move(target):
-                self.record(EventKind.NODE_STATE_CHANGED, node=name, state=target.value, reason="failed node given back")
+                self.record(NodeStateChangedData(node=name, state=target.value, reason="failed node given back"))
 
     def _make_standby(self, name: str) -> Plan:
         """A healthy node whose role moved away becomes a spare running a warm trainer standby."""
@@ -351,12 +363,12 @@ class Recovery:
             return
         for target in (NodeState.READY, NodeState.STANDBY):
             if self.model.nodes[name].life.can_move(target):
-                self.record(EventKind.NODE_STATE_CHANGED, node=name, state=target.value,
-                            reason="role moved away: kept as a spare", role="spare")
+                self.record(NodeStateChangedData(node=name, state=target.value,
+                                                 reason="role moved away: kept as a spare", role="spare"))
         slot_name = f"standby-{name}"
         wid = self.model.next_wid(slot_name)
-        self.record(EventKind.WORKER_STARTING, slot=slot_name, wid=wid, node=name, role="trainer", generation=1,
-                    standby=True)
+        self.record(WorkerStartingData(slot=slot_name, wid=wid, node=name, role="trainer", generation=1,
+                                       standby=True))
         yield StartWorker(slot_name, wid, name, "trainer", True)
 
     def _excluded(self, bad_node: str) -> frozenset[str]:
@@ -368,18 +380,17 @@ class Recovery:
         slots = [self.model.slots[name] for name in slot_names]
         if grant is None:
             for slot in slots:
-                self.record(EventKind.ACTION_TAKEN, action="vacate-slot", node=exclude_node, slot=slot.slot,
-                            reason="no replacement node available: the job continues degraded", fault_ids=[fault_id],
-                            degraded=True)
+                self.record(ActionTakenData(action="vacate-slot", node=exclude_node, slot=slot.slot,
+                                            reason="no replacement node available: the job continues degraded",
+                                            fault_ids=[fault_id], degraded=True))
             if any(slot.role == "trainer" for slot in slots):
                 self.workers.request_stop("failed: trainer lost and no node to restore it on")
             return
-        self.record(EventKind.NODE_ALLOCATED, node=grant.name, host=grant.host, role=slots[0].role,
-                    slot=slots[0].slot, slots={slot.slot: list(slot.gpus) for slot in slots},
-                    backend_ref=grant.backend_ref)
+        self.record(NodeAllocatedData(node=grant.name, host=grant.host, role=slots[0].role,
+                                      slot=slots[0].slot, slots={slot.slot: list(slot.gpus) for slot in slots},
+                                      backend_ref=grant.backend_ref))
         for slot in slots:
-            self.record(EventKind.ACTION_TAKEN, action="move-slot", node=grant.name, slot=slot.slot,
-                        reason="replacement node", fault_ids=[])
+            self.record(ActionTakenData(action="move-slot", node=grant.name, slot=slot.slot, reason="replacement node"))
         yield StartAgent(grant.name)
 
     def _request_spare(self, exclude_node: str) -> Plan:
@@ -388,8 +399,8 @@ class Recovery:
         grant: NodeGrant | None = yield ReplaceNode(exclude_node, self._excluded(exclude_node))
         if grant is None:
             return
-        self.record(EventKind.NODE_ALLOCATED, node=grant.name, host=grant.host, role="spare",
-                    slot=f"standby-{grant.name}" if self.spec.warm_spares else "", role_of_slot="trainer",
-                    standby=True, backend_ref=grant.backend_ref)
+        self.record(NodeAllocatedData(node=grant.name, host=grant.host, role="spare",
+                                      slot=f"standby-{grant.name}" if self.spec.warm_spares else "",
+                                      role_of_slot="trainer", standby=True, backend_ref=grant.backend_ref))
         yield StartAgent(grant.name)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from rlctl.core.events import Event, EventKind, event
+from rlctl.core.event_payloads import RewardFunctionFailingData, RewardFunctionRecoveredData
+from rlctl.core.events import Event
 
 WINDOW_CALLS = 32  # the recent calls judged
 MIN_CALLS = 8  # fewer calls than this say nothing yet (one bad group at the start is not a failing function)
@@ -115,14 +116,16 @@ def judge(calls: RewardCalls, max_consecutive_failures: int, now: float) -> Rewa
         return RewardJudgement([])
     give_up = 0 < max_consecutive_failures <= calls.consecutive_failures
     if not calls.failing and (calls.window_is_failing() or give_up):
-        events = [event(EventKind.REWARD_FUNCTION_FAILING, now, function=calls.function, failures=calls.window_failures,
-                        calls=len(calls.recent), consecutive=calls.consecutive_failures,
-                        last_error=calls.last_error[:ERROR_CHARS], reason=calls.summary())]
+        failing = RewardFunctionFailingData(function=calls.function, failures=calls.window_failures,
+                                            calls=len(calls.recent), consecutive=calls.consecutive_failures,
+                                            last_error=calls.last_error[:ERROR_CHARS], reason=calls.summary())
+        events = [Event.of(now, failing)]
     elif calls.failing and calls.window_is_healthy():
-        events = [event(EventKind.REWARD_FUNCTION_RECOVERED, now, function=calls.function, failures=calls.window_failures,
-                        calls=len(calls.recent),
-                        reason=f"reward function {calls.function}: {calls.window_failures} of the last "
-                               f"{len(calls.recent)} calls failed")]
+        recovered = RewardFunctionRecoveredData(function=calls.function, failures=calls.window_failures,
+                                                calls=len(calls.recent),
+                                                reason=f"reward function {calls.function}: {calls.window_failures} of "
+                                                       f"the last {len(calls.recent)} calls failed")
+        events = [Event.of(now, recovered)]
     else:
         events = []
     if not give_up:

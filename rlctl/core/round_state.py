@@ -15,6 +15,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.core.elastic import ElasticConfig
+from rlctl.core.event_payloads import (
+    BatchFormedData,
+    CheckpointedData,
+    EngineResizedData,
+    EpochStartedData,
+    HeldOutScoredData,
+    HeldOutStartedData,
+    ItemsDispatchedData,
+    ItemsReturnedData,
+    PromptDeferredData,
+    RewardsStoredData,
+    RoundStartedData,
+    SchedulerRolledBackData,
+    ScoringDispatchedData,
+    TrajectoryStoredData,
+)
 from rlctl.core.events import Event
 
 UNRETURNED_KEPT = 1024  # decided events awaiting their commit; a decision makes a handful
@@ -161,29 +177,29 @@ class RoundState:
                 return
         handler = getattr(self, f"_on_{ev.type}", None)
         if handler is not None:
-            handler(ev.data)
+            handler(ev.payload)
 
     def decided(self, ev: Event) -> None:
         """Apply ``ev``, an event this scheduler decides, now: its next decisions see it."""
         self.apply(ev)
         self.unreturned.append(ev)
 
-    def _on_EpochStarted(self, data: dict[str, Any]) -> None:
-        self.epoch = int(data["epoch"])
-        self.pool = deque(data["order"])
+    def _on_EpochStarted(self, data: EpochStartedData) -> None:
+        self.epoch = data.epoch
+        self.pool = deque(data.order)
         self.epoch_trained = set()
 
-    def _on_RoundStarted(self, data: dict[str, Any]) -> None:
-        step = int(data["step"])
-        prompts = list(data["prompts"])
+    def _on_RoundStarted(self, data: RoundStartedData) -> None:
+        step = data.step
+        prompts = list(data.prompts)
         rnd = Round(
             step=step,
-            kind=data["kind"],
-            weights_version=int(data["weights_version"]),
-            max_new_tokens=int(data["max_new_tokens"]),
-            target_groups=int(data["target_groups"]),
+            kind=data.kind,
+            weights_version=data.weights_version,
+            max_new_tokens=data.max_new_tokens,
+            target_groups=data.target_groups,
             prompt_ids=prompts,
-            tensor_parallel=int(data.get("tensor_parallel", 0)),
+            tensor_parallel=data.tensor_parallel or 0,
         )
         for prompt_id in prompts:
             for index in range(self.config.group_size):
@@ -197,48 +213,48 @@ class RoundState:
         self.round = rnd
         self.cancelled = set()
 
-    def _on_EngineResized(self, data: dict[str, Any]) -> None:
-        if int(data["tensor_parallel"]) > 0:  # a park frees memory; only a rebuild costs the round
-            self.regroup_seconds = (self.regroup_seconds + [float(data["seconds"])])[-32:]
+    def _on_EngineResized(self, data: EngineResizedData) -> None:
+        if data.tensor_parallel > 0:  # a park frees memory; only a rebuild costs the round
+            self.regroup_seconds = (self.regroup_seconds + [float(data.seconds)])[-32:]
 
-    def _on_ItemsDispatched(self, data: dict[str, Any]) -> None:
-        for sample in self._samples(data["item_ids"]):
-            sample.status, sample.wid = INFLIGHT, data["wid"]
+    def _on_ItemsDispatched(self, data: ItemsDispatchedData) -> None:
+        for sample in self._samples(data.item_ids):
+            sample.status, sample.wid = INFLIGHT, data.wid
 
-    def _on_ItemsReturned(self, data: dict[str, Any]) -> None:
-        for sample in self._samples(data["item_ids"]):
+    def _on_ItemsReturned(self, data: ItemsReturnedData) -> None:
+        for sample in self._samples(data.item_ids):
             if sample.status == INFLIGHT:
                 sample.status, sample.wid = PENDING, None
             elif sample.status == SCORING:
                 sample.status, sample.wid = DONE, None
 
-    def _on_TrajectoryStored(self, data: dict[str, Any]) -> None:
-        for sample in self._samples([data["item_id"]]):
+    def _on_TrajectoryStored(self, data: TrajectoryStoredData) -> None:
+        for sample in self._samples([data.item_id]):
             sample.status, sample.wid = DONE, None
-            sample.response_tokens = list(data["response_tokens"])
-            sample.truncated = bool(data["truncated"])
-            sample.weights_version = int(data["weights_version"])
-            sample.env = data.get("env")
+            sample.response_tokens = list(data.response_tokens)
+            sample.truncated = data.truncated
+            sample.weights_version = data.weights_version
+            sample.env = data.env
             if self._held_out_sample(sample.item_id) is None:
                 self.trajectories_stored += 1
 
-    def _on_HeldOutStarted(self, data: dict[str, Any]) -> None:
-        version = int(data["version"])
-        run = HeldOutRun(version, int(data["max_new_tokens"]))
-        for prompt_id in data["prompts"]:
+    def _on_HeldOutStarted(self, data: HeldOutStartedData) -> None:
+        version = data.version
+        run = HeldOutRun(version, data.max_new_tokens)
+        for prompt_id in data.prompts:
             item_id = f"h{version}/{prompt_id}"
             run.samples[item_id] = Sample(item_id, prompt_id, 0,
                                           sample_seed(self.config.seed, HELD_OUT_SEED_STEP, prompt_id, 0))
         self.held_out = run
 
-    def _on_HeldOutScored(self, data: dict[str, Any]) -> None:
-        self.held_out_results.append({k: data[k] for k in ("version", "prompts", "reward_mean", "reward_std_err",
-                                                           "accuracy")})
+    def _on_HeldOutScored(self, data: HeldOutScoredData) -> None:
+        self.held_out_results.append({"version": data.version, "prompts": data.prompts, "reward_mean": data.reward_mean,
+                                      "reward_std_err": data.reward_std_err, "accuracy": data.accuracy})
         self.held_out = None
 
-    def _on_PromptDeferred(self, data: dict[str, Any]) -> None:
+    def _on_PromptDeferred(self, data: PromptDeferredData) -> None:
         rnd = self.round
-        prompt_id = data["prompt_id"]
+        prompt_id = data.prompt_id
         if rnd is None or prompt_id in rnd.deferred:
             return
         rnd.deferred.append(prompt_id)
@@ -248,12 +264,12 @@ class RoundState:
             del rnd.samples[sample.item_id]
         self.long_queue.append(prompt_id)
 
-    def _on_ScoringDispatched(self, data: dict[str, Any]) -> None:
-        for sample in self._samples(data["item_ids"]):
-            sample.status, sample.wid = SCORING, data["wid"]
+    def _on_ScoringDispatched(self, data: ScoringDispatchedData) -> None:
+        for sample in self._samples(data.item_ids):
+            sample.status, sample.wid = SCORING, data.wid
 
-    def _on_RewardsStored(self, data: dict[str, Any]) -> None:
-        for score in data["scores"]:
+    def _on_RewardsStored(self, data: RewardsStoredData) -> None:
+        for score in data.scores:
             held_out = self._held_out_sample(score["item_id"])
             if held_out is not None:
                 held_out.status, held_out.wid = SCORED, None
@@ -262,7 +278,7 @@ class RoundState:
         if rnd is None or rnd.closed:
             return
         touched: set[str] = set()
-        for score in data["scores"]:
+        for score in data.scores:
             sample = rnd.samples.get(score["item_id"])
             if sample is None:
                 continue
@@ -274,11 +290,11 @@ class RoundState:
             if prompt_id not in rnd.completed and all(s.status == SCORED for s in group):
                 rnd.completed.append(prompt_id)
 
-    def _on_BatchFormed(self, data: dict[str, Any]) -> None:
+    def _on_BatchFormed(self, data: BatchFormedData) -> None:
         rnd = self.round
         if rnd is None:
             return
-        chosen = list(data["prompt_ids"])
+        chosen = list(data.prompt_ids)
         in_batch = set(chosen)
         samples = sorted(
             (s for s in rnd.samples.values() if s.prompt_id in in_batch),
@@ -295,16 +311,16 @@ class RoundState:
             self.long_round_longest = (self.long_round_longest + [longest])[-32:]
         self.batch_stats[rnd.step] = batch_stats(self.batches[rnd.step])
         self.epoch_trained.update(chosen)
-        returned = [p for p in data["returned_prompt_ids"]]
+        returned = list(data.returned_prompt_ids)
         self.pool.extendleft(reversed(returned))
         rnd.closed = True
 
-    def _on_Checkpointed(self, data: dict[str, Any]) -> None:
-        for step in [s for s in self.batches if s < int(data["step"])]:
+    def _on_Checkpointed(self, data: CheckpointedData) -> None:
+        for step in [s for s in self.batches if s < data.step]:
             del self.batches[step]
 
-    def _on_SchedulerRolledBack(self, data: dict[str, Any]) -> None:
-        to_step = int(data["to_step"])
+    def _on_SchedulerRolledBack(self, data: SchedulerRolledBackData) -> None:
+        to_step = data.to_step
         undone: list[str] = []
         for step in sorted(s for s in self.batches if s >= to_step):
             batch = self.batches.pop(step)

@@ -25,10 +25,25 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from rlctl.core.elastic import ElasticConfig, choose_tensor_parallel
-from rlctl.core.events import Event, EventKind, event
+from rlctl.core.event_payloads import (
+    BatchFormedData,
+    EpochStartedData,
+    HeldOutScoredData,
+    HeldOutStartedData,
+    ItemsDispatchedData,
+    ItemsReturnedData,
+    PromptDeferredData,
+    RewardsStoredData,
+    RoundStartedData,
+    SchedulerRolledBackData,
+    ScoringDispatchedData,
+    TrajectoryStoredData,
+)
+from rlctl.core.events import Event
 from rlctl.core.round_state import (
     DONE,
     INFLIGHT,
@@ -133,7 +148,7 @@ class RoundScheduler(RoundState):
             chosen = [s.item_id for s in self.held_out.samples.values() if s.status == PENDING][:capacity]
         if not chosen:
             return []
-        return self._emit([], event(EventKind.ITEMS_DISPATCHED, at, slot=slot, wid=wid, item_ids=chosen))
+        return self._emit([], Event.of(at, ItemsDispatchedData(slot=slot, wid=wid, item_ids=chosen)))
 
     def submit(self, slot: str, wid: str, results: list[dict[str, Any]], at: float) -> list[Event]:
         """Store generated samples from ``wid``; defer long-tail prompts; maybe close the round."""
@@ -147,17 +162,16 @@ class RoundScheduler(RoundState):
                 continue
             version = owner.weights_version if isinstance(owner, Round) else owner.version
             if int(result.get("weights_version", -1)) != version:
-                self._emit(out, event(EventKind.ITEMS_RETURNED, at, item_ids=[sample.item_id], reason="stale-weights"))
+                self._emit(out, Event.of(at, ItemsReturnedData(item_ids=[sample.item_id], reason="stale-weights")))
                 continue
             truncated = bool(result.get("truncated"))
             if isinstance(owner, Round) and truncated and owner.kind == "short" and sample.prompt_id not in owner.deferred:
-                self._emit(out, event(EventKind.PROMPT_DEFERRED, at, prompt_id=sample.prompt_id, step=owner.step))
+                self._emit(out, Event.of(at, PromptDeferredData(prompt_id=sample.prompt_id, step=owner.step)))
                 continue
             episode = episode_facts(result.get("env"))
-            self._emit(out, event(EventKind.TRAJECTORY_STORED, at, item_id=sample.item_id,
-                                  response_tokens=[int(t) for t in result.get("response_tokens", [])],
-                                  truncated=truncated, weights_version=version, slot=slot,
-                                  **({"env": episode} if episode is not None else {})))
+            self._emit(out, Event.of(at, TrajectoryStoredData(
+                item_id=sample.item_id, response_tokens=[int(t) for t in result.get("response_tokens", [])],
+                truncated=truncated, weights_version=version, slot=slot, env=episode)))
         self._maybe_close(out, at)
         return out
 
@@ -177,7 +191,7 @@ class RoundScheduler(RoundState):
             chosen += [s.item_id for s in self.held_out.samples.values() if s.status == DONE][:take - len(chosen)]
         if not chosen:
             return []
-        return self._emit([], event(EventKind.SCORING_DISPATCHED, at, slot=slot, wid=wid, item_ids=chosen))
+        return self._emit([], Event.of(at, ScoringDispatchedData(slot=slot, wid=wid, item_ids=chosen)))
 
     def scoring_backlog(self) -> int:
         """Generated samples waiting for a reward worker (the open round's and the held-out run's)."""
@@ -213,7 +227,7 @@ class RoundScheduler(RoundState):
                 entry["failed"] = True  # the function failed: the zero is not its score (rlctl.core.reward_health)
             accepted.append(entry)
         if accepted:
-            self._emit(out, event(EventKind.REWARDS_STORED, at, scores=accepted))
+            self._emit(out, Event.of(at, RewardsStoredData(scores=accepted)))
         self._maybe_close(out, at)
         self._maybe_finish_held_out(out, at)
         return out
@@ -231,8 +245,8 @@ class RoundScheduler(RoundState):
         """Evaluate weights ``version`` on the held-out prompts (see the module docstring)."""
         if not self.held_out_prompts or self.held_out is not None:
             return []
-        return self._emit([], event(EventKind.HELD_OUT_STARTED, at, version=version, prompts=list(self.held_out_prompts),
-                                    max_new_tokens=self.config.max_new_tokens))
+        return self._emit([], Event.of(at, HeldOutStartedData(version=version, prompts=list(self.held_out_prompts),
+                                                              max_new_tokens=self.config.max_new_tokens)))
 
     def _maybe_finish_held_out(self, out: list[Event], at: float) -> None:
         run = self.held_out
@@ -243,8 +257,9 @@ class RoundScheduler(RoundState):
         n = len(rewards)
         mean = sum(rewards) / n
         std_err = (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 / n ** 0.5 if n > 1 else 0.0
-        self._emit(out, event(EventKind.HELD_OUT_SCORED, at, version=run.version, prompts=n, reward_mean=round(mean, 6),
-                              reward_std_err=round(std_err, 6), accuracy=round(sum(correct) / n, 6)))
+        self._emit(out, Event.of(at, HeldOutScoredData(version=run.version, prompts=n, reward_mean=round(mean, 6),
+                                                       reward_std_err=round(std_err, 6),
+                                                       accuracy=round(sum(correct) / n, 6))))
 
     def release_worker(self, wid: str, reason: str, at: float) -> list[Event]:
         """Give every sample held by a failed worker back to the round or the held-out
@@ -256,11 +271,11 @@ class RoundScheduler(RoundState):
         held = [s.item_id for s in samples if s.wid == wid and s.status in (INFLIGHT, SCORING)]
         if not held:
             return []
-        return self._emit([], event(EventKind.ITEMS_RETURNED, at, item_ids=held, reason=reason))
+        return self._emit([], Event.of(at, ItemsReturnedData(item_ids=held, reason=reason)))
 
     def rollback(self, to_step: int, at: float) -> list[Event]:
         """Full-restart baseline: forget batches from ``to_step`` on; their prompts go back to the pool."""
-        return self._emit([], event(EventKind.SCHEDULER_ROLLED_BACK, at, to_step=to_step))
+        return self._emit([], Event.of(at, SchedulerRolledBackData(to_step=to_step)))
 
     # ------------------------------------------------------------------------------ queries
 
@@ -344,22 +359,13 @@ class RoundScheduler(RoundState):
             cap, target = cfg.short_max_tokens, min(cfg.batch_prompts, len(prompts))
         else:
             cap, target = cfg.max_new_tokens, len(prompts) if kind == "long" else min(cfg.batch_prompts, len(prompts))
-        elastic: dict[str, Any] = {}
+        started = RoundStartedData(step=step, kind=kind, weights_version=step, max_new_tokens=cap, prompts=prompts,
+                                   target_groups=target)
         if cfg.elastic is not None and kind == "long":
             decision = choose_tensor_parallel(cfg.elastic, len(prompts) * cfg.group_size, cap, self.regroup_seconds,
                                               self.long_round_longest)
-            elastic = {"tensor_parallel": decision.tensor_parallel, "estimate": decision.as_data()}
-        return event(
-            EventKind.ROUND_STARTED,
-            at,
-            step=step,
-            kind=kind,
-            weights_version=step,
-            max_new_tokens=cap,
-            prompts=prompts,
-            target_groups=target,
-            **elastic,
-        )
+            started = replace(started, tensor_parallel=decision.tensor_parallel, estimate=decision.as_data())
+        return Event.of(at, started)
 
     def _epoch_event(self, at: float) -> Event:
         epoch = self.epoch + 1
@@ -367,7 +373,7 @@ class RoundScheduler(RoundState):
         excluded = set(leftover) | set(self.long_queue)
         rest = sorted(p for p in self.prompts if p not in excluded)
         random.Random(self.config.seed * 1_000_003 + epoch).shuffle(rest)
-        return event(EventKind.EPOCH_STARTED, at, epoch=epoch, order=leftover + rest)
+        return Event.of(at, EpochStartedData(epoch=epoch, order=leftover + rest))
 
     def _maybe_close(self, out: list[Event], at: float) -> None:
         rnd = self.round
@@ -386,5 +392,5 @@ class RoundScheduler(RoundState):
         returned = [p for p in live if p not in chosen]
         self._emit(
             out,
-            event(EventKind.BATCH_FORMED, at, step=rnd.step, kind=rnd.kind, prompt_ids=chosen, returned_prompt_ids=returned),
+            Event.of(at, BatchFormedData(step=rnd.step, kind=rnd.kind, prompt_ids=chosen, returned_prompt_ids=returned)),
         )

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlctl.core.events import Event
 from rlctl.core.model import JobModel
 from rlctl.core.states import NodeState
 
 RECENT_IN_SNAPSHOT = 12
+SUMMARY_FIELDS = ("node", "slot", "state", "phase", "verdict", "action", "reason", "kind", "step", "version")
 REWARD_WINDOW = 5  # steps in each round kind's moving average
 
 
@@ -149,8 +151,8 @@ def _fault(fault: Any) -> dict[str, Any]:
     }
 
 
-def _event_line(ev: Any) -> dict[str, Any]:
-    data = ev.data
-    keys = ("node", "slot", "state", "phase", "verdict", "action", "reason", "kind", "step", "version")
-    summary = " ".join(f"{k}={data[k]}" for k in keys if k in data and data[k] not in (None, ""))
+def _event_line(ev: Event) -> dict[str, Any]:
+    """One recent event: the fields of ``SUMMARY_FIELDS`` its kind has, where set."""
+    values = ((name, getattr(ev.payload, name, None)) for name in SUMMARY_FIELDS)
+    summary = " ".join(f"{name}={value}" for name, value in values if value not in (None, ""))
     return {"seq": ev.seq, "at": ev.at, "type": ev.type, "summary": summary[:160]}

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlctl.core.events import Event, EventKind, event
+from rlctl.core.event_payloads import JobStalledData
+from rlctl.core.events import Event
 from rlctl.core.model import JobModel
 from rlctl.core.states import JobState
 
@@ -67,5 +68,5 @@ class StallGuard:
                 f"the last progress was v{mark.version} ({model.published_version}/{model.total_steps} steps)")
         reason = (f"failed: stalled: no step trained and no fault met for {stalled:.0f} s "
                   f"(bound [fault_tolerance] stall_s = {self.stall_s:g}); {last}; job state {model.life.state.value}")
-        return Stalled([event(EventKind.JOB_STALLED, now, since_version=mark.version, seconds=round(stalled, 3))],
+        return Stalled([Event.of(now, JobStalledData(since_version=mark.version, seconds=round(stalled, 3)))],
                        reason)

@@ -14,7 +14,7 @@ it loads, with the error a live worker logs.
 
 from __future__ import annotations
 
-from rlctl.core.events import EventKind
+from rlctl.core.event_payloads import FaultInjectedData
 from rlctl.core.injections import Injection, InjectionState
 from rlctl.sim.faults import SimFault
 from rlctl.sim.inject import apply_fault, exit_reported, pick_node
@@ -53,8 +53,8 @@ def reached_phase(sim: SimSite, wid: str, phase: str) -> None:
             sim.armed.waiting.remove(entry)
             injection.state = InjectionState.CARRIED_OUT
             params = {k: v for k, v in fault.params.items() if k not in ("at_phase", "worker")}
-            sim.emit(EventKind.FAULT_INJECTED, fault_id=injection.fault_id, node=worker.node, kind=fault.kind,
-                     params={**params, "worker": wid, "cause": fault.cause or fault.kind})
+            sim.emit(FaultInjectedData(fault_id=injection.fault_id, node=worker.node, kind=fault.kind,
+                                       params={**params, "worker": wid, "cause": fault.cause or fault.kind}))
             apply_fault(sim, SimFault(sim.now, fault.kind, worker.node, slot.role, fault.cause, params),
                         injection.fault_id, worker.node, slot, worker)
 

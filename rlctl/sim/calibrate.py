@@ -19,6 +19,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rlctl.core.event_payloads import (
+    BatchFormedData,
+    CheckpointedData,
+    FaultInjectedData,
+    JobSubmittedData,
+    NodeAllocatedData,
+    NodeStateChangedData,
+    RoundStartedData,
+    TrainerRestoredData,
+    TrajectoryStoredData,
+    WeightsHeldData,
+    WeightsPublishedData,
+    WorkerPhaseData,
+    WorkerStartingData,
+)
 from rlctl.core.events import Event, EventKind
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
@@ -58,7 +73,8 @@ def read_events(target: Path) -> list[Event]:
     """A job's events from its journal (a job directory or journal.db) or a JSON-lines export."""
     if target.suffix == ".jsonl":
         rows = [json.loads(line) for line in target.read_text().splitlines() if line.strip()]
-        return [Event(type=r["type"], at=float(r["at"]), data=r["data"], seq=int(r.get("seq", 0))) for r in rows]
+        return [Event(type=r["type"], at=float(r["at"]), data=r["data"], seq=int(r.get("seq", 0)), from_journal=True)
+                for r in rows]
     return read_journal(journal_path(target))
 
 
@@ -80,7 +96,8 @@ def _role_of_slot(events: list[Event]) -> dict[str, str]:
     roles: dict[str, str] = {}
     for ev in events:
         if ev.type == EventKind.WORKER_STARTING:
-            roles[ev.data["slot"]] = ev.data["role"]
+            starting = ev.as_(WorkerStartingData)
+            roles[starting.slot] = starting.role
     return roles
 
 
@@ -106,31 +123,31 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
     standby_s: list[float] = []
     standby_refill_s: list[float] = []
     for ev in events:
-        d = ev.data
-        if ev.type == EventKind.WORKER_STARTING:
-            (standby_starting if d.get("standby") else starting)[d["wid"]] = ev.at
-        elif ev.type == EventKind.WORKER_PHASE and d["phase"] == "standby" and d["wid"] in standby_starting:
-            started = standby_starting.pop(d["wid"])
+        d = ev.payload
+        if isinstance(d, WorkerStartingData):
+            (standby_starting if d.standby else starting)[d.wid] = ev.at
+        elif isinstance(d, WorkerPhaseData) and d.phase == "standby" and d.wid in standby_starting:
+            started = standby_starting.pop(d.wid)
             # Loads at launch compete with every other role starting at once; a refill during
             # recovery (the one that matters for the next takeover) loads alone.
             (standby_refill_s if started > first_publish else standby_s).append(ev.at - started)
-        elif ev.type == EventKind.WEIGHTS_HELD and roles.get(d["slot"]) == "rollout":
-            _first_ready(model, starting, init_by_role["rollout"], d["slot"], ev.at)
-        elif ev.type == EventKind.WORKER_PHASE and roles.get(d["slot"]) == "reward" and d["phase"] == "waiting-for-work":
-            if d["wid"] in starting:
-                init_by_role["reward"].append(ev.at - starting.pop(d["wid"]))
-        elif ev.type == EventKind.WORKER_PHASE and d["phase"] == "checkpointing":
+        elif isinstance(d, WeightsHeldData) and roles.get(d.slot) == "rollout":
+            _first_ready(model, starting, init_by_role["rollout"], d.slot, ev.at)
+        elif isinstance(d, WorkerPhaseData) and roles.get(d.slot) == "reward" and d.phase == "waiting-for-work":
+            if d.wid in starting:
+                init_by_role["reward"].append(ev.at - starting.pop(d.wid))
+        elif isinstance(d, WorkerPhaseData) and d.phase == "checkpointing":
             ckpt_started = ev.at
-        elif ev.type == EventKind.CHECKPOINTED and ckpt_started is not None:
+        elif isinstance(d, CheckpointedData) and ckpt_started is not None:
             checkpoint_s.append(ev.at - ckpt_started)
             ckpt_started = None
-        elif ev.type == EventKind.ROUND_STARTED:
-            round_open[int(d["step"])] = ev.at
-        elif ev.type == EventKind.TRAJECTORY_STORED:
+        elif isinstance(d, RoundStartedData):
+            round_open[d.step] = ev.at
+        elif isinstance(d, TrajectoryStoredData):
             last_trajectory = ev.at
-            lengths.append(max(1, len(d["response_tokens"])))
-        elif ev.type == EventKind.BATCH_FORMED and int(d["step"]) in round_open:
-            gen_s.append(last_trajectory - round_open.pop(int(d["step"])))
+            lengths.append(max(1, len(d.response_tokens)))
+        elif isinstance(d, BatchFormedData) and d.step in round_open:
+            gen_s.append(last_trajectory - round_open.pop(d.step))
             reward_s.append(ev.at - last_trajectory)
     trainer_init = first_publish - max(registered[:1] or [allocated])
     cycle = _fault_free_cycle(events, model)
@@ -176,9 +193,12 @@ def weights_from_pulls(events: list[Event], senders: int = 1, pullers: int = 1) 
 
 def pull_samples(events: list[Event]) -> list[PullSample]:
     """The job's pulls: every ``WeightsHeld`` with ``bytes`` and ``seconds`` above 0."""
-    return [PullSample(float(e.data["bytes"]), float(e.data["seconds"]), f"WeightsHeld seq {e.seq}")
-            for e in events if e.type == EventKind.WEIGHTS_HELD and float(e.data.get("bytes", 0)) > 0
-            and float(e.data.get("seconds", 0.0)) > 0]
+    samples: list[PullSample] = []
+    for ev in events:
+        pull = ev.as_(WeightsHeldData) if ev.type == EventKind.WEIGHTS_HELD else None
+        if pull is not None and pull.bytes and pull.seconds and pull.bytes > 0 and pull.seconds > 0:
+            samples.append(PullSample(float(pull.bytes), float(pull.seconds), f"WeightsHeld seq {ev.seq}"))
+    return samples
 
 
 def measured_weights(target: Path) -> MeasuredWeights:
@@ -208,12 +228,13 @@ def _checkpoint_loads(events: list[Event], model: JobModel) -> list[float]:
     loading: dict[str, float] = {}
     found: list[float] = []
     for ev in events:
-        if ev.type == EventKind.WORKER_PHASE and ev.data["phase"] == "loading":
-            loading[ev.data["slot"]] = ev.at
-        elif (ev.type == EventKind.TRAINER_RESTORED and ev.data.get("checkpoint_step") is not None
-              and ev.data.get("state_step") is None and ev.data["slot"] in loading):
-            retrained = sum(max(0.0, model.training_seconds.get(int(s), 0.0)) for s in ev.data["replayed_steps"])
-            found.append(max(0.0, ev.at - loading.pop(ev.data["slot"]) - retrained))
+        d = ev.payload
+        if isinstance(d, WorkerPhaseData) and d.phase == "loading":
+            loading[d.slot] = ev.at
+        elif (isinstance(d, TrainerRestoredData) and d.checkpoint_step is not None and d.state_step is None
+              and d.slot in loading):
+            retrained = sum(max(0.0, model.training_seconds.get(s, 0.0)) for s in d.replayed_steps)
+            found.append(max(0.0, ev.at - loading.pop(d.slot) - retrained))
     return found
 
 
@@ -228,7 +249,8 @@ def _length_fit(lengths: list[int], base: GenerationCost) -> GenerationCost:
 
 def _fault_free_cycle(events: list[Event], model: JobModel) -> float | None:
     """Median time between consecutive weight publications whose interval no fault touched."""
-    publishes = [e.at for e in events if e.type == EventKind.WEIGHTS_PUBLISHED and e.data["slot"] and e.data["version"] > 0]
+    published = [(e.at, e.as_(WeightsPublishedData)) for e in events if e.type == EventKind.WEIGHTS_PUBLISHED]
+    publishes = [at for at, p in published if p.slot and p.version > 0]
     windows = [(f.occurred_at, f.recovered_at or f.occurred_at) for f in model.faults.values() if not f.refused]
     gaps = [b - a for a, b in itertools.pairwise(publishes)
             if b > a and not any(start < b and end > a for start, end in windows)]
@@ -259,16 +281,16 @@ def _trace(events: list[Event]) -> list[SimFault]:
     role_of_node: dict[str, str] = {}
     out: list[SimFault] = []
     for ev in events:
-        d = ev.data
-        if ev.type == EventKind.NODE_ALLOCATED or ev.type == EventKind.NODE_STATE_CHANGED and "role" in d:
-            role_of_node[d["node"]] = d["role"]
-        elif ev.type == EventKind.FAULT_INJECTED:
-            kind = INJECTED_TO_SIM.get(d["kind"])
+        d = ev.payload
+        if isinstance(d, NodeAllocatedData | NodeStateChangedData) and d.role is not None:
+            role_of_node[d.node] = d.role
+        elif isinstance(d, FaultInjectedData):
+            kind = INJECTED_TO_SIM.get(d.kind)
             if kind is None:
                 continue
-            params = {k: v for k, v in d["params"].items() if k != "after"}
-            at = ev.at - t0 + float(d["params"].get("after", 0.0))
-            out.append(SimFault(at=at, kind=kind, role=role_of_node.get(d["node"]), cause=d["kind"], params=params))
+            params = {k: v for k, v in d.params.items() if k != "after"}
+            at = ev.at - t0 + float(d.params.get("after", 0.0))
+            out.append(SimFault(at=at, kind=kind, role=role_of_node.get(d.node), cause=d.kind, params=params))
     return out
 
 
@@ -281,7 +303,8 @@ def predict_from_events(events: list[Event], spec: JobSpec, seed: int = 0) -> di
     """``predict_from_journal`` on events already read."""
     measured = replay(events, spec)
     cost = measure_cost_model(events, spec)
-    policy = next((e.data["policy"] for e in events if e.type == EventKind.JOB_SUBMITTED), spec.fault_tolerance.policy)
+    policy = next((e.as_(JobSubmittedData).policy for e in events if e.type == EventKind.JOB_SUBMITTED),
+                  spec.fault_tolerance.policy)
     steps = measured.total_steps or spec.steps
     result = simulate(spec, cost, TraceFailures(_trace(events)), SimConfig(policy=policy, steps=steps, seed=seed,
                                                                            duration_s=10 * measured.ledger.wall + 3600))

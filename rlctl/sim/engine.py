@@ -20,7 +20,15 @@ from collections.abc import Callable
 from typing import Any
 
 from rlctl.core.effects import NodeGrant, Plan
-from rlctl.core.events import Event, EventKind, event
+from rlctl.core.event_payloads import (
+    ControllerStartedData,
+    EventPayload,
+    JobStateChangedData,
+    JobSubmittedData,
+    WorkerPhaseData,
+    WorkerStartedData,
+)
+from rlctl.core.events import Event, EventKind
 from rlctl.core.launchplan import plan
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.node_judging import NodeJudge
@@ -101,9 +109,9 @@ class Simulation:
 
     # ------------------------------------------------------------------ the core's shell
 
-    def emit(self, type_: EventKind, **data: Any) -> Event:
+    def emit(self, payload: EventPayload) -> Event:
         """Apply one event to the model (scheduler included), as Controller.commit does."""
-        ev = event(type_, self.now, **data)
+        ev = Event.of(self.now, payload)
         self._apply(ev)
         return ev
 
@@ -132,7 +140,7 @@ class Simulation:
         self.model.apply(ev)
         if ev.type in PLACEMENT_EVENTS:
             self._views.clear()
-        elif ev.type == EventKind.JOB_STATE_CHANGED and ev.data["state"] == JobState.RUNNING.value:
+        elif ev.type == EventKind.JOB_STATE_CHANGED and ev.as_(JobStateChangedData).state == JobState.RUNNING.value:
             self.update_capacity()  # the pipeline goes on (a new round, the next step)
         self.stats.events += 1
         if self.config.record_events:
@@ -152,10 +160,10 @@ class Simulation:
 
     def _launch(self) -> None:
         spec = self.spec
-        self.emit(EventKind.JOB_SUBMITTED, job_id=self.model.job_id, spec_file=spec.source, backend="sim",
-                  policy=self.config.policy, steps=self.total_steps)
-        self.emit(EventKind.CONTROLLER_STARTED, pid=0, resumed=False)
-        self.emit(EventKind.JOB_STATE_CHANGED, state=JobState.STARTING.value, reason="allocating nodes")
+        self.emit(JobSubmittedData(job_id=self.model.job_id, spec_file=spec.source, backend="sim",
+                                   policy=self.config.policy, steps=self.total_steps))
+        self.emit(ControllerStartedData(pid=0, resumed=False))
+        self.emit(JobStateChangedData(state=JobState.STARTING.value, reason="allocating nodes"))
         self.q.after(self.cost.init.allocate_s, self._allocated)
 
     def _allocated(self) -> None:
@@ -228,7 +236,7 @@ class Simulation:
         slot = self.model.slots[slot_name]
         if slot.node is None or not self.agent_connected(slot.node):
             return  # the command is lost; the agent's registration reports the slot as lost
-        self.emit(EventKind.WORKER_STARTED, slot=slot.slot, wid=wid, pid=slot.generation)
+        self.emit(WorkerStartedData(slot=slot.slot, wid=wid, pid=slot.generation))
         self.workers[wid] = WorkerTruth(wid, slot.slot, slot.role, slot.node, self.now)
         init = self.cost.init
         init_s = init.standby_s if slot.standby else init.for_role(slot.role)
@@ -256,7 +264,7 @@ class Simulation:
         worker, slot = current
         worker.loaded = True
         if slot.standby:
-            self.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="standby", step=0)
+            self.emit(WorkerPhaseData(slot=slot.slot, wid=wid, phase="standby", step=0))
             worker.ready = True
             self.update_capacity()
         elif slot.role == "rollout":
@@ -281,8 +289,8 @@ class Simulation:
             self._reward_ready(worker, slot)
 
     def _reward_ready(self, worker: WorkerTruth, slot: SlotRecord) -> None:
-        self.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=worker.wid, phase="waiting-for-work",
-                  step=self.model.published_version)
+        self.emit(WorkerPhaseData(slot=slot.slot, wid=worker.wid, phase="waiting-for-work",
+                                  step=self.model.published_version))
         worker.ready = True
         self.update_capacity()
 

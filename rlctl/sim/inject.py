@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from rlctl.core import detector as det
-from rlctl.core.events import EventKind
+from rlctl.core.event_payloads import FaultInjectedData
 from rlctl.core.model import SlotRecord
 from rlctl.core.node_judging import JUDGED_NODE_STATES, NodeSighting, ProbeAnswer, SightingTable
 from rlctl.core.states import NodeState
@@ -38,8 +38,8 @@ def inject_fault(sim: SimSite, fault: SimFault) -> None:
     worker = sim.workers.get(slot.wid or "") if slot else None
     sim.stats.faults_injected += 1
     fault_id = f"sim-{sim.stats.faults_injected:05d}"
-    sim.emit(EventKind.FAULT_INJECTED, fault_id=fault_id, node=name, kind=fault.kind,
-             params={**fault.params, "cause": fault.cause})
+    sim.emit(FaultInjectedData(fault_id=fault_id, node=name, kind=fault.kind,
+                               params={**fault.params, "cause": fault.cause}))
     record = sim.model.faults.get(fault_id)
     if record is not None and record.heals_at is not None:
         sim.q.schedule(record.heals_at, _close_healed, sim)  # the live controller's tick, at the moment it matters

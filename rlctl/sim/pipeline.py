@@ -12,7 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 from rlctl.core import job_moves as moves
-from rlctl.core.events import EventKind
+from rlctl.core.event_payloads import (
+    CheckpointedData,
+    HeartbeatSummaryData,
+    StepTrainedData,
+    TrainerRestoredData,
+    TrainerStateHeldData,
+    WeightsHeldData,
+    WeightsPublishedData,
+    WorkerPhaseData,
+)
 from rlctl.core.model_weights import state_not_older
 from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
 from rlctl.core.states import JobState
@@ -90,7 +99,7 @@ class Pipeline:
         working = self.sim.working_slots("rollout")
         if working:
             slot = working[0]
-            self.sim.emit(EventKind.WEIGHTS_HELD, version=version, slot=slot.slot, source={"transport": "sim", "version": version})
+            self.sim.emit(WeightsHeldData(version=version, slot=slot.slot, source={"transport": "sim", "version": version}))
 
     def _resume_round(self) -> None:
         rnd = self.sim.scheduler.round
@@ -219,7 +228,7 @@ class Pipeline:
     def _checkpoint_done(self) -> None:
         version = self.sim.model.published_version + 1
         self.task = None
-        self.sim.emit(EventKind.CHECKPOINTED, step=version, path=f"sim://checkpoints/step-{version:06d}")
+        self.sim.emit(CheckpointedData(step=version, path=f"sim://checkpoints/step-{version:06d}"))
         self._publish(version)
 
     def _state_copied(self, wid: str, version: int) -> None:
@@ -229,13 +238,13 @@ class Pipeline:
         if worker is not None and worker.alive and slot is not None and slot.standby and slot.wid == wid:
             worker.state_step = max(worker.state_step, version)
             parts = [{"transport": "sim"}] * len(self.sim.role_slots("trainer"))  # one per rank
-            self.sim.emit(EventKind.TRAINER_STATE_HELD, slot=slot.slot, wid=wid, step=version, source={"shards": parts})
+            self.sim.emit(TrainerStateHeldData(slot=slot.slot, wid=wid, step=version, source={"shards": parts}))
 
     def _publish(self, version: int) -> None:
         """DataOps.op_trainer_publish: StepTrained for the step, then WeightsPublished."""
         trainer = self.sim.role_slots("trainer")[0]
-        self.sim.emit(EventKind.STEP_TRAINED, step=version - 1, metrics={"mean_reward": 1.0})
-        self.sim.emit(EventKind.WEIGHTS_PUBLISHED, version=version, slot=trainer.slot, source={"transport": "sim", "checksum": f"v{version}"})
+        self.sim.emit(StepTrainedData(step=version - 1, metrics={"mean_reward": 1.0}))
+        self.sim.emit(WeightsPublishedData(version=version, slot=trainer.slot, source={"transport": "sim", "checksum": f"v{version}"}))
         self._trainer_phase("waiting-for-batch", version)
         self._replay_reported.clear()
         if self.sim.spec.trainer_state_replicated(len(self.sim.role_slots("trainer"))):
@@ -247,8 +256,8 @@ class Pipeline:
         self.last_step_s = max(1.0, self.sim.now - self.step_started_at)
         if version % HEARTBEAT_SUMMARY_EVERY_STEPS == 0:
             nodes = self.sim.beating_nodes()
-            self.sim.emit(EventKind.HEARTBEAT_SUMMARY, beats=int(nodes * self.last_step_s / self.sim.interval), nodes=nodes,
-                      window_s=round(self.last_step_s, 3))
+            self.sim.emit(HeartbeatSummaryData(beats=int(nodes * self.last_step_s / self.sim.interval), nodes=nodes,
+                                               window_s=round(self.last_step_s, 3)))
         self.stage = "idle"
         if moves.finished(self.sim.model, self.sim.scheduler):
             self.sim.end_to_end_s = self.sim.now - self.sim.model.ledger.started_at
@@ -316,7 +325,7 @@ class Pipeline:
         worker, slot = current
         worker.syncing = False
         version = self.sim.model.published_version
-        self.sim.emit(EventKind.WEIGHTS_HELD, version=version, slot=slot.slot, source={"transport": "sim", "version": version})
+        self.sim.emit(WeightsHeldData(version=version, slot=slot.slot, source={"transport": "sim", "version": version}))
         worker.ready = True
         self.sim.update_capacity()
 
@@ -342,7 +351,7 @@ class Pipeline:
             seconds = self.sim.cost.step.checkpoint_load_s
         if (loaded := state_step if state_step is not None else checkpoint_step) is not None:
             replay = [s for s in replay if s >= loaded]
-            self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="loading", step=loaded)
+            self.sim.emit(WorkerPhaseData(slot=slot.slot, wid=wid, phase="loading", step=loaded))
         worker.state_step = -1
         seconds += sum(jittered(self.sim.cost.step.train_s, self.sim.cost.step.jitter, self.sim.rng) for _ in replay)
         self.sim.q.after(seconds, self._trainer_restored, wid, target, checkpoint_step, replay, state_step)
@@ -353,16 +362,16 @@ class Pipeline:
         if current is None or current[0].hung_at is not None:
             return
         worker, slot = current
-        self.sim.emit(EventKind.WEIGHTS_PUBLISHED, version=target, slot=slot.slot, source={"transport": "sim", "checksum": f"v{target}"})
+        self.sim.emit(WeightsPublishedData(version=target, slot=slot.slot, source={"transport": "sim", "checksum": f"v{target}"}))
         # Every start reports, the first included, as the live trainer's restore does: a trainer that
         # failed before the first weights existed is recovered by its next start's report.
         # Several trainer ranks restored for the same replay report those steps once: the model
         # re-classifies a replayed step's training time as lost per report (docs/sim.md).
         fresh = [s for s in replay if s not in self._replay_reported]
         self._replay_reported.update(fresh)
-        self.sim.emit(EventKind.TRAINER_RESTORED, slot=slot.slot, checkpoint_step=checkpoint_step, replayed_steps=fresh,
-                      state_step=state_step)
-        self.sim.emit(EventKind.WORKER_PHASE, slot=slot.slot, wid=wid, phase="waiting-for-batch", step=target)
+        self.sim.emit(TrainerRestoredData(slot=slot.slot, checkpoint_step=checkpoint_step, replayed_steps=fresh,
+                                          state_step=state_step))
+        self.sim.emit(WorkerPhaseData(slot=slot.slot, wid=wid, phase="waiting-for-batch", step=target))
         worker.ready = True
         if self.sim.model.productive_since is not None:
             for other in self.sim.workers.values():
@@ -375,7 +384,7 @@ class Pipeline:
         away like heartbeats: thousands of identical WorkerPhase events per step change nothing)."""
         slots = self.sim.role_slots("trainer")
         if slots and slots[0].wid:
-            self.sim.emit(EventKind.WORKER_PHASE, slot=slots[0].slot, wid=slots[0].wid, phase=phase, step=step)
+            self.sim.emit(WorkerPhaseData(slot=slots[0].slot, wid=slots[0].wid, phase=phase, step=step))
 
 
 def stage_rate(sim: SimSite, stage: str) -> float:

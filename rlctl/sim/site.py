@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlctl.core.detector import Detector
-from rlctl.core.events import Event, EventKind
+from rlctl.core.event_payloads import EventPayload
+from rlctl.core.events import Event
 from rlctl.core.injections import Injection
 from rlctl.core.model import JobModel, SlotRecord
 from rlctl.core.node_judging import NodeJudge
@@ -107,7 +108,7 @@ class SimSite(Protocol):
     @property
     def stopping(self) -> bool: ...
 
-    def emit(self, type_: EventKind, **data: Any) -> Event: ...
+    def emit(self, payload: EventPayload) -> Event: ...
 
     def commit(self, events: list[Event]) -> list[Event]: ...
 

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from rlctl.controller.injection import FaultInjection
+from rlctl.core.event_payloads import EventPayload
 from rlctl.core.events import Event, EventKind, event
 from rlctl.core.injections import InjectionState
 from tests.core.test_policy import running_job
@@ -36,8 +37,8 @@ class Harness:
         self.injection = FaultInjection(self.model, self.record, FakeBackend(), {}, self.command,  # type: ignore[arg-type]
                                         self.spawn)
 
-    def record(self, type_: EventKind, **data: Any) -> list[Event]:
-        stored = [Event(type=type_, at=time.time(), data=data, seq=len(self.journal) + 1)]
+    def record(self, payload: EventPayload) -> list[Event]:
+        stored = [Event.of(time.time(), payload).numbered(len(self.journal) + 1)]
         self.journal.extend(stored)
         for ev in stored:
             self.model.apply(ev)

@@ -55,7 +55,7 @@ def _stopping_job(trainers: int = 1, checkpoint: bool = True, timeout_s: float =
     orc = Orchestrator(spec, model, scheduler, None, shell)  # type: ignore[arg-type]
     shell.commit(scheduler.start_round(0, 1.0))
     journal: list[Event] = []
-    stop_save = StopSave(model, lambda kind, **data: journal.extend(orc.record(kind, **data)), lambda node: connected,
+    stop_save = StopSave(model, lambda payload: journal.extend(orc.record(payload)), lambda node: connected,
                          hung=lambda now: hung, clock=TickingClock(2.5))
     ops = DataOps(orc, lambda now: None, stop_save)
     rollout, reward = model.slots["rollout-0"], model.slots["reward-0"]

@@ -127,15 +127,13 @@ def test_the_trainer_steps_only_once_the_engine_beside_it_sleeps_and_the_engine_
 
 def test_an_engine_takes_the_weights_from_the_trainer_on_its_node_only() -> None:
     model = colocated_job()
-    model.apply(event("WeightsHeld", 2.0, slot="rollout-0", wid=model.slots["rollout-0"].wid, version=3,
-                      source={"holder": "rollout-0"}))
+    model.apply(event("WeightsHeld", 2.0, slot="rollout-0", version=3, source={"holder": "rollout-0"}))
     model.apply(event("WeightsPublished", 2.0, version=3, slot="trainer-0", source={"holder": "trainer-0"}))
     model.apply(event("NodeAllocated", 2.0, node="node07", host="h", role="rollout", slot="rollout-9",
                       slots={"rollout-9": [0]}))
     model.apply(event("WorkerStarting", 2.0, slot="rollout-9", wid=model.next_wid("rollout-9"), node="node07", role="rollout"))
     model.apply(event("WorkerStarted", 2.0, slot="rollout-9", wid=model.slots["rollout-9"].wid, pid=1))
-    model.apply(event("WeightsHeld", 2.0, slot="rollout-9", wid=model.slots["rollout-9"].wid, version=3,
-                      source={"holder": "rollout-9"}))
+    model.apply(event("WeightsHeld", 2.0, slot="rollout-9", version=3, source={"holder": "rollout-9"}))
     model.apply(event("WorkerExited", 2.5, slot="rollout-0", wid=model.slots["rollout-0"].wid, exit_code=1, signal=None))
     model.apply(event("WorkerStarting", 3.0, slot="rollout-0", wid=model.next_wid("rollout-0"), node="node01", role="rollout"))
     model.apply(event("WorkerStarted", 3.0, slot="rollout-0", wid=model.slots["rollout-0"].wid, pid=2))

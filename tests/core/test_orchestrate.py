@@ -9,6 +9,7 @@ from typing import Any
 from rlctl.core import detector as det
 from rlctl.core import effects as fx
 from rlctl.core import orchestrate as orc
+from rlctl.core.event_payloads import FaultInjectedData
 from rlctl.core.events import EventKind, event
 from rlctl.core.states import WorkerState
 from tests.core.shells import RecordingShell
@@ -257,7 +258,7 @@ def test_an_injected_fault_that_heals_by_itself_unseen_ends_when_its_duration_do
     shell.now = 10.0
     for fault_id, kind, params in (("f-slow", "slow", {"duration": 5.0, "factor": 3.0}), ("f-crash", "crash", {}),
                                    ("f-late", "hang", {"duration": 2.0, "after": 10.0})):
-        c.record(EventKind.FAULT_INJECTED, fault_id=fault_id, node="node02", kind=kind, params=params)
+        c.record(FaultInjectedData(fault_id=fault_id, node="node02", kind=kind, params=params))
     assert c.model.faults["f-slow"].heals_at == 15.0 and c.model.faults["f-late"].heals_at == 22.0
     assert c.model.faults["f-crash"].heals_at is None
     c.close_healed(14.9)

@@ -10,7 +10,7 @@ from tests.core.test_policy import running_job
 def test_a_released_node_has_no_heartbeat_age_or_phase_in_the_status() -> None:
     model = running_job()
     for node in ("node01", "node02"):
-        model.apply(event("Heartbeat", 5.0, node=node, incarnation=1))
+        model.apply(event("Heartbeat", 5.0, node=node))
     for state in ("failed", "released"):
         model.apply(event("NodeStateChanged", 6.0, node="node02", state=state, reason="job ended"))
     rows = {n["name"]: n for n in snapshot(model, 20.0)["nodes"]}

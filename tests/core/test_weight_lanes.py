@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from rlctl.controller.ops import DataOps
+from rlctl.core.event_payloads import WeightsHeldData
 from rlctl.core.events import EventKind, event
 from rlctl.core.model import JobModel
 from rlctl.core.orchestrate import Orchestrator
@@ -57,7 +58,7 @@ def test_pulls_are_counted_by_lane_and_a_slower_lane_is_warned_about_once_per_jo
     for ev in journal:
         resumed.apply(ev)
     assert resumed.slower_lane_warned and resumed.weight_sync_lanes["tcp"].pulls == 1
-    assert resumed.slower_lane_warning("rollout-0", {"version": 2, **TCP_PULL}, 9.0) is None
+    assert resumed.slower_lane_warning(WeightsHeldData(version=2, slot="rollout-0", source={}, **TCP_PULL), 9.0) is None
 
 
 def test_a_pull_without_a_lane_counts_as_unknown_and_a_publish_counts_nothing() -> None:
@@ -65,4 +66,5 @@ def test_a_pull_without_a_lane_counts_as_unknown_and_a_publish_counts_nothing() 
     model.apply(event(EventKind.WEIGHTS_HELD, 3.0, version=0, slot="rollout-0", source={}, bytes=10, seconds=1.0))
     model.apply(event(EventKind.WEIGHTS_HELD, 4.0, version=0, slot="rollout-1", source={}))
     assert {lane: t.pulls for lane, t in model.weight_sync_lanes.items()} == {"unknown": 1}
-    assert model.slower_lane_warning("rollout-0", {"version": 0, **SM_PULL}, 5.0) is None  # sm: nothing faster
+    sm_pull = WeightsHeldData(version=0, slot="rollout-0", source={}, **SM_PULL)
+    assert model.slower_lane_warning(sm_pull, 5.0) is None  # sm: nothing faster

@@ -85,7 +85,7 @@ def test_calibration_fits_the_weight_sync_line_and_the_checkpoint_read_from_the_
     from rlctl.sim.calibrate import FALLBACK_SYNC_S, _checkpoint_loads, weights_from_pulls
 
     def pull(at: float, nbytes: float, seconds: float) -> object:
-        return event(EventKind.WEIGHTS_HELD, at, version=1, slot="rollout-0", source={}, bytes=nbytes, seconds=seconds)
+        return event(EventKind.WEIGHTS_HELD, at, version=1, slot="rollout-0", source={}, bytes=int(nbytes), seconds=seconds)
 
     pulls = [pull(1, 1e6, 1.0), pull(2, 2e6, 1.5), pull(3, 4e6, 2.5), pull(4, 4e6, 2.5)]
     line = weights_from_pulls(pulls)

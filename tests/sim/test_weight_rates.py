@@ -75,8 +75,8 @@ def test_measured_weights_reads_a_jobs_pulls_through_the_journal_reader(tmp_path
     from rlctl.controller.store import Journal
 
     journal = Journal(tmp_path / "journal.db")
-    journal.append([event(EventKind.WEIGHTS_HELD, 1.0, version=1, slot="rollout-0", source={}, bytes=4e6, seconds=2.5),
-                    event(EventKind.WEIGHTS_HELD, 2.0, version=2, slot="rollout-0", source={}, bytes=1e6, seconds=1.0),
+    journal.append([event(EventKind.WEIGHTS_HELD, 1.0, version=1, slot="rollout-0", source={}, bytes=4_000_000, seconds=2.5),
+                    event(EventKind.WEIGHTS_HELD, 2.0, version=2, slot="rollout-0", source={}, bytes=1_000_000, seconds=1.0),
                     event(EventKind.WEIGHTS_HELD, 3.0, version=2, slot="rollout-1", source={})])
     expected = [(e.seq, e.type, e.data) for e in journal.read()]
     journal.close()
