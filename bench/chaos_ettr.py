@@ -7,6 +7,7 @@ fault of a random kind hits one random node of the job (DESIGN.md).
     python bench/chaos_ettr.py [--steps 120] [--rate 0.1] [--seed 0] [--sweep 0.05,0.1,0.2] [--step-scale 1] [--rl-stages]
     python bench/chaos_ettr.py --placements [--steps 60] [--clean-steps 30]   # colocated vs disaggregated
     python bench/chaos_ettr.py --elastic [--steps 40]   # 2 engines a rollout node that regroup for long rounds
+    python bench/chaos_ettr.py --template [--steps 80]  # role policy: workers forked from the template vs spawned
 
 Prints progress to stderr and one JSON object on the last stdout line.
 """
@@ -57,8 +58,10 @@ ELASTIC_LAYOUT: dict[str, Any] = {"trainers": 1, "rollouts": 1, "rollout_gpus_pe
 
 
 def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int, step_scale: int = 1,
-            rl_stages: bool = False, layout: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Launch the job, soak it with `rlctl chaos` until it finishes, return its report."""
+            rl_stages: bool = False, layout: dict[str, Any] | None = None,
+            worker_template: bool | None = None) -> dict[str, Any]:
+    """Launch the job, soak it with `rlctl chaos` until it finishes, return its report.
+    ``worker_template``: ``[cluster] worker_template`` (None: the backend's default)."""
     env = dict(os.environ, RLCTL_HOME=str(workdir / "jobs"), UCX_NET_DEVICES="lo", UCXPY_PROGRESS_MODE="blocking",
                UCX_WARN_UNUSED_ENV_VARS="n")
     env.setdefault("RLCTL_CACHE", str(ROOT / ".cache" / "rlctl"))
@@ -66,6 +69,8 @@ def run_job(workdir: Path, policy: str, steps: int, rate: float, seed: int, step
     extra = (write_rl_stages_env(workdir) if rl_stages else "") + str(placement.pop("extra_tables", ""))
     spec = write_job(workdir, name=f"bench-{policy}", steps=steps, spares=1, policy=policy, checkpoint_every=5,
                      max_restarts=2, step_scale=step_scale, extra_tables=extra, **placement)
+    if worker_template is not None:
+        spec.write_text(spec.read_text().replace("[cluster]\n", f"[cluster]\nworker_template = {str(worker_template).lower()}\n", 1))
     launched = json.loads(rlctl(env, "launch", str(spec), "--json").strip().splitlines()[-1])
     job = launched["job_id"]
     log(f"{policy}: launched {job} ({steps} steps, rate {rate})")
@@ -153,6 +158,21 @@ def compare_placements(args: argparse.Namespace) -> None:
     print(json.dumps(results))
 
 
+def compare_templates(args: argparse.Namespace) -> None:
+    """The role policy with every worker forked from its node's warm template against the old spawn
+    (``[cluster] worker_template`` true and false), the same fault draws: ETTR, time per step and
+    recovery per fault kind. Prints one JSON object."""
+    results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed, "step_scale": args.step_scale,
+                               "definition": "per RL step, probability `rate` that one random node gets a random fault",
+                               "kinds": KINDS.split(",")}
+    with tempfile.TemporaryDirectory(prefix="rlctl-template-") as tmp:
+        for name, template in (("spawn", False), ("template", True)):
+            results[name] = summarize(run_job(Path(tmp) / name, "role", args.steps, args.rate, args.seed,
+                                              args.step_scale, worker_template=template))
+    results["ettr_gain"] = round(results["template"]["ettr"] - results["spawn"]["ettr"], 4)
+    print(json.dumps(results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=120)
@@ -168,7 +188,12 @@ def main() -> None:
                         help="elastic rollout parallelism on: 2 engines a rollout node, regrouped for every long round")
     parser.add_argument("--placements", action="store_true",
                         help="instead: colocated against disaggregated on the same nodes (role policy), fault-free and soaked")
+    parser.add_argument("--template", action="store_true",
+                        help="instead: the role policy with workers forked from the warm template against spawned ones")
     args = parser.parse_args()
+    if args.template:
+        compare_templates(args)
+        return
     if args.placements:
         compare_placements(args)
         return
