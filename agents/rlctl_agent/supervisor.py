@@ -149,6 +149,24 @@ def last_error(log_path: Path, since: int = 0) -> str:
     return flagged[-1][:ERROR_CHARS] if flagged else ""
 
 
+# Deaths by signal whose cause the signal says better than the log: a worker killed by SIGBUS touched
+# a page of a file it had mapped that no longer exists (the model's or a checkpoint's weights,
+# truncated or rewritten in place instead of being replaced by a rename).
+SIGNAL_CAUSES: dict[int, str] = {
+    int(signal.SIGBUS): "SIGBUS: a file it had mapped (the model's or a checkpoint's weights) was truncated or "
+                   "rewritten in place under it",
+}
+
+
+def signal_error(signum: int, logged: str) -> str:
+    """What a worker killed by ``signum`` is reported to have failed with: the signal's cause where it
+    has one (with what the worker logged after it), else what it logged."""
+    cause = SIGNAL_CAUSES.get(signum)
+    if cause is None:
+        return logged
+    return f"{cause} ({logged})"[:ERROR_CHARS] if logged else cause
+
+
 def read_proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) of ``pid``, or None if there is no such process."""
     try:
@@ -323,7 +341,8 @@ class Supervisor:
                 return WorkerExit(record.wid, None, None, "untracked-exit", last_error(record.log_path, record.log_start))
             error = last_error(record.log_path, record.log_start) if code != 0 else ""
             if code < 0:
-                return WorkerExit(record.wid, None, signal_name(-code), "killed-by-signal", error)
+                return WorkerExit(record.wid, None, signal_name(-code), "killed-by-signal",
+                                  signal_error(-code, last_error(record.log_path, record.log_start)))
             return WorkerExit(record.wid, code, None, "exited", error)
         if process_alive(record.pid, record.start_time):
             return None

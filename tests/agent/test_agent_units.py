@@ -10,6 +10,7 @@ import pytest
 from rlctl_agent.config import ConfigError, load_config, parse_config
 from rlctl_agent.gpu import NoGpuError, NvmlProvider, SimProvider, WorkerLoad, make_gpu_provider
 from rlctl_agent.nccl import NCCL_FLIGHT_RECORDER, NCCL_TIMEOUT, WorkerLogWatcher, parse_line
+from rlctl_agent.supervisor import last_error, signal_error
 
 from rlctl import worker
 
@@ -279,3 +280,19 @@ def test_nvml_provider_samples_edges_events_and_gpu_lost() -> None:
     fake.lost = True
     assert provider.sample()[0]["lost"] is True
     assert provider.poll_events(0) == []  # already reported lost once
+
+
+def test_a_workers_last_error_is_its_tracebacks_final_line_and_a_sigbus_names_the_file_it_mapped(tmp_path: Path) -> None:
+    log = tmp_path / "rollout-0.3.log"
+    log.write_text("loading\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                   "safetensors_rust.SafetensorError: Error while deserializing header: header too large\n")
+    assert last_error(log) == "safetensors_rust.SafetensorError: Error while deserializing header: header too large"
+    assert last_error(log, since=log.stat().st_size) == ""
+    # Killed by SIGKILL mid-work: what it logged, if anything.
+    assert signal_error(9, "") == "" and signal_error(9, "RuntimeError: x") == "RuntimeError: x"
+    # A model file rewritten in place under a worker that maps it: the bus error says which kind of
+    # cause, and keeps the interpreter's own last words after it.
+    log.write_text("Fatal Python error: Bus error\n")
+    said = signal_error(7, last_error(log))
+    assert said.startswith("SIGBUS: a file it had mapped") and said.endswith("(Fatal Python error: Bus error)"), said
+    assert signal_error(7, "").startswith("SIGBUS: a file it had mapped")
