@@ -29,6 +29,7 @@ os.environ.update(UCX_NET_DEVICES="lo", UCX_TLS="tcp,self", UCXPY_PROGRESS_MODE=
 
 from rlctl_agent import protocol
 
+from rlctl.controller.agents import HANDSHAKE_TIMEOUT_S
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.lab.reference_jobs import write_job
@@ -140,8 +141,9 @@ def protocol_rows(jobdir: JobDir) -> list[Row]:
     ]
     rows = [{"area": "agent protocol", "input": what, "answer": wire(port, payload), "refused": True}
             for what, payload in cases]
-    rows.append({"area": "agent protocol", "input": "silence after the challenge (6 s)",
-                 "answer": wire(port, b"", read_after=7.0), "refused": True})
+    silence = HANDSHAKE_TIMEOUT_S + 2.0  # past the controller's deadline for a hello
+    rows.append({"area": "agent protocol", "input": f"silence after the challenge ({silence:g} s)",
+                 "answer": wire(port, b"", read_after=silence), "refused": True})
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         nonce = protocol.decode(sock.recv(4096), protocol.CONTROLLER_TO_AGENT)["nonce"]
         sock.sendall(hello("node99", protocol.auth_digest(secret, nonce, "node99")))
