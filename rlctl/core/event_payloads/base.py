@@ -35,10 +35,8 @@ class EventPayload:
 
     def journal_data(self) -> dict[str, Any]:
         """The data the journal keeps: every required field, and each optional one not at its default."""
-        schema = schema_of(type(self))
-        values = ((name, getattr(self, name)) for name in schema.fields)
-        return {name: value for name, value in values
-                if name not in schema.defaults or value != schema.defaults[name]}
+        defaults = schema_of(type(self)).defaults
+        return {name: value for name, value in vars(self).items() if name not in defaults or value != defaults[name]}
 
 
 @dataclass(frozen=True)
@@ -52,23 +50,29 @@ class Schema:
     required: tuple[str, ...]
     defaults: dict[str, Any]
     accepts: dict[str, tuple[type, ...]]
+    required_keys: frozenset[str] = dataclasses.field(init=False)  # ``required`` as a set, for one C-level check
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "required_keys", frozenset(self.required))
 
     def problem(self, data: Mapping[str, Any], from_journal: bool) -> str | None:
         """What is wrong with ``data`` for this kind, or None. ``from_journal``: a row read back, which
         only needs its required keys: a key the kind has no field for, or a value of another type,
         was written by an earlier version, and the journal must stay readable."""
-        if not from_journal and (unknown := data.keys() - self.known):
-            return f"has no field {', '.join(sorted(unknown))}"
-        missing = [key for key in self.required if key not in data]
-        if missing:
-            return f"lacks {', '.join(missing)}"
+        if not from_journal and not self.known.issuperset(data):
+            return f"has no field {', '.join(sorted(data.keys() - self.known))}"
+        if not data.keys() >= self.required_keys:
+            return f"lacks {', '.join(key for key in self.required if key not in data)}"
         if from_journal:
             return None
+        accepts = self.accepts
         for key, value in data.items():
-            accepted = self.accepts.get(key)
-            if accepted is not None and not _is_one_of(value, accepted):
+            accepted = accepts.get(key)
+            # The value's own type first: a JSON value is exactly one of them (every event is checked).
+            if accepted is not None and type(value) not in accepted and not _is_one_of(value, accepted):
                 return f"has {key}={value!r:.80}, not {' | '.join(t.__name__ for t in accepted)}"
         return None
+
 
     def build(self, data: Mapping[str, Any]) -> EventPayload:
         """The payload of checked ``data`` (keys the kind has no field for are left out)."""
