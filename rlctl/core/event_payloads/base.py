@@ -73,7 +73,6 @@ class Schema:
                 return f"has {key}={value!r:.80}, not {' | '.join(t.__name__ for t in accepted)}"
         return None
 
-
     def build(self, data: Mapping[str, Any]) -> EventPayload:
         """The payload of checked ``data`` (keys the kind has no field for are left out)."""
         return self.payload(**{key: value for key, value in data.items() if key in self.known})
