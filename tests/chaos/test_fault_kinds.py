@@ -78,7 +78,6 @@ class Variant:
     faults: list[Fault]
     before: Callable[[list[Event]], None] = lambda events: None
     after: Callable[[list[Event], list[Injected]], None] = lambda events, injected: None
-    multi_turn: bool = False
 
 
 def two_gpu_placement(events: list[Event]) -> None:
@@ -138,7 +137,7 @@ VARIANTS = {
     "one-worker-per-node": Variant(1, 2, "", FAULTS),
     "two-gpus-per-node": Variant(2, 1, "", TWO_GPU_FAULTS, before=two_gpu_placement, after=two_gpu_attribution),
     "stream-reward-helpers-and-env": Variant(1, 2, RL_STAGES_TABLES, STAGES_FAULTS + [
-        ("env", ["--kind", "crash"], "worker-crash", WORKER_LEVEL, 1.0)], after=streamed_multi_turn, multi_turn=True),
+        ("env", ["--kind", "crash"], "worker-crash", WORKER_LEVEL, 1.0)], after=streamed_multi_turn),
 }
 
 
@@ -146,7 +145,7 @@ VARIANTS = {
 def job(tmp_path: Path, request: pytest.FixtureRequest):
     state_dir = tmp_path / "jobs"
     variant = VARIANTS[request.param]
-    if variant.multi_turn:
+    if "[roles.env]" in variant.extra_tables:
         write_rl_stages_env(tmp_path)
     job_file = write_job(tmp_path, name="chaos", spares=2, max_restarts=20, gpus_per_node=variant.gpus_per_node,
                          rollouts=variant.rollouts, extra_tables=variant.extra_tables)
