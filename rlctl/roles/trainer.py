@@ -42,6 +42,8 @@ CURSOR_FILE = "cursor.json"
 STEP_METRICS_FILE = "step_metrics.json"
 
 REPLICA_FETCH_TIMEOUT_S = 120.0
+# How long a restarting rank waits for the controller to name the standby's newer copy (it polls every 0.3 s).
+REPLICA_MOVED_WAIT_S = 5.0
 
 
 class TrainerRole:
@@ -145,10 +147,7 @@ class TrainerRole:
             return None
         step, data = self.held_state
         self.held_state = None
-        checkpoint_step = init.get("checkpoint_step")
-        # As core.model_weights.state_not_older: a copy as new as the checkpoint is read from memory.
-        newer = step >= checkpoint_step if checkpoint_step is not None else step > 0
-        if newer and step <= int(init.get("target_version", 0)):
+        if self.usable_state_step(step, init):
             self.w.phase("loading", step)
             from rlctl.workload.rank_state import load_rank_state
 
@@ -165,33 +164,71 @@ class TrainerRole:
         """Every rank takes its part of the state the warm standby holds (``state_replica``). The
         ranks first agree that every one of them received its part; only then do they load, so a
         failed transfer leaves them all on the checkpoint path. Returns the restored step."""
-        from rlctl.weights import WeightError, fetch_bundle_sync, unflatten
+        from rlctl.weights import WeightError, unflatten
         from rlctl.workload.rank_state import META_KEY, load_rank_state
 
         offer = init.get("state_replica")
-        rank, world = self.trainer.dist.rank, self.trainer.dist.world_size
+        rank = self.trainer.dist.rank
         data: dict[str, Any] | None = None
-        step = -1
+        version = -1
         if isinstance(offer, dict) and isinstance(offer.get("source"), dict):
             step = int(offer.get("step", -1))
             self.w.phase("loading", step)
             try:
-                shards = offer["source"]["shards"]
-                # Into the state server's reused (pinned on CUDA) buffers: the load reads pinned memory,
-                # and the next offer_state is staged into the same memory.
-                bundle = (fetch_bundle_sync(dict(shards[rank]), timeout=REPLICA_FETCH_TIMEOUT_S,
-                                            pool=self.state_serving().pool) if len(shards) == world else None)
-                version, state = (bundle.manifest.version, unflatten(bundle.manifest, bundle.buffer)) if bundle else (-1, {})
-                if version == step and META_KEY in state:
-                    data = state
+                bundle = self.fetch_replica_part(offer)
+                if bundle is not None:
+                    state = unflatten(bundle.manifest, bundle.buffer)
+                    if META_KEY in state and self.usable_state_step(bundle.manifest.version, init):
+                        version, data = bundle.manifest.version, state
             except (WeightError, OSError, KeyError, IndexError, TypeError, ValueError) as exc:
                 print(f"rlctl trainer: rank {rank} could not fetch its part of the state of step {step} ({exc}); "
                       "using the checkpoint", file=sys.stderr, flush=True)
         # The replica may change while the ranks ask (a copy finishing): all must hold the same step.
-        if not self.same_on_every_rank(step if data is not None else -1) or data is None:
+        if not self.same_on_every_rank(version) or data is None:
             return None
         self.version = load_rank_state(self.trainer, data)
         return self.version
+
+    def fetch_replica_part(self, offer: dict[str, Any]) -> Any:
+        """This rank's part of the replica ``offer`` names (None: the group's size differs). The
+        standby serves only its newest copy: one that finished after the controller named ``offer``
+        replaces it, so the part is asked for again under the newer offer once the standby has
+        reported it (within ``REPLICA_MOVED_WAIT_S``)."""
+        from rlctl.weights import WeightVersionMovedError, fetch_bundle_sync
+
+        deadline = time.monotonic() + REPLICA_MOVED_WAIT_S
+        while True:
+            shards = offer["source"]["shards"]
+            if len(shards) != self.trainer.dist.world_size:
+                return None
+            try:
+                # Into the state server's reused (pinned on CUDA) buffers: the load reads pinned memory,
+                # and the next offer_state is staged into the same memory.
+                return fetch_bundle_sync(dict(shards[self.trainer.dist.rank]), timeout=REPLICA_FETCH_TIMEOUT_S,
+                                         pool=self.state_serving().pool)
+            except WeightVersionMovedError as moved:
+                newer = self.replica_offer_after(moved.expected, deadline) if moved.sent > moved.expected else None
+                if newer is None:
+                    raise
+                offer = newer
+
+    def replica_offer_after(self, step: int, deadline: float) -> dict[str, Any] | None:
+        """The controller's replica offer once it names a step past ``step`` (None at ``deadline``)."""
+        while time.monotonic() < deadline:
+            offer = (self.w.request("trainer.init") or {}).get("state_replica")
+            if isinstance(offer, dict) and isinstance(offer.get("source"), dict) and int(offer.get("step", -1)) > step:
+                return offer
+            time.sleep(0.1)
+        return None
+
+    @staticmethod
+    def usable_state_step(step: int, init: dict[str, Any]) -> bool:
+        """A trainer state held in memory at ``step`` may be resumed from: at least as new as the
+        checkpoint (equal: memory is read instead of the file; as core.model_weights.state_not_older)
+        and not past the published version (a rollback to the checkpoint makes it too new)."""
+        checkpoint_step = init.get("checkpoint_step")
+        newer = step >= checkpoint_step if checkpoint_step is not None else step > 0
+        return newer and step <= int(init.get("target_version", 0))
 
     def same_on_every_rank(self, value: int) -> bool:
         """Whether every rank of the group has this same ``value`` >= 0 (a collective when there are several)."""

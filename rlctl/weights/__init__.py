@@ -19,6 +19,7 @@ from rlctl.weights.errors import (
     WeightIntegrityError,
     WeightTimeoutError,
     WeightTransferError,
+    WeightVersionMovedError,
 )
 from rlctl.weights.server import TRANSPORTS, WeightServer, WeightServerThread, resolve_transport
 
@@ -34,6 +35,7 @@ __all__ = [
     "WeightServerThread",
     "WeightTimeoutError",
     "WeightTransferError",
+    "WeightVersionMovedError",
     "compute_checksum",
     "fetch",
     "fetch_bundle",

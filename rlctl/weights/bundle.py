@@ -32,7 +32,7 @@ from rlctl.weights.checksum import (
     compute_checksum,
     default_checksum_algorithm,
 )
-from rlctl.weights.errors import WeightIntegrityError
+from rlctl.weights.errors import WeightIntegrityError, WeightVersionMovedError
 from rlctl.weights.staging import HostBuffer, HostBufferPool, StagingStats, allocate_host, stage
 
 if TYPE_CHECKING:
@@ -302,7 +302,7 @@ def verify(manifest: Manifest, buffer: Buffer, expected_version: int | None = No
     CPU-bound (hashes the whole buffer, a tree checksum's leaves on several threads).
     """
     if expected_version is not None and manifest.version != expected_version:
-        raise WeightIntegrityError(f"version mismatch: expected v{expected_version}, holder sent v{manifest.version}")
+        raise WeightVersionMovedError(expected_version, manifest.version)
     if expected_checksum is not None and manifest.checksum != expected_checksum:
         raise WeightIntegrityError(f"checksum mismatch: descriptor says {expected_checksum}, "
                                    f"holder's manifest says {manifest.checksum}")

@@ -17,6 +17,15 @@ class WeightIntegrityError(WeightError):
     """Received weights do not match the version, size or checksum that was announced."""
 
 
+class WeightVersionMovedError(WeightIntegrityError):
+    """The holder serves another version than the descriptor named (it moved on to a newer one, or
+    was rolled back): ``sent`` is the version it serves, ``expected`` the one asked for."""
+
+    def __init__(self, expected: int, sent: int) -> None:
+        super().__init__(f"version mismatch: expected v{expected}, holder sent v{sent}")
+        self.expected, self.sent = expected, sent
+
+
 class WeightTransferError(WeightError):
     """A transfer could not complete: holder unreachable or gone, timeout, refused request."""
 

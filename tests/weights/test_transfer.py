@@ -154,7 +154,7 @@ def test_concurrent_joiners_all_get_identical_weights(campaign: Campaign) -> Non
 
 def test_descriptor_mismatch_is_an_integrity_error(campaign: Campaign) -> None:
     stale, wrong = campaign.results["stale-version"], campaign.results["wrong-checksum"]
-    assert stale.get("error") == "WeightIntegrityError" and "version mismatch" in stale["message"], stale
+    assert stale.get("error") == "WeightVersionMovedError" and "version mismatch" in stale["message"], stale
     assert wrong.get("error") == "WeightIntegrityError" and "checksum mismatch" in wrong["message"], wrong
 
 

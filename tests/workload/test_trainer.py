@@ -152,6 +152,52 @@ def test_state_served_to_a_standby_replica_resumes_like_the_uninterrupted_run() 
         load_rank_state(restored, {"meta": torch.frombuffer(bytearray(_model_only_bytes()), dtype=torch.uint8)})
 
 
+def test_a_restart_takes_the_standbys_newer_copy_when_the_named_one_was_replaced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller names the step the standby held when the restarted trainer asked; the standby
+    finishes copying the next step meanwhile and serves only that. The trainer asks the controller
+    again, takes the newer copy while it is not past the published version, and goes the checkpoint
+    way when it is, or when the controller never names a newer copy."""
+    from types import SimpleNamespace
+
+    from rlctl.roles import trainer as trainer_role
+    from rlctl.roles.standby import TrainerStateReplica
+    from rlctl.weights import WeightServerThread
+    from rlctl.weights.shards import combine
+    from rlctl.workload.rank_state import rank_state
+
+    monkeypatch.setattr(trainer_role, "REPLICA_MOVED_WAIT_S", 1.0)
+    source_trainer = _trainer(0)
+    for seed in range(2):
+        source_trainer.train_step(synthetic_batch(seed))
+    replica = TrainerStateReplica("tcp", "127.0.0.1")
+
+    def offered(report: dict) -> dict:
+        return {"step": report["trainer_state_step"], "source": report["trainer_state_source"]}
+
+    try:
+        with WeightServerThread("tcp") as server:
+            replica.copy({"step": 2, "source": combine([server.publish(2, rank_state(source_trainer))], 2)})
+            named = offered(replica.report())
+            source_trainer.train_step(synthetic_batch(2))
+            replica.copy({"step": 3, "source": combine([server.publish(3, rank_state(source_trainer))], 3)})
+        newest = offered(replica.report())
+        for controller_names, target_version, restored_step in [(newest, 3, 3), (newest, 2, None), (named, 3, None)]:
+            role = object.__new__(trainer_role.TrainerRole)
+            role.w = SimpleNamespace(phase=lambda *args: None,
+                                     request=lambda op, names=controller_names: {"state_replica": names})
+            role.settings = SimpleNamespace(weights_transport="tcp", weights_host="127.0.0.1")
+            role.trainer, role.server, role.state_server, role.version = _trainer(seed=99), None, None, 0
+            try:
+                step = role.restore_replica({"state_replica": named, "checkpoint_step": None,
+                                             "target_version": target_version})
+            finally:
+                role.close()
+            assert step == restored_step and role.version == (restored_step or 0)
+    finally:
+        replica.close()
+
+
 def test_replica_skips_a_source_that_failed() -> None:
     from rlctl.roles.standby import TrainerStateReplica
     from rlctl.weights.shards import combine
