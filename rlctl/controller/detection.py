@@ -1,9 +1,11 @@
-"""Live detection: the core detector run each tick over what the agents reported.
+"""Live detection: what the controller observes for the core's tick, and the probes it runs.
 
-Heartbeat silences are judged every tick, by the core's ``NodeJudge`` (the simulator's too); progress, hang and fail-slow judgements once a second
-per worker (their bounds are seconds long), a slice of the workers each tick so that thousands of
-workers never hold the event loop for long. A silent node is probed through the backend before it
-is convicted. Verdicts go to the orchestration core, which journals and acts on them.
+Every tick the core (``rlctl.core.tick``, the simulator's too) judges each node's heartbeat
+silence from the sightings gathered here, and a slice of the workers from their progress, phase
+and last request: each worker once a second (their bounds are seconds long), a slice a tick, so
+thousands of workers never hold the event loop for long, with the fail-slow comparison once a
+round of slices is complete. A node the tick suspects is probed through the backend, the second
+path, before it is convicted. Nothing here decides.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from dataclasses import dataclass, field
 
 from rlctl.backends.base import Backend, NodeInfo
 from rlctl.core import detector as det
-from rlctl.core.node_judging import NodeJudge, NodeSighting, ProbeAnswer
+from rlctl.core.node_judging import NodeSighting, ProbeAnswer
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.states import WorkerState
+from rlctl.core.tick import Observations, TickDecisions, WorkerSightings
 
 log = logging.getLogger("rlctl.controller.detection")
 
@@ -59,7 +62,6 @@ class Detection:
         self.lag_s = 0.0
         self.probes: dict[str, tuple[bool, str, float]] = {}
         self._probing: set[str] = set()
-        self.judge = NodeJudge(self.detector, orchestrator.spec.fault_tolerance.min_silence_s)
         self._worker_round_started = 0.0
         self._worker_queue: list[str] = []  # slots still to judge in this round, popped from the end
         self._worker_slice = 1
@@ -67,26 +69,27 @@ class Detection:
         self._round_rates: dict[str, float | None] = {}
         self._observer_stalled = False
 
-    def detect(self, now: float) -> None:
-        self._detect_nodes(now)
-        self._detect_workers_slice(now)
+    def observe(self, now: float, stopping: bool) -> Observations:
+        """What the tick judges now: every node's sighting, and the next slice of this round's workers
+        (with the whole round for the fail-slow comparison once the slice completes it)."""
+        grace = self.resumed.in_grace(now)
+        return Observations(nodes=self, workers=self._workers_slice(now, grace), lag_s=self.lag_s,
+                            resume_grace=grace, stopping=stopping)
 
-    def _detect_nodes(self, now: float) -> None:
-        judgement = self.judge.judge(self.model, self, now, self.lag_s, self.resumed.in_grace(now))
-        if judgement.all_quiet != self._observer_stalled:
-            self._observer_stalled = judgement.all_quiet
-            if judgement.all_quiet:
+    def carry_out(self, decisions: TickDecisions) -> None:
+        """Probe the nodes the tick suspects (through the backend, the second path), and say when
+        every node went quiet at once and when they are judged one by one again."""
+        if decisions.all_quiet is not None and decisions.all_quiet != self._observer_stalled:
+            self._observer_stalled = decisions.all_quiet
+            if decisions.all_quiet:
                 log.warning("all %d nodes went quiet at once: holding node verdicts (the controller's host or link "
                             "is the likelier fault)", len(self.model.nodes))
             else:
                 log.warning("node heartbeats are judged one by one again")
-        for suspect in judgement.suspects:
-            self.orc.suspect(suspect.node, suspect.reason)
+        for suspect in decisions.suspects:
             self._probe(suspect.node)
-        for verdict in judgement.verdicts:
-            self.orc.handle(verdict)
 
-    # The judge's NodeSightings, read from the model, the hub and the probes' answers.
+    # The tick's NodeSightings, read from the model, the hub and the probes' answers.
     def last_heartbeat_at(self, node: str) -> float | None:
         return self.model.nodes[node].last_heartbeat_at
 
@@ -95,21 +98,23 @@ class Detection:
         return NodeSighting(node, self.model.nodes[node].last_heartbeat_at, self.connected(node),
                             ProbeAnswer(*probe) if probe else None)
 
-    def _detect_workers_slice(self, now: float) -> None:
-        """Judge the next slice of this round's workers; the fail-slow comparison with role peers
-        runs when the round is complete. A new round starts once a second."""
+    def _workers_slice(self, now: float, in_grace: bool) -> WorkerSightings:
+        """The next slice of this round's running workers, each with its progress, phase and the age
+        of its last request; the whole round as peers once this slice completes it. A new round
+        starts once a second."""
         model = self.model
-        if self.resumed.in_grace(now):
+        if in_grace:
             self._worker_queue.clear()  # workers blocked on requests while the controller was down are not hung
-            return
+            return WorkerSightings()
         if not self._worker_queue:
             if now - self._worker_round_started < WORKER_CHECK_INTERVAL_S:
-                return
+                return WorkerSightings()
             self._worker_round_started = now
             self._worker_queue = list(reversed(model.slots))
             self._worker_slice = max(1, -(-len(self._worker_queue) // WORKER_CHECK_SLICES))
             self._round_obs, self._round_rates = [], {}
         detector, resumed_at = self.detector, self.resumed.at
+        judged: list[det.WorkerObs] = []
         for _ in range(min(self._worker_slice, len(self._worker_queue))):
             slot = model.slots.get(self._worker_queue.pop())
             if slot is None or slot.node is None or slot.wid is None or slot.life is None \
@@ -119,24 +124,14 @@ class Detection:
             since = max(asked or 0.0, slot.phase_since, resumed_at)
             obs = det.WorkerObs(slot.slot, slot.wid, slot.role, slot.node, slot.phase, slot.progress,
                                 max(0.0, now - slot.progress_at), request_age_s=max(0.0, now - since))
-            self._round_obs.append(obs)
+            judged.append(obs)
             self._round_rates[slot.wid] = detector.rate(slot.wid, now)
-            verdict = detector.worker_verdict(obs, now)
-            if verdict is not None:
-                self.orc.handle(verdict)
+        self._round_obs += judged
         if self._worker_queue:
-            return
-        # Workers replaced while the round ran are compared next round, under their new id.
-        current = [obs for obs in self._round_obs
-                   if (slot := model.slots.get(obs.slot)) is not None and slot.wid == obs.wid]
-        for verdict in detector.slow_verdicts(current, now, rates=self._round_rates):
-            self.orc.handle(verdict)
+            return WorkerSightings(tuple(judged))
+        peers, rates = tuple(self._round_obs), self._round_rates
         self._round_obs, self._round_rates = [], {}
-
-    def detect_startup(self, now: float) -> None:
-        """Nodes whose agent never registered are replaced too (a node can die while starting)."""
-        for verdict in self.judge.startup(self.model, now):
-            self.orc.handle(verdict)
+        return WorkerSightings(tuple(judged), peers, rates)
 
     def _probe(self, name: str) -> None:
         if name in self._probing:

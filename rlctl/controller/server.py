@@ -48,7 +48,6 @@ from rlctl.controller.tls import ensure_job_certificate, server_context, tls_ena
 from rlctl.controller.workers import WorkerLauncher
 from rlctl.core import detector as det
 from rlctl.core import effects as fx
-from rlctl.core import job_moves as moves
 from rlctl.core import orchestrate as orc
 from rlctl.core.event_payloads import (
     ConnectionRefusedData,
@@ -63,9 +62,9 @@ from rlctl.core.model import JobModel
 from rlctl.core.rounds import RoundScheduler, config_from_spec
 from rlctl.core.snapshot import snapshot
 from rlctl.core.spec import JobSpec
-from rlctl.core.stall import StallGuard
 from rlctl.core.states import JobState, NodeState
 from rlctl.core.stopsave import LEADER_SLOT, leader_hung, plan_stop_save
+from rlctl.core.tick import Observations
 
 log = logging.getLogger("rlctl.controller")
 
@@ -115,7 +114,6 @@ class Controller:
         self.effects = EffectRunner(self.model, backend, self.hub, self.launcher, self.node_infos, self.record, self.spawn)
         self.detection = Detection(self.orc, self.hub.connected, backend, self.node_infos, self.ops.last_request_at,
                                    Resumed(resume), self.spawn)
-        self.stall_guard = StallGuard(spec.fault_tolerance.stall_s)
         self.injection = FaultInjection(self.model, self.record, backend, self.node_infos, self.hub.command, self.spawn)
         self.api = ApiServer(jobdir.api_socket, ApiHandlers(
             status=self.snapshot, diagnostics=self.diagnostics, stop=self.operator_stop, inject=self.injection.inject,
@@ -334,18 +332,14 @@ class Controller:
     # --------------------------------------------------------------------------------- weights
 
     def on_weights_published(self, now: float) -> None:
-        if self.stopping:
-            return  # the step the trainer finished while the job stops: saved, not evaluated
-        self._maybe_start_held_out(now)
-        self._maybe_finish(now)
+        """A new version: the tick's moves (a held-out evaluation, the finish) are decided at once."""
+        self._reconcile(now, Observations(stopping=self.stopping))
 
-    def _maybe_start_held_out(self, now: float) -> None:
-        if (version := moves.held_out_due(self.model, self.scheduler)) is not None:
-            self.commit(self.scheduler.start_held_out(version, now))
-
-    def _maybe_finish(self, now: float) -> None:
-        if moves.finished(self.model, self.scheduler) and not self.stopping:
-            self.request_stop("all steps done", succeeded=True)
+    def _reconcile(self, now: float, seen: Observations) -> None:
+        decisions = self.orc.reconcile(now, seen)
+        self.detection.carry_out(decisions)
+        if decisions.stop is not None and not self.stopping:
+            self.request_stop(decisions.stop.reason, succeeded=decisions.stop.succeeded)
 
     # ---------------------------------------------------------------------------------- tick
 
@@ -373,18 +367,7 @@ class Controller:
             self.orc.update_job_state()
         if model.life.state == JobState.RUNNING and not self._heap_frozen:
             self._freeze_heap()
-        if model.life.state in (JobState.RUNNING, JobState.RECOVERING) and not self.stopping:
-            self._maybe_start_round(now)
-            self._maybe_start_held_out(now)
-            self._maybe_finish(now)
-            self.orc.close_healed(now)
-            self.detection.detect(now)
-        if not self.stopping and (stalled := self.stall_guard.check(model, now)) is not None:
-            self.commit(stalled.events)
-            self.request_stop(stalled.reason)
-        if model.life.state == JobState.STARTING:
-            self.detection.detect_startup(now)
-        self.orc.update_job_state()
+        self._reconcile(now, self.detection.observe(now, stopping=self.stopping))
         if now - self.inbox.last_summary >= HEARTBEAT_SUMMARY_S:
             self.inbox.summarize_heartbeats(now, self.spec.fault_tolerance.heartbeat_interval_s)
         if self.stopping and not self._done.is_set() and not self._finishing:
@@ -401,10 +384,6 @@ class Controller:
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
         log.info("heap frozen after start: %d objects out of the collector's sight", gc.get_freeze_count())
-
-    def _maybe_start_round(self, now: float) -> None:
-        if (version := moves.round_due(self.model, self.scheduler)) is not None:
-            self.commit(self.scheduler.start_round(version, now))
 
     # ------------------------------------------------------------------------------ stopping
 

@@ -21,7 +21,6 @@ from rlctl.core.effects import Effect, NodeGrant, Shell, StartWorker, StopWorker
 from rlctl.core.event_payloads import (
     AgentRegisteredData,
     EventPayload,
-    FaultRecoveredData,
     FaultSignalData,
     JobStateChangedData,
     NodeAllocatedData,
@@ -33,10 +32,13 @@ from rlctl.core.event_payloads import (
 from rlctl.core.events import Event
 from rlctl.core.launchplan import RolePlan
 from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.node_judging import NodeJudge
 from rlctl.core.recovery import GONE_NODE, LIVE_WORKER, Recovery, Tally
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
+from rlctl.core.stall import StallGuard
 from rlctl.core.states import JobState, NodeState, WorkerState
+from rlctl.core.tick import Observations, Tick, TickDecisions
 
 ROLES = ("trainer", "rollout", "reward", "env")
 
@@ -54,7 +56,8 @@ class Orchestrator:
     """Worker lifecycle, recovery plans and the job's state, decided for one job."""
 
     def __init__(self, spec: JobSpec, model: JobModel, scheduler: RoundScheduler, detector: det.Detector,
-                 shell: Shell) -> None:
+                 shell: Shell, stall_s: float | None = None) -> None:
+        """``stall_s``: the stall guard's bound (default: the job's ``[fault_tolerance] stall_s``)."""
         self.spec = spec
         self.model = model
         self.scheduler = scheduler
@@ -63,6 +66,8 @@ class Orchestrator:
         self.stop: StopRequest | None = None
         self.stopping_wids: set[str] = set()
         self.recovery = Recovery(spec, model, scheduler, detector, shell, self)
+        self.ticks = Tick(NodeJudge(detector, spec.fault_tolerance.min_silence_s),
+                          StallGuard(spec.fault_tolerance.stall_s if stall_s is None else stall_s))
 
     # --------------------------------------------------------------------------- events
 
@@ -76,6 +81,24 @@ class Orchestrator:
     @property
     def tally(self) -> Tally:
         return self.recovery.tally
+
+    def reconcile(self, now: float, seen: Observations) -> TickDecisions:
+        """The tick (``rlctl.core.tick``): decide what this moment calls for and carry it out. What
+        is left to the shell: probing ``suspects`` and stopping the job when ``stop`` says so."""
+        decisions = self.ticks.decide(self.model, self.scheduler, now, seen)
+        self.carry_out(decisions)
+        return decisions
+
+    def carry_out(self, decisions: TickDecisions) -> None:
+        """Journal what the tick decided, mark its suspects, start the recoveries its verdicts call
+        for, and move the job's state."""
+        if decisions.events:
+            self.shell.commit(decisions.events)
+        for suspect in decisions.suspects:
+            self.suspect(suspect.node, suspect.reason)
+        for verdict in decisions.verdicts:
+            self.handle(verdict)
+        self.update_job_state()
 
     def handle(self, verdict: det.Verdict) -> None:
         """Journal the verdict and start its recovery plan (see ``rlctl.core.recovery``)."""
@@ -233,15 +256,6 @@ class Orchestrator:
             if slots and not any(s.life is not None and s.life.state == WorkerState.RUNNING for s in slots):
                 return False
         return True
-
-    def close_healed(self, now: float) -> None:
-        """End the injected faults that healed by themselves (a slow-down, a hang let go, a partition
-        or a slow link past its duration) before any verdict saw them: nothing is left to recover."""
-        healed = self.model.healed_unseen(now)
-        for fault in healed:
-            self.record(FaultRecoveredData(fault_ids=[fault.fault_id], slot=fault.slot, node=fault.node))
-        if healed:
-            self.update_job_state()
 
     def update_job_state(self) -> None:
         """STARTING → RUNNING once every role runs; RECOVERING → RUNNING once nothing is open or busy."""

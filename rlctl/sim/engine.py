@@ -31,12 +31,11 @@ from rlctl.core.event_payloads import (
 from rlctl.core.events import Event, EventKind
 from rlctl.core.launchplan import plan
 from rlctl.core.model import JobModel, SlotRecord
-from rlctl.core.node_judging import NodeJudge
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
-from rlctl.core.stall import StallGuard
 from rlctl.core.states import JobState, NodeState
+from rlctl.core.tick import Observations, TickDecisions
 from rlctl.sim import armed, effects, inject
 from rlctl.sim.clock import EventQueue
 from rlctl.sim.costmodel import CostModel
@@ -69,19 +68,17 @@ class Simulation:
         self.total_steps = config.steps if config.steps is not None else spec.steps
         self.interval = spec.fault_tolerance.heartbeat_interval_s
         self.detector = detector_for(spec)
-        self.node_judge = NodeJudge(self.detector, spec.fault_tolerance.min_silence_s)
         sched_config = scheduler_config(spec, cost)
         prompts = max(spec.rollout.dataset_size, sched_config.batch_prompts * 4)
         self.scheduler = RoundScheduler(sched_config, synthetic_prompts(prompts, spec.seed))
         self.model = JobModel(job_id=f"sim-{spec.name}-{config.policy}-{config.seed}")
         self.model.scheduler = self.scheduler
-        self.orc = Orchestrator(spec, self.model, self.scheduler, self.detector, self)
+        self.orc = Orchestrator(spec, self.model, self.scheduler, self.detector, self, stall_s=config.stall_s)
         self.nodes: dict[str, NodeTruth] = {}
         self.workers: dict[str, WorkerTruth] = {}
         self.events: list[Event] = []
         self.stats = SimStats()
         self.armed = ArmedFaults()
-        self.stall_guard = StallGuard(config.stall_s)
         self.end_to_end_s: float | None = None
         self.fault_seq = 0
         self.next_node_index = self.layout.role_nodes + self.layout.spares
@@ -183,18 +180,31 @@ class Simulation:
         return self.model.life.state.terminal
 
     def _watch_progress(self) -> None:
-        """The stall guard (``rlctl.core.stall``, the live controller's): a job that has trained no
-        step and met no fault for ``stall_s`` has deadlocked and ends, failed; its time since its last
-        version is ``lost``. Judged every quarter of ``stall_s`` of virtual time."""
+        """The tick with nothing newly observed, every quarter of ``stall_s`` of virtual time: the
+        stall guard's moment (a job that has trained no step and met no fault for ``stall_s`` has
+        deadlocked and ends, failed; its time since its last version is ``lost``)."""
         if self.model.life.state.terminal:
             return
-        stalled = self.stall_guard.check(self.model, self.now)
-        if stalled is not None:
-            self.stats.stalled_s = self.now - self.stall_guard.since
-            self.commit(stalled.events)
-            self.finish(stalled.reason, False)
-            return
-        self.q.after(self.config.stall_s / 4, self._watch_progress)
+        self.reconcile(Observations())
+        if not self.model.life.state.terminal:
+            self.q.after(self.config.stall_s / 4, self._watch_progress)
+
+    def reconcile(self, seen: Observations) -> TickDecisions:
+        """The live controller's tick at this moment of virtual time (``rlctl.core.tick``), given what
+        became observable now. The shell's part: a round that opens starts generating, and a stop
+        ends the run. The caller probes the suspects."""
+        decisions = self.orc.reconcile(self.now, Observations(
+            nodes=seen.nodes, judged_nodes=seen.judged_nodes, workers=seen.workers, stopping=self.stopping))
+        if decisions.opened_round is not None:
+            self.pipeline.round_opened(decisions.opened_round)
+        stop = decisions.stop
+        if stop is not None and not self.model.life.state.terminal:
+            if stop.stalled_since is not None:
+                self.stats.stalled_s = self.now - stop.stalled_since
+            if stop.succeeded:
+                self.end_to_end_s = self.now - self.model.ledger.started_at
+            self.finish(stop.reason, stop.succeeded)
+        return decisions
 
     def finish(self, reason: str, succeeded: bool) -> None:
         """The job ends now (its workers need no stopping: nothing runs after the clock stops)."""

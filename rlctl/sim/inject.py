@@ -16,6 +16,7 @@ from rlctl.core.event_payloads import FaultInjectedData
 from rlctl.core.model import SlotRecord
 from rlctl.core.node_judging import JUDGED_NODE_STATES, NodeSighting, ProbeAnswer, SightingTable
 from rlctl.core.states import NodeState
+from rlctl.core.tick import Observations, WorkerSightings
 from rlctl.sim import observe
 from rlctl.sim.faults import SimFault
 from rlctl.sim.site import SimSite
@@ -170,9 +171,10 @@ def _judge_silence(sim: SimSite, node: str, probe: bool | None, detail: str) -> 
     answer = ProbeAnswer(probe, detail, sim.now) if probe is not None else None
     sightings = {name: NodeSighting(name, other.last_beat(sim.now, sim.interval), sim.agent_connected(name),
                                     answer if name == node else None) for name, other in sim.nodes.items()}
-    judgement = sim.node_judge.judge(sim.model, SightingTable(sightings), sim.now).about(node)
+    judgement = sim.reconcile(Observations(nodes=SightingTable(sightings), judged_nodes=(node,)))
+    if sim.model.life.state.terminal:
+        return
     if judgement.suspects:
-        sim.orc.suspect(node, judgement.suspects[0].reason)
         reachable = truth.reachable_by_probe
         result = "process alive, agent unreachable" if reachable else "probe timed out"
         delay = 0.5 if reachable else sim.cost.detection.probe_s
@@ -181,8 +183,6 @@ def _judge_silence(sim: SimSite, node: str, probe: bool | None, detail: str) -> 
     if not judgement.verdicts:
         sim.q.schedule(_next_tick(sim, sim.now + sim.cost.detection.tick_s), _judge_silence, sim, node, None, "")
         return
-    for verdict in judgement.verdicts:
-        sim.orc.handle(verdict)
     # The live tick judges every node again and again; a verdict the recovery ignored (already being
     # handled) comes back once its key is forgotten.
     sim.q.after(RECHECK_S, _judge_silence, sim, node, None, "")
@@ -231,9 +231,7 @@ def _judge_hang(sim: SimSite, wid: str, phase: str) -> None:
     if worker is None or worker.hung_at is None or slot is None or slot.wid != wid or not worker.alive:
         return
     obs = observe.worker_obs(slot, phase, slot.progress, sim.now - worker.hung_at, request_age_s=sim.now - worker.hung_at)
-    verdict = sim.detector.worker_verdict(obs, sim.now)
-    if verdict is not None:
-        sim.orc.handle(verdict)
+    sim.reconcile(Observations(workers=WorkerSightings(judged=(obs,))))
 
 
 # ------------------------------------------------------------------------------ fail-slow
@@ -266,14 +264,14 @@ def _slow_tick(sim: SimSite, wid: str) -> None:
             peer = sim.workers[peer_slot.wid or ""]
             sim.detector.progress(peer.wid, sim.now * 100.0 / peer.slow, sim.now)
             observed.append(observe.worker_obs(peer_slot, "generating", sim.now * 100.0 / peer.slow, 0.0))
-        for verdict in sim.detector.slow_verdicts(observed, sim.now):
-            sim.orc.handle(verdict)
+        sim.reconcile(Observations(workers=WorkerSightings(peers=tuple(observed))))
     sim.q.after(SLOW_TICK, _slow_tick, sim, wid)
 
 
 def _close_healed(sim: SimSite) -> None:
+    """The tick at the moment a fault heals: it ends the fault if no verdict saw it."""
     if not sim.model.life.state.terminal:
-        sim.orc.close_healed(sim.now)
+        sim.reconcile(Observations())
 
 
 def _heal_slow(sim: SimSite, wid: str) -> None:

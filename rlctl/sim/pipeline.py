@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlctl.core import job_moves as moves
 from rlctl.core.event_payloads import (
     CheckpointedData,
     HeartbeatSummaryData,
@@ -25,6 +24,7 @@ from rlctl.core.event_payloads import (
 from rlctl.core.model_weights import state_not_older
 from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
 from rlctl.core.states import JobState
+from rlctl.core.tick import Observations
 from rlctl.sim import armed
 from rlctl.sim.site import FluidTask, SimSite
 from rlctl.sim.workload import elastic_round_s, expected_step_s, jittered, round_timing, sample_length
@@ -54,14 +54,15 @@ class Pipeline:
             self._schedule_task()
 
     def advance(self) -> None:
-        """The round decision of the controller's tick (`core.job_moves.round_due`), and the trainer picking up its batch."""
+        """The controller's tick (``rlctl.core.tick``: a round opening, the finish), and the trainer
+        picking up its batch."""
         model = self.sim.model
         if self.sim.stopping or model.life.state not in (JobState.RUNNING, JobState.RECOVERING):
             return
         if model.productive_since is None or self.task is not None:
             return
-        if (due := moves.round_due(model, self.sim.scheduler)) is not None:
-            self._start_step(due)
+        decisions = self.sim.reconcile(Observations())
+        if decisions.opened_round is not None or decisions.stop is not None:
             return
         version = model.published_version
         rnd = self.sim.scheduler.round
@@ -72,11 +73,12 @@ class Pipeline:
         elif rnd.step == version and self.sim.scheduler.batch_for(version) is not None and self.sim.trainer_rate() > 0:
             self._start_training(version)
 
-    def _start_step(self, version: int) -> None:
+    def round_opened(self, version: int) -> None:
+        """The tick opened the round of ``version`` (journaled already): generate it."""
+        assert self.task is None, f"the round of v{version} opened while {self.task.stage} runs"
         self.step_started_at = self.sim.now
         for fault in self.sim.failures.on_step(version, self.sim.now, self.last_step_s):
             self.sim.q.schedule(fault.at, self.sim.inject, fault)
-        self.sim.commit(self.sim.scheduler.start_round(version, self.sim.now))
         self._start_generation()
 
     def _start_generation(self) -> None:
@@ -259,11 +261,7 @@ class Pipeline:
             self.sim.emit(HeartbeatSummaryData(beats=int(nodes * self.last_step_s / self.sim.interval), nodes=nodes,
                                                window_s=round(self.last_step_s, 3)))
         self.stage = "idle"
-        if moves.finished(self.sim.model, self.sim.scheduler):
-            self.sim.end_to_end_s = self.sim.now - self.sim.model.ledger.started_at
-            self.sim.finish("all steps done", succeeded=True)
-            return
-        self.advance()
+        self.advance()  # the tick: the next round, or the finish
 
     def cancel_task(self) -> None:
         """Drop the running phase (a rollback, or the trainer it needed died)."""

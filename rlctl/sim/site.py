@@ -17,10 +17,10 @@ from rlctl.core.event_payloads import EventPayload
 from rlctl.core.events import Event
 from rlctl.core.injections import Injection
 from rlctl.core.model import JobModel, SlotRecord
-from rlctl.core.node_judging import NodeJudge
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.rounds import RoundScheduler
 from rlctl.core.spec import JobSpec
+from rlctl.core.tick import Observations, TickDecisions
 from rlctl.sim.clock import EventQueue
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.faults import FailureModel, SimFault
@@ -90,7 +90,6 @@ class SimSite(Protocol):
     model: JobModel
     scheduler: RoundScheduler
     detector: Detector
-    node_judge: NodeJudge
     orc: Orchestrator
     nodes: dict[str, NodeTruth]
     workers: dict[str, WorkerTruth]
@@ -111,6 +110,8 @@ class SimSite(Protocol):
     def emit(self, payload: EventPayload) -> Event: ...
 
     def commit(self, events: list[Event]) -> list[Event]: ...
+
+    def reconcile(self, seen: Observations) -> TickDecisions: ...
 
     def agent_connected(self, name: str) -> bool: ...
 

@@ -19,7 +19,8 @@ def _ops(tail: bool = False) -> tuple[DataOps, Orchestrator]:
     model = running_job()
     scheduler = make_scheduler(tail=tail)
     shell = RecordingShell(model)
-    spec = SimpleNamespace(env=EnvSpec(), multi_turn=False, colocated=False, reward={"on_error": "zero", "helper_backlog": 0})
+    spec = SimpleNamespace(env=EnvSpec(), multi_turn=False, colocated=False, reward={"on_error": "zero", "helper_backlog": 0},
+                           fault_tolerance=SimpleNamespace(min_silence_s=3.0, stall_s=0.0))
     orchestrator = Orchestrator(spec, model, scheduler, None, shell)  # type: ignore[arg-type]
     scheduler.start_round(0, 1.0)
     return DataOps(orchestrator, lambda now: None), orchestrator

@@ -51,7 +51,8 @@ def _stopping_job(trainers: int = 1, checkpoint: bool = True, timeout_s: float =
     model = running_job(trainers=trainers)
     scheduler = make_scheduler(tail=False)
     shell = RecordingShell(model)
-    spec = SimpleNamespace(env=EnvSpec(), multi_turn=False, colocated=False, reward={"on_error": "zero", "helper_backlog": 0})
+    spec = SimpleNamespace(env=EnvSpec(), multi_turn=False, colocated=False, reward={"on_error": "zero", "helper_backlog": 0},
+                           fault_tolerance=SimpleNamespace(min_silence_s=3.0, stall_s=0.0))
     orc = Orchestrator(spec, model, scheduler, None, shell)  # type: ignore[arg-type]
     shell.commit(scheduler.start_round(0, 1.0))
     journal: list[Event] = []

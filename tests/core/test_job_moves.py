@@ -18,7 +18,14 @@ def job(total_steps: int = 4) -> tuple[JobModel, RoundScheduler]:
                                [PromptRef(f"h{i}", (3, 4), {}) for i in range(2)])
     model = JobModel(job_id="j")
     model.total_steps = total_steps
+    model.productive_since = 0.5  # the trainer published the first weights
     return model, scheduler
+
+
+def test_no_round_opens_before_the_first_weights_exist() -> None:
+    model, scheduler = job()
+    model.productive_since = None
+    assert moves.round_due(model, scheduler) is None
 
 
 def test_a_round_opens_once_the_one_before_it_closed_for_a_newer_version() -> None:

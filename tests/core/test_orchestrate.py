@@ -12,6 +12,7 @@ from rlctl.core import orchestrate as orc
 from rlctl.core.event_payloads import FaultInjectedData
 from rlctl.core.events import EventKind, event
 from rlctl.core.states import WorkerState
+from rlctl.core.tick import Observations
 from tests.core.shells import RecordingShell
 from tests.core.test_policy import running_job, verdict
 from tests.core.test_rounds import make_scheduler
@@ -24,7 +25,7 @@ def orchestrator(policy: str = "role", spares: int = 0) -> tuple[orc.Orchestrato
     scheduler = make_scheduler(tail=False)
     model.scheduler = scheduler
     shell = RecordingShell(model)
-    spec = SimpleNamespace(fault_tolerance=SimpleNamespace(max_restarts_per_slot=3, max_failed_starts=3,
+    spec = SimpleNamespace(fault_tolerance=SimpleNamespace(max_restarts_per_slot=3, max_failed_starts=3, min_silence_s=3.0, stall_s=0.0,
                                                                    exclude_failed_nodes=True),
                            warm_spares=False)
     detector = det.Detector(det.DetectorConfig(heartbeat_interval_s=1.0, phi_threshold=8.0, min_silence_s=3.0,
@@ -261,11 +262,11 @@ def test_an_injected_fault_that_heals_by_itself_unseen_ends_when_its_duration_do
         c.record(FaultInjectedData(fault_id=fault_id, node="node02", kind=kind, params=params))
     assert c.model.faults["f-slow"].heals_at == 15.0 and c.model.faults["f-late"].heals_at == 22.0
     assert c.model.faults["f-crash"].heals_at is None
-    c.close_healed(14.9)
+    c.reconcile(14.9, Observations())
     assert all(f.open for f in c.model.faults.values())
-    c.close_healed(15.0)
+    c.reconcile(15.0, Observations())
     recovered = [e for e in shell.journal if e.type == EventKind.FAULT_RECOVERED]
     assert [e.data["fault_ids"] for e in recovered] == [["f-slow"]] and not c.model.faults["f-slow"].open
     c.model.faults["f-late"].detected_at = 21.0  # a verdict saw it: its recovery ends it, not its duration
-    c.close_healed(30.0)
+    c.reconcile(30.0, Observations())
     assert c.model.faults["f-late"].open and c.model.faults["f-crash"].open

@@ -24,7 +24,8 @@ SM_PULL = {"bytes": 1_000_000, "seconds": 0.5, "holders": 2, "lane": "sm", "lane
 
 
 def _ops(model: JobModel) -> DataOps:
-    spec = SimpleNamespace(env=EnvSpec(), multi_turn=False, colocated=False, reward={"on_error": "zero", "helper_backlog": 0})
+    spec = SimpleNamespace(env=EnvSpec(), multi_turn=False, colocated=False, reward={"on_error": "zero", "helper_backlog": 0},
+                           fault_tolerance=SimpleNamespace(min_silence_s=3.0, stall_s=0.0))
     return DataOps(Orchestrator(spec, model, make_scheduler(tail=False), None, RecordingShell(model)),  # type: ignore[arg-type]
                    lambda now: None)
 

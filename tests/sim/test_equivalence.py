@@ -20,9 +20,10 @@ from rlctl.core import detector as det
 from rlctl.core import policy
 from rlctl.core.events import Event, event
 from rlctl.core.model import JobModel
-from rlctl.core.node_judging import NodeJudgement, NodeSighting, ProbeAnswer, SightingTable
+from rlctl.core.node_judging import NodeSighting, ProbeAnswer, SightingTable
 from rlctl.core.orchestrate import Orchestrator
 from rlctl.core.plansteps import Step
+from rlctl.core.tick import Observations, TickDecisions, WorkerSightings
 from rlctl.sim import observe
 from rlctl.sim.calibrate import read_events
 from rlctl.spec_loader import load_job_file
@@ -120,11 +121,18 @@ def test_worker_exit_gives_the_same_verdict_and_plan(paired: tuple[Any, StubCont
     assert stub.plans == sim_plans
 
 
-def sim_judges(sim: Any, node: str, last: float, probe: ProbeAnswer | None = None) -> NodeJudgement:
-    """The simulator's judgement of ``node`` silent since ``last`` (every other node beating)."""
+def sim_judges(sim: Any, node: str, last: float, probe: ProbeAnswer | None = None) -> TickDecisions:
+    """The simulator's tick judging ``node`` silent since ``last`` (every other node beating), as
+    ``rlctl.sim.inject`` calls it, carried out."""
     sightings = {name: NodeSighting(name, last if name == node else sim.now, True, probe if name == node else None)
                  for name in sim.model.nodes}
-    return sim.node_judge.judge(sim.model, SightingTable(sightings), sim.now).about(node)
+    return sim.orc.reconcile(sim.now, Observations(nodes=SightingTable(sightings), judged_nodes=(node,)))
+
+
+def live_tick(stub: StubController) -> None:
+    """One tick of the live controller: what its detection observes, decided and carried out."""
+    decisions = stub.orc.reconcile(stub.now, stub.detection.observe(stub.now, stopping=False))
+    stub.detection.carry_out(decisions)
 
 
 @pytest.mark.parametrize("probe_reaches", [False, True])
@@ -138,16 +146,15 @@ def test_heartbeat_silence_gives_the_same_suspicion_verdict_and_plan(paired: tup
         observe.prime_heartbeats(detector, node, last, 1.0, jitter)
     all_quiet(stub)
     stub.model.nodes[node].last_heartbeat_at = last
-    stub.detection.detect(stub.now)  # no probe yet: suspect
+    live_tick(stub)  # no probe yet: suspect
     [sim_first] = sim_judges(sim, node, last).suspects
     assert sim_first.verdict == "suspect"
-    assert stub.model.nodes[node].life.state.value == "suspect"
-    sim.orc.suspect(node, sim_first.reason)
+    for model in (stub.model, sim.model):
+        assert model.nodes[node].life.state.value == "suspect"
     detail = "probe said so"
     stub.detection.probes[node] = (probe_reaches, detail, stub.now)
-    stub.detection.detect(stub.now)
-    [verdict] = sim_judges(sim, node, last, ProbeAnswer(probe_reaches, detail, sim.now)).verdicts
-    sim.orc.handle(verdict)
+    live_tick(stub)
+    assert len(sim_judges(sim, node, last, ProbeAnswer(probe_reaches, detail, sim.now)).verdicts) == 1
     live = [v for v in live_verdicts(stub) if v["node"] == node]
     assert [comparable(v) for v in live] == [comparable(v) for v in sim_side(sim)[0]]
     assert stub.plans == sim_side(sim)[1]
@@ -164,12 +171,11 @@ def test_frozen_progress_gives_the_same_hang_verdict(paired: tuple[Any, StubCont
         slot.progress_at = stub.now - 60.0
     stub.last_request_at[stub.model.slots[slot_name].wid] = stub.now - 60.0
     for _ in range(WORKER_CHECK_SLICES):  # one whole round of worker judgements
-        stub.detection.detect(stub.now)
+        live_tick(stub)
     slot = sim.model.slots[slot_name]
     obs = observe.worker_obs(slot, phase, slot.progress, 60.0, request_age_s=60.0)
-    verdict = sim.detector.worker_verdict(obs, sim.now)
-    assert verdict is not None and verdict.fault == "worker-hang"
-    sim.orc.handle(verdict)
+    [verdict] = sim.orc.reconcile(sim.now, Observations(workers=WorkerSightings(judged=(obs,)))).verdicts
+    assert verdict.fault == "worker-hang"
     live = [v for v in live_verdicts(stub) if v["slot"] == slot_name]
     assert [comparable(v)[:5] for v in live] == [comparable(v)[:5] for v in sim_side(sim)[0]]
     assert stub.plans == sim_side(sim)[1]
