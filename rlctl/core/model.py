@@ -3,17 +3,17 @@
 Nodes, worker slots, faults, the weights registry, checkpoints, the ETTR ledger and the round
 scheduler all live here. ``apply`` is the only mutator, so the live controller, a resumed
 controller and the simulator see the same state for the same events. Pure: no I/O, no clock.
-The handlers and queries of two concerns live in their own modules, over this same state:
-faults and what they cost (``model_faults.FaultLedger``), and the weights registry with the
-trainer's steps and checkpoints (``model_weights.WeightsRegistry``); the records are in
-``records``.
+The model is built in layers, each a concern over the state below it, so none re-declares
+another's: the shared records and slot lookups (``model_base.JobRecords``), faults and what they
+cost (``model_faults.FaultLedger``), the weights registry with the trainer's steps and checkpoints
+(``model_weights.WeightsRegistry``), then here nodes, agents, workers and the reward function.
+Each handler is marked with the event kind it handles (``model_base.handles``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from rlctl.core.ettr import EttrLedger, without_progress
 from rlctl.core.event_payloads import (
@@ -36,8 +36,9 @@ from rlctl.core.event_payloads import (
     WorkerStartingData,
 )
 from rlctl.core.events import TRANSIENT_EVENTS, Event, EventKind
+from rlctl.core.model_base import handles
 from rlctl.core.model_faults import PROCESS_FAULTS, FaultLedger
-from rlctl.core.model_weights import LaneTotals, WeightsRegistry
+from rlctl.core.model_weights import WeightsRegistry
 from rlctl.core.records import FaultRecord, GpuSummary, NodeRecord, SlotRecord, TrainerStateOffer
 from rlctl.core.reward_health import RewardCalls
 from rlctl.core.rounds import RoundScheduler
@@ -52,45 +53,14 @@ QUIET_EVENTS = frozenset({EventKind.HEARTBEAT_SUMMARY, EventKind.ITEMS_DISPATCHE
 
 
 @dataclass
-class JobModel(FaultLedger, WeightsRegistry):
-    job_id: str
-    policy: str = "role"
-    total_steps: int = 0
-    life: Lifecycle[JobState] = field(default_factory=lambda: Lifecycle.begin(JobState.PENDING, 0.0, "submitted"))
-    ledger: EttrLedger = field(default_factory=lambda: EttrLedger(started_at=0.0))
-    nodes: dict[str, NodeRecord] = field(default_factory=dict)
-    slots: dict[str, SlotRecord] = field(default_factory=dict)
-    faults: dict[str, FaultRecord] = field(default_factory=dict)
-    weights_holders: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    published_version: int = 0
-    published_checksum: str = ""
-    checkpoint_step: int = -1
-    checkpoint_path: str = ""
-    trainer_state: TrainerStateOffer | None = None
-    state_replica: TrainerStateOffer | None = None  # the copy a warm standby holds and serves
-    step_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
-    step_trained_at: dict[int, float] = field(default_factory=dict)
-    ettr_at_step: dict[int, float] = field(default_factory=dict)
-    weight_sync_bytes: int = 0
-    weight_sync_seconds: float = 0.0
-    weight_syncs: int = 0
-    weight_sync_lanes: dict[str, LaneTotals] = field(default_factory=dict)  # pulls by the lane they took
-    slower_lane_warned: bool = False  # the job said once that its pulls could take a faster lane
-    training_seconds: dict[int, float] = field(default_factory=dict)
-    productive_at_version: dict[int, float] = field(default_factory=dict)
-    productive_since: float | None = None
+class JobModel(WeightsRegistry):
     recent: deque[Event] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
-    wid_slots: dict[str, str] = field(default_factory=dict)
     heartbeats_total: int = 0
-    trainer_restored_at: float = 0.0
-    full_stop_at: float = -1.0  # when the last full restart stopped every worker
     controller_epoch: int = 0  # the fencing epoch of the newest controller start
     workers_started: int = 0
     last_seq: int = 0
     scheduler: RoundScheduler | None = None
     reward_calls: RewardCalls = field(default_factory=RewardCalls)
-    # node -> names of the slots on it; rebuilt after any handler moves a slot (None: stale).
-    _node_slots: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------------ derived views
 
@@ -98,43 +68,6 @@ class JobModel(FaultLedger, WeightsRegistry):
     def step(self) -> int:
         """Optimizer steps done (= newest published weights version)."""
         return self.published_version
-
-    def slots_of(self, role: str) -> list[SlotRecord]:
-        return [s for s in self.slots.values() if s.role == role and not s.standby]
-
-    def slot_of_wid(self, wid: str) -> SlotRecord | None:
-        slot = self.slots.get(self.wid_slots.get(wid, ""))
-        return slot if slot is not None and slot.wid == wid else None
-
-    def slots_on_node(self, node: str) -> list[SlotRecord]:
-        """Every slot placed on ``node`` (standby slots included), in slot order; O(1) per call
-        (a lookup per agent hello at 4,096 nodes must not be a scan)."""
-        if self._node_slots is None:
-            index: dict[str, list[str]] = {}
-            for slot in self.slots.values():
-                if slot.node is not None:
-                    index.setdefault(slot.node, []).append(slot.slot)
-            self._node_slots = index
-        records = (self.slots.get(name) for name in self._node_slots.get(node, ()))
-        return [record for record in records if record is not None and record.node == node]
-
-    def slot_on_node(self, node: str) -> SlotRecord | None:
-        for slot in self.slots_on_node(node):
-            if not slot.standby:
-                return slot
-        return None
-
-    def slot_on_gpu(self, node: str, gpu: int | None) -> SlotRecord | None:
-        """The worker slot on ``node`` that holds GPU ``gpu`` (its agent's index); the node's first
-        slot when no slot names that GPU (a node without GPUs, or no GPU given)."""
-        if gpu is not None:
-            for slot in self.slots_on_node(node):
-                if not slot.standby and gpu in slot.gpus:
-                    return slot
-        return self.slot_on_node(node)
-
-    def standby_slots(self) -> list[SlotRecord]:
-        return [s for s in self.slots.values() if s.standby and s.node is not None]
 
     @property
     def all_steps_done(self) -> bool:
@@ -171,12 +104,13 @@ class JobModel(FaultLedger, WeightsRegistry):
         self.last_seq = max(self.last_seq, ev.seq)
         if ev.type not in QUIET_EVENTS:
             self.recent.append(ev)
-        handler = getattr(self, f"_on_{ev.type}", None)
+        handler = self.handler_for(ev.type)
         if handler is not None:
-            handler(ev)
+            handler(self, ev)
         if self.scheduler is not None:
             self.scheduler.apply(ev)
 
+    @handles(EventKind.JOB_SUBMITTED)
     def _on_JobSubmitted(self, ev: Event) -> None:
         submitted = ev.as_(JobSubmittedData)
         self.policy = submitted.policy
@@ -184,10 +118,12 @@ class JobModel(FaultLedger, WeightsRegistry):
         self.life = Lifecycle.begin(JobState.PENDING, ev.at, "submitted")
         self.ledger = EttrLedger(started_at=ev.at)
 
+    @handles(EventKind.JOB_STATE_CHANGED)
     def _on_JobStateChanged(self, ev: Event) -> None:
         changed = ev.as_(JobStateChangedData)
         self.life.move(JobState(changed.state), ev.at, changed.reason)
 
+    @handles(EventKind.NODE_ALLOCATED)
     def _on_NodeAllocated(self, ev: Event) -> None:
         d = ev.as_(NodeAllocatedData)
         self.nodes[d.node] = NodeRecord(
@@ -209,6 +145,7 @@ class JobModel(FaultLedger, WeightsRegistry):
                 slot.gpus = tuple(int(g) for g in gpus)
             self._node_slots = None
 
+    @handles(EventKind.NODE_STATE_CHANGED)
     def _on_NodeStateChanged(self, ev: Event) -> None:
         changed = ev.as_(NodeStateChangedData)
         node = self.nodes.get(changed.node)
@@ -224,6 +161,7 @@ class JobModel(FaultLedger, WeightsRegistry):
         if changed.role is not None:
             node.role = changed.role
 
+    @handles(EventKind.AGENT_REGISTERED)
     def _on_AgentRegistered(self, ev: Event) -> None:
         registered = ev.as_(AgentRegisteredData)
         node = self.nodes.get(registered.node)
@@ -236,6 +174,7 @@ class JobModel(FaultLedger, WeightsRegistry):
         if self.policy == "role":  # under full-restart the fault lasts until everything restarted
             self._recover_matching("agent-lost", node.name, None, ev.at)
 
+    @handles(EventKind.CONTROLLER_STARTED)
     def _on_ControllerStarted(self, ev: Event) -> None:
         """A resumed controller hears no agent yet: every node's silence is counted from now."""
         started = ev.as_(ControllerStartedData)
@@ -246,6 +185,7 @@ class JobModel(FaultLedger, WeightsRegistry):
             node.last_heartbeat_at = ev.at
             node.connected = False
 
+    @handles(EventKind.HEARTBEAT)
     def _on_Heartbeat(self, ev: Event) -> None:
         """An agent's heartbeat: the node was heard, its GPU samples, its workers' progress."""
         beat = ev.as_(HeartbeatData)
@@ -265,11 +205,13 @@ class JobModel(FaultLedger, WeightsRegistry):
                 slot.progress_at = max(slot.phase_since, ev.at - age)
             slot.progress = progress
 
+    @handles(EventKind.AGENT_DISCONNECTED)
     def _on_AgentDisconnected(self, ev: Event) -> None:
         node = self.nodes.get(ev.as_(AgentDisconnectedData).node)
         if node is not None:
             node.connected = False
 
+    @handles(EventKind.HEARTBEAT_SUMMARY)
     def _on_HeartbeatSummary(self, ev: Event) -> None:
         summary = ev.as_(HeartbeatSummaryData)
         self.heartbeats_total += summary.beats
@@ -292,6 +234,7 @@ class JobModel(FaultLedger, WeightsRegistry):
         """A worker id never used before in this job (``slot.N``, N counting every start)."""
         return f"{slot}.{self.workers_started + 1}"
 
+    @handles(EventKind.WORKER_STARTING)
     def _on_WorkerStarting(self, ev: Event) -> None:
         d = ev.as_(WorkerStartingData)
         self.workers_started += 1
@@ -317,6 +260,7 @@ class JobModel(FaultLedger, WeightsRegistry):
         slot.tensor_parallel = None
         slot.serving = False
 
+    @handles(EventKind.ENGINE_RESIZED)
     def _on_EngineResized(self, ev: Event) -> None:
         resized = ev.as_(EngineResizedData)
         slot = self._slot_for(resized.slot, resized.wid)
@@ -325,6 +269,7 @@ class JobModel(FaultLedger, WeightsRegistry):
             if slot.tensor_parallel == 0:  # a restarted follower is back in its wide group's place: recovered
                 self._recover_slot(slot, ev.at)
 
+    @handles(EventKind.WORKER_STARTED)
     def _on_WorkerStarted(self, ev: Event) -> None:
         started = ev.as_(WorkerStartedData)
         slot = self._slot_for(started.slot, started.wid)
@@ -333,6 +278,7 @@ class JobModel(FaultLedger, WeightsRegistry):
             if slot.life.can_move(WorkerState.RUNNING):
                 slot.life.move(WorkerState.RUNNING, ev.at, "process started")
 
+    @handles(EventKind.WORKER_PHASE)
     def _on_WorkerPhase(self, ev: Event) -> None:
         reported = ev.as_(WorkerPhaseData)
         slot = self._slot_for(reported.slot, reported.wid)
@@ -352,6 +298,7 @@ class JobModel(FaultLedger, WeightsRegistry):
                 or (slot.standby and phase == "standby"):
             self._recover_slot(slot, ev.at)
 
+    @handles(EventKind.WORKER_EXITED)
     def _on_WorkerExited(self, ev: Event) -> None:
         exited = ev.as_(WorkerExitedData)
         slot = self._slot_for(exited.slot, exited.wid)
@@ -374,14 +321,17 @@ class JobModel(FaultLedger, WeightsRegistry):
         for holders in self.weights_holders.values():
             holders.pop(slot.slot, None)
 
+    @handles(EventKind.REWARD_FUNCTION_FAILED)
     def _on_RewardFunctionFailed(self, ev: Event) -> None:
         failed = ev.as_(RewardFunctionFailedData)
         self.reward_calls.failed(failed.function, failed.error, ev.at, self.ledger.seconds["productive"])
 
+    @handles(EventKind.REWARDS_STORED)
     def _on_RewardsStored(self, ev: Event) -> None:
         returned = sum(1 for score in ev.as_(RewardsStoredData).scores if not score.get("failed"))
         self.reward_calls.returned(returned, self.ledger.seconds["productive"])
 
+    @handles(EventKind.REWARD_FUNCTION_FAILING)
     def _on_RewardFunctionFailing(self, ev: Event) -> None:
         """Since the window's oldest failure the job made no progress worth keeping: that time is lost."""
         mark = self.reward_calls.first_failure_productive_s()
@@ -389,9 +339,11 @@ class JobModel(FaultLedger, WeightsRegistry):
         if mark is not None:
             self.ledger.lose_productive_since(mark)
 
+    @handles(EventKind.REWARD_FUNCTION_RECOVERED)
     def _on_RewardFunctionRecovered(self, ev: Event) -> None:
         self.reward_calls.failing_since = None
 
+    @handles(EventKind.ACTION_TAKEN)
     def _on_ActionTaken(self, ev: Event) -> None:
         d = ev.as_(ActionTakenData)
         for fault_id in d.fault_ids:

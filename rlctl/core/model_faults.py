@@ -1,6 +1,6 @@
 """The job model's faults: injected, refused, seen (a verdict), recovered, and what they cost.
 
-A mixin of ``JobModel`` over its state: the event handlers for faults (``_on_FaultInjected``,
+The first layer of the job model over its shared records (``model_base.JobRecords``): the event handlers for faults (``_on_FaultInjected``,
 ``_on_FaultAccepted``, ``_on_FaultRefused``, ``_on_FaultSignal``, ``_on_Verdict``,
 ``_on_FaultRecovered``), the rules that end a fault when its slot, node or the whole job is back,
 and the share of the job's progress a fault takes away (the ETTR ledger's weights). A delayed
@@ -11,8 +11,9 @@ nothing here); an injection counts in the ledger only once its agent or backend 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
+from rlctl.core.event_kinds import EventKind
 from rlctl.core.event_payloads import (
     FaultAcceptedData,
     FaultInjectedData,
@@ -23,7 +24,8 @@ from rlctl.core.event_payloads import (
 )
 from rlctl.core.events import Event
 from rlctl.core.faultparams import heals_at
-from rlctl.core.records import FaultRecord, NodeRecord, SlotRecord
+from rlctl.core.model_base import JobRecords, handles
+from rlctl.core.records import FaultRecord, SlotRecord
 from rlctl.core.states import WorkerState
 
 # Faults of one worker process (injected kinds): a restart of that process ends them.
@@ -32,20 +34,9 @@ PROCESS_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
 REPLACING_ACTIONS = frozenset({"restart-worker", "restart-role", "replace-node", "drain-replace"})
 
 
-class FaultLedger:
-    faults: dict[str, FaultRecord]
-    slots: dict[str, SlotRecord]
-    nodes: dict[str, NodeRecord]
-    policy: str
-    productive_since: float | None
-    trainer_restored_at: float
-    full_stop_at: float
-
-    if TYPE_CHECKING:
-        def slots_of(self, role: str) -> list[SlotRecord]: ...
-        def slot_on_node(self, node: str) -> SlotRecord | None: ...
-        def slots_on_node(self, node: str) -> list[SlotRecord]: ...
-        def slot_of_wid(self, wid: str) -> SlotRecord | None: ...
+@dataclass
+class FaultLedger(JobRecords):
+    faults: dict[str, FaultRecord] = field(default_factory=dict)
 
     def healed_unseen(self, now: float) -> list[FaultRecord]:
         """Open injected faults that ended by themselves (their duration passed) before anyone saw them."""
@@ -87,6 +78,7 @@ class FaultLedger:
         peers = len(self.slots_of(slot.role))
         return 1.0 / max(peers, 1)
 
+    @handles(EventKind.FAULT_INJECTED)
     def _on_FaultInjected(self, ev: Event) -> None:
         d = ev.as_(FaultInjectedData)
         aimed = str(d.params.get("worker") or "")  # a slot of the node or a worker id (``--worker``)
@@ -105,23 +97,27 @@ class FaultLedger:
             heals_at=heals_at(d.kind, d.params, occurred_at),
         )
 
+    @handles(EventKind.FAULT_ACCEPTED)
     def _on_FaultAccepted(self, ev: Event) -> None:
         fault = self.faults.get(ev.as_(FaultAcceptedData).fault_id)
         if fault is not None:
             fault.awaiting_answer = False
 
+    @handles(EventKind.FAULT_REFUSED)
     def _on_FaultRefused(self, ev: Event) -> None:
         refused = ev.as_(FaultRefusedData)
         fault = self.faults.get(refused.fault_id)
         if fault is not None:
             fault.refused = refused.reason or "refused"
 
+    @handles(EventKind.FAULT_SIGNAL)
     def _on_FaultSignal(self, ev: Event) -> None:
         signal = ev.as_(FaultSignalData)
         node = self.nodes.get(signal.node)
         if node is not None:
             node.last_signal = f"{signal.kind}: {signal.detail}"[:120]
 
+    @handles(EventKind.VERDICT)
     def _on_Verdict(self, ev: Event) -> None:
         d = ev.as_(VerdictData)
         if d.verdict not in ("failed", "slow"):
@@ -163,6 +159,7 @@ class FaultLedger:
         if slot is not None and slot.life is not None and slot.life.can_move(WorkerState.FAILED):
             slot.life.move(WorkerState.FAILED, ev.at, d.reason[:80])
 
+    @handles(EventKind.FAULT_RECOVERED)
     def _on_FaultRecovered(self, ev: Event) -> None:
         for fault_id in ev.as_(FaultRecoveredData).fault_ids:
             fault = self.faults.get(fault_id)

@@ -1,6 +1,7 @@
 """The job model's weights registry, with the trainer's steps, checkpoints and restores.
 
-A mixin of ``JobModel`` over its state: who holds which weights version (``weights_source`` picks
+The job model's layer over its faults (``model_faults.FaultLedger``), whose events also end faults (a
+restored trainer, a rollout holding the weights again): who holds which weights version (``weights_source`` picks
 a live holder), the newest trainer-state offer, each step's metrics and training time, the last
 checkpoint, and what a trainer restore or a rollback to a checkpoint costs in the ETTR ledger.
 Pure: no I/O, no clock.
@@ -9,10 +10,10 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-from rlctl.core.ettr import EttrLedger
+from rlctl.core.event_kinds import EventKind
 from rlctl.core.event_payloads import (
     CheckpointedData,
     JobStalledData,
@@ -26,7 +27,9 @@ from rlctl.core.event_payloads import (
     WeightsSourceFailedData,
 )
 from rlctl.core.events import Event
-from rlctl.core.records import SlotRecord, TrainerStateOffer
+from rlctl.core.model_base import handles
+from rlctl.core.model_faults import FaultLedger
+from rlctl.core.records import TrainerStateOffer
 from rlctl.core.states import WorkerState
 
 # A joiner pulls one version from up to this many full holders at once, a stripe from each.
@@ -69,35 +72,27 @@ class RestorePlan:
     replica: TrainerStateOffer | None
 
 
-class WeightsRegistry:
-    weights_holders: dict[int, dict[str, dict[str, Any]]]
-    published_version: int
-    published_checksum: str
-    checkpoint_step: int
-    checkpoint_path: str
-    trainer_state: TrainerStateOffer | None
-    state_replica: TrainerStateOffer | None
-    step_metrics: dict[int, dict[str, Any]]
-    step_trained_at: dict[int, float]
-    ettr_at_step: dict[int, float]
-    weight_sync_bytes: int
-    weight_sync_seconds: float
-    weight_syncs: int
-    weight_sync_lanes: dict[str, LaneTotals]
-    slower_lane_warned: bool
-    training_seconds: dict[int, float]
-    productive_at_version: dict[int, float]
-    productive_since: float | None
-    trainer_restored_at: float
-    slots: dict[str, SlotRecord]
-    policy: str
-    ledger: EttrLedger
+@dataclass
+class WeightsRegistry(FaultLedger):
+    weights_holders: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    published_version: int = 0
+    published_checksum: str = ""
+    checkpoint_step: int = -1
+    checkpoint_path: str = ""
+    trainer_state: TrainerStateOffer | None = None
+    state_replica: TrainerStateOffer | None = None  # the copy a warm standby holds and serves
+    step_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
+    step_trained_at: dict[int, float] = field(default_factory=dict)
+    ettr_at_step: dict[int, float] = field(default_factory=dict)
+    weight_sync_bytes: int = 0
+    weight_sync_seconds: float = 0.0
+    weight_syncs: int = 0
+    weight_sync_lanes: dict[str, LaneTotals] = field(default_factory=dict)  # pulls by the lane they took
+    slower_lane_warned: bool = False  # the job said once that its pulls could take a faster lane
+    training_seconds: dict[int, float] = field(default_factory=dict)
+    productive_at_version: dict[int, float] = field(default_factory=dict)
 
-    if TYPE_CHECKING:
-        def slots_of(self, role: str) -> list[SlotRecord]: ...
-        def _recover_slot(self, slot: SlotRecord, at: float) -> None: ...
-        def _recover_after_full_restart(self, at: float) -> None: ...
-
+    @handles(EventKind.WEIGHTS_PUBLISHED)
     def _on_WeightsPublished(self, ev: Event) -> None:
         published = ev.as_(WeightsPublishedData)
         version = published.version
@@ -114,6 +109,7 @@ class WeightsRegistry:
         for old in [v for v in self.weights_holders if v < version - 1]:
             del self.weights_holders[old]
 
+    @handles(EventKind.WEIGHTS_SOURCE_FAILED)
     def _on_WeightsSourceFailed(self, ev: Event) -> None:
         """Strike a holder a joiner could not fetch from off the list, except the trainer that
         published the version: while it runs it is the source of last resort (a transient failure
@@ -127,6 +123,7 @@ class WeightsRegistry:
             if source.get("port") == failed.source.get("port") and source.get("host") == failed.source.get("host"):
                 del holders[slot_name]
 
+    @handles(EventKind.WEIGHTS_HELD)
     def _on_WeightsHeld(self, ev: Event) -> None:
         held = ev.as_(WeightsHeldData)
         version = held.version
@@ -159,9 +156,11 @@ class WeightsRegistry:
                                                    same_node=same_node, gbps=gbps,
                                                    reason=slower_lane_reason(lane, faster, same_node, gbps)))
 
+    @handles(EventKind.WEIGHTS_SLOWER_LANE)
     def _on_WeightsSlowerLane(self, ev: Event) -> None:
         self.slower_lane_warned = True
 
+    @handles(EventKind.STEP_TRAINED)
     def _on_StepTrained(self, ev: Event) -> None:
         trained = ev.as_(StepTrainedData)
         step = trained.step
@@ -172,6 +171,7 @@ class WeightsRegistry:
         if started is not None and started < 0:
             self.training_seconds[step] = ev.at + started
 
+    @handles(EventKind.CHECKPOINTED)
     def _on_Checkpointed(self, ev: Event) -> None:
         checkpointed = ev.as_(CheckpointedData)
         self.checkpoint_step = checkpointed.step
@@ -231,10 +231,12 @@ class WeightsRegistry:
             return None
         return offer if server.life.state is WorkerState.RUNNING else None
 
+    @handles(EventKind.TRAINER_STATE_HELD)
     def _on_TrainerStateHeld(self, ev: Event) -> None:
         held = ev.as_(TrainerStateHeldData)
         self.state_replica = TrainerStateOffer(held.step, held.slot, held.wid, dict(held.source))
 
+    @handles(EventKind.TRAINER_RESTORED)
     def _on_TrainerRestored(self, ev: Event) -> None:
         restored = ev.as_(TrainerRestoredData)
         lost = sum(max(0.0, self.training_seconds.get(s, 0.0)) for s in restored.replayed_steps)
@@ -252,9 +254,11 @@ class WeightsRegistry:
         if since is not None:
             self.ledger.reclassify(self.ledger.seconds["productive"] - since, "productive", "lost")
 
+    @handles(EventKind.JOB_STALLED)
     def _on_JobStalled(self, ev: Event) -> None:
         self._lose_productive_since(ev.as_(JobStalledData).since_version)
 
+    @handles(EventKind.SCHEDULER_ROLLED_BACK)
     def _on_SchedulerRolledBack(self, ev: Event) -> None:
         to_step = ev.as_(SchedulerRolledBackData).to_step
         self._lose_productive_since(to_step)

@@ -1,6 +1,8 @@
 """One orchestration core: the same fault trace, driven through a live local job and through the
-simulator, leaves the same sequence of event kinds for each fault in the two journals (its verdict,
-then each recovery action in order), and every fault is recovered in both."""
+simulator, leaves the same decisions for each fault in the two journals (its verdict with what it
+judged and proposed, then each recovery action in order with the role it acted on and what it did),
+and every fault is recovered in both. Node names and worker ids differ between the two runs; the
+role of each slot, the warm standby taking over and the node excluded do not."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
+from rlctl.core.event_payloads import ActionTakenData, VerdictData
 from rlctl.core.events import Event, EventKind
 from rlctl.sim.costmodel import CostModel
 from rlctl.sim.engine import SimConfig, Simulation
@@ -35,19 +38,29 @@ TRACE = [
 SIM_FAULT_EVERY_S = 600.0
 
 
+def role_of(slot: str | None) -> str:
+    return slot.rsplit("-", 1)[0] if slot else "-"
+
+
 def per_fault(events: list[Event]) -> list[list[str]]:
-    """For each injected fault, in order: the kinds of the events that name it (a verdict with its
-    fault kind, an action with its name)."""
+    """For each injected fault, in order: what each event that names it decided (a verdict: its
+    judgement, fault kind, proposed action and the role it is about; an action: its name, the role
+    of its slot, and whether it took a warm standby, excluded a node, drained or degraded)."""
     order = [e.data["fault_id"] for e in events if e.type == EventKind.FAULT_INJECTED]
-    kinds: dict[str, list[str]] = {fault_id: [] for fault_id in order}
+    decisions: dict[str, list[str]] = {fault_id: [] for fault_id in order}
     for ev in events:
-        if ev.type == EventKind.VERDICT and ev.data["fault"] in kinds:
-            kinds[ev.data["fault"]].append(f"Verdict:{ev.data['fault_kind']}")
+        if ev.type == EventKind.VERDICT and ev.data["fault"] in decisions:
+            verdict = ev.as_(VerdictData)
+            decisions[verdict.fault].append(f"Verdict:{verdict.verdict}:{verdict.fault_kind}:{verdict.action}"
+                                            f":{role_of(verdict.slot)}")
         elif ev.type == EventKind.ACTION_TAKEN:
-            for fault_id in ev.data.get("fault_ids", []):
-                if fault_id in kinds:
-                    kinds[fault_id].append(f"ActionTaken:{ev.data['action']}")
-    return [kinds[fault_id] for fault_id in order]
+            action = ev.as_(ActionTakenData)
+            for fault_id in action.fault_ids:
+                if fault_id in decisions:
+                    decisions[fault_id].append(
+                        f"ActionTaken:{action.action}:{role_of(action.slot)}:standby={bool(action.standby_slot)}"
+                        f":exclude={bool(action.exclude_node)}:drain={action.drain}:degraded={action.degraded}")
+    return [decisions[fault_id] for fault_id in order]
 
 
 def spares_ready(snapshot: dict) -> bool:
