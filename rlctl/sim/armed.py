@@ -18,13 +18,13 @@ from rlctl.core.event_payloads import FaultInjectedData
 from rlctl.core.injections import Injection, InjectionState
 from rlctl.sim.faults import SimFault
 from rlctl.sim.inject import apply_fault, exit_reported, pick_node
-from rlctl.sim.site import SimSite
+from rlctl.sim.site import ArmedSite
 
 CORRUPT_MODEL_ERROR = ("safetensors_rust.SafetensorError: Error while deserializing header: header too large "
                        "(simulated corrupt model file)")
 
 
-def arm(sim: SimSite, fault: SimFault) -> None:
+def arm(sim: ArmedSite, fault: SimFault) -> None:
     """Keep ``fault`` until a worker that came to its slot (``params.worker``, else the slot of the
     node it would hit now) after now reaches ``at_phase``."""
     node = pick_node(sim, fault)
@@ -41,7 +41,7 @@ def arm(sim: SimSite, fault: SimFault) -> None:
     sim.armed.waiting.append((injection, fault))
 
 
-def reached_phase(sim: SimSite, wid: str, phase: str) -> None:
+def reached_phase(sim: ArmedSite, wid: str, phase: str) -> None:
     """Worker ``wid`` is at ``phase`` now: the armed faults that wait for it are carried out on it."""
     worker = sim.workers.get(wid)
     slot = sim.model.slots.get(worker.slot) if worker is not None else None
@@ -59,14 +59,14 @@ def reached_phase(sim: SimSite, wid: str, phase: str) -> None:
                         injection.fault_id, worker.node, slot, worker)
 
 
-def worker_started(sim: SimSite, wid: str, init_s: float) -> None:
+def worker_started(sim: ArmedSite, wid: str, init_s: float) -> None:
     """A worker's process started: ``starting`` now, ``loading`` half-way through its init; a worker
     of a broken role dies then instead of finishing its load."""
     reached_phase(sim, wid, "starting")
     sim.q.after(init_s / 2, _loading, sim, wid)
 
 
-def _loading(sim: SimSite, wid: str) -> None:
+def _loading(sim: ArmedSite, wid: str) -> None:
     worker = sim.workers.get(wid)
     if worker is None or not worker.alive or worker.loaded:
         return
@@ -77,7 +77,7 @@ def _loading(sim: SimSite, wid: str) -> None:
     reached_phase(sim, wid, "loading")
 
 
-def _is_standby(sim: SimSite, wid: str) -> bool:
+def _is_standby(sim: ArmedSite, wid: str) -> bool:
     worker = sim.workers.get(wid)
     slot = sim.model.slots.get(worker.slot) if worker is not None else None
     return slot is not None and slot.standby

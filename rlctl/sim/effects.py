@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from rlctl.core import effects as fx
-from rlctl.sim.site import SimSite
+from rlctl.sim.site import EffectsSite
 
 
-def carry_out(sim: SimSite, effect: fx.Effect) -> tuple[float | None, Any]:
+def carry_out(sim: EffectsSite, effect: fx.Effect) -> tuple[float | None, Any]:
     recovery = sim.cost.recovery
     match effect:
         case fx.StartWorker(slot=slot, wid=wid):
@@ -57,7 +57,7 @@ def carry_out(sim: SimSite, effect: fx.Effect) -> tuple[float | None, Any]:
 STANDBY_POLL_S = 0.3  # the live standby asks standby.wait this often
 
 
-def _stop(sim: SimSite, stop: fx.StopWorker) -> None:
+def _stop(sim: EffectsSite, stop: fx.StopWorker) -> None:
     """The agent stops the worker and reports its exit (when its node can still be reached)."""
     if stop.role == "trainer" and not stop.standby:
         sim.on_trainer_lost()
@@ -68,12 +68,12 @@ def _stop(sim: SimSite, stop: fx.StopWorker) -> None:
     sim.after(0.0, _exit_reported, sim, stop.wid, stop.node)
 
 
-def _exit_reported(sim: SimSite, wid: str, node: str) -> None:
+def _exit_reported(sim: EffectsSite, wid: str, node: str) -> None:
     if sim.agent_connected(node):
         sim.orc.worker_exited(wid, 0, None)
 
 
-def _node_released(sim: SimSite, name: str) -> None:
+def _node_released(sim: EffectsSite, name: str) -> None:
     """A failed node given back: it is down, and every worker on it is gone."""
     truth = sim.nodes.get(name)
     if truth is not None:
@@ -86,7 +86,7 @@ def _node_released(sim: SimSite, name: str) -> None:
     sim.update_capacity()
 
 
-def _standby_takes_over(sim: SimSite, slot_name: str) -> None:
+def _standby_takes_over(sim: EffectsSite, slot_name: str) -> None:
     slot = sim.model.slots[slot_name]
     worker = sim.workers.get(slot.wid or "")
     if worker is not None and worker.alive:

@@ -46,7 +46,7 @@ from rlctl.sim.pipeline import Pipeline
 from rlctl.sim.report import compare, summarize
 from rlctl.sim.site import ArmedFaults, FluidTask, SimConfig, SimStats
 from rlctl.sim.truth import NodeTruth, WorkerTruth
-from rlctl.sim.workload import scheduler_config, synthetic_prompts
+from rlctl.sim.workload import scheduler_config, synthetic_held_out, synthetic_prompts
 
 __all__ = ["POLICIES", "SimConfig", "Simulation", "compare_policies", "simulate"]
 
@@ -70,7 +70,7 @@ class Simulation:
         self.detector = detector_for(spec)
         sched_config = scheduler_config(spec, cost)
         prompts = max(spec.rollout.dataset_size, sched_config.batch_prompts * 4)
-        self.scheduler = RoundScheduler(sched_config, synthetic_prompts(prompts, spec.seed))
+        self.scheduler = RoundScheduler(sched_config, synthetic_prompts(prompts, spec.seed), synthetic_held_out(spec))
         self.model = JobModel(job_id=f"sim-{spec.name}-{config.policy}-{config.seed}")
         self.model.scheduler = self.scheduler
         self.orc = Orchestrator(spec, self.model, self.scheduler, self.detector, self, stall_s=config.stall_s)
@@ -204,6 +204,8 @@ class Simulation:
             if stop.succeeded:
                 self.end_to_end_s = self.now - self.model.ledger.started_at
             self.finish(stop.reason, stop.succeeded)
+        elif self.scheduler.held_out is not None:
+            self.pipeline.evaluate_when_idle()
         return decisions
 
     def finish(self, reason: str, succeeded: bool) -> None:

@@ -19,7 +19,7 @@ from rlctl.core.states import NodeState
 from rlctl.core.tick import Observations, WorkerSightings
 from rlctl.sim import observe
 from rlctl.sim.faults import SimFault
-from rlctl.sim.site import SimSite
+from rlctl.sim.site import InjectSite
 from rlctl.sim.truth import WorkerTruth
 
 PARTITION_HEALS_S = 60.0  # a partition without a duration heals after a minute (the agent reconnects)
@@ -27,7 +27,7 @@ RECHECK_S = 1.0
 WORKER_FAULTS = frozenset({"crash", "hang", "slow", "nccl-timeout", "network"})
 
 
-def inject_fault(sim: SimSite, fault: SimFault) -> None:
+def inject_fault(sim: InjectSite, fault: SimFault) -> None:
     """Apply a fault's ground truth, journal FaultInjected, and schedule what the controller sees."""
     if sim.stopping or sim.model.life.state.terminal:
         return
@@ -49,7 +49,7 @@ def inject_fault(sim: SimSite, fault: SimFault) -> None:
     apply_fault(sim, fault, fault_id, name, slot, worker)
 
 
-def pick_node(sim: SimSite, fault: SimFault) -> str | None:
+def pick_node(sim: InjectSite, fault: SimFault) -> str | None:
     candidates = []
     for slot in sim.model.slots.values():
         if slot.standby or slot.node is None:
@@ -74,7 +74,7 @@ def pick_node(sim: SimSite, fault: SimFault) -> str | None:
     return sim.rng.choice(candidates) if candidates else None
 
 
-def apply_fault(sim: SimSite, fault: SimFault, fault_id: str, node: str, slot: SlotRecord | None,
+def apply_fault(sim: InjectSite, fault: SimFault, fault_id: str, node: str, slot: SlotRecord | None,
                 worker: WorkerTruth | None) -> None:
     """The fault's ground truth, and the observation(s) it will produce."""
     kind, det_cost = fault.kind, sim.cost.detection
@@ -124,7 +124,7 @@ def apply_fault(sim: SimSite, fault: SimFault, fault_id: str, node: str, slot: S
 # ------------------------------------------------------------------------------ exits, signals
 
 
-def exit_reported(sim: SimSite, wid: str, exit_code: int, error: str = "") -> None:
+def exit_reported(sim: InjectSite, wid: str, exit_code: int, error: str = "") -> None:
     worker = sim.workers.get(wid)
     slot = sim.model.slots.get(worker.slot) if worker else None
     if worker is None or slot is None or slot.wid != wid or not sim.agent_connected(worker.node):
@@ -132,7 +132,7 @@ def exit_reported(sim: SimSite, wid: str, exit_code: int, error: str = "") -> No
     sim.orc.worker_exited(wid, exit_code, None, error)
 
 
-def _fault_signal(sim: SimSite, node: str, kind: str, code: int | None, detail: str, wid: str | None) -> None:
+def _fault_signal(sim: InjectSite, node: str, kind: str, code: int | None, detail: str, wid: str | None) -> None:
     """The agent's signal reaches the orchestration core (when the worker still runs and the agent is reachable)."""
     if wid is not None:
         worker = sim.workers.get(wid)
@@ -147,7 +147,7 @@ def _fault_signal(sim: SimSite, node: str, kind: str, code: int | None, detail: 
 # -------------------------------------------------------------------------------- heartbeats
 
 
-def _watch_silence(sim: SimSite, node: str) -> None:
+def _watch_silence(sim: InjectSite, node: str) -> None:
     """Prime the detector with the node's recent beats and judge when its φ bound runs out."""
     truth = sim.nodes[node]
     last = truth.last_beat(sim.now, sim.interval)
@@ -157,12 +157,12 @@ def _watch_silence(sim: SimSite, node: str) -> None:
     sim.q.schedule(_next_tick(sim, last + bound), _judge_silence, sim, node, None, "")
 
 
-def _next_tick(sim: SimSite, at: float) -> float:
+def _next_tick(sim: InjectSite, at: float) -> float:
     tick = sim.cost.detection.tick_s
     return math.ceil(at / tick) * tick if tick > 0 else at
 
 
-def _judge_silence(sim: SimSite, node: str, probe: bool | None, detail: str) -> None:
+def _judge_silence(sim: InjectSite, node: str, probe: bool | None, detail: str) -> None:
     truth, record = sim.nodes.get(node), sim.model.nodes.get(node)
     if truth is None or record is None or truth.silent_since is None or record.life.state not in JUDGED_NODE_STATES:
         return
@@ -188,7 +188,7 @@ def _judge_silence(sim: SimSite, node: str, probe: bool | None, detail: str) -> 
     sim.q.after(RECHECK_S, _judge_silence, sim, node, None, "")
 
 
-def _heal_partition(sim: SimSite, node: str) -> None:
+def _heal_partition(sim: InjectSite, node: str) -> None:
     truth = sim.nodes.get(node)
     if truth is None or not truth.partitioned:
         return
@@ -198,7 +198,7 @@ def _heal_partition(sim: SimSite, node: str) -> None:
 # ------------------------------------------------------------------------------------ hangs
 
 
-def _hang(sim: SimSite, worker: WorkerTruth) -> None:
+def _hang(sim: InjectSite, worker: WorkerTruth) -> None:
     worker.hung_at = sim.now
     sim.update_capacity()
     phase = reported_phase(sim, worker)
@@ -208,7 +208,7 @@ def _hang(sim: SimSite, worker: WorkerTruth) -> None:
     sim.q.schedule(_next_tick(sim, sim.now + bound), _judge_hang, sim, worker.wid, phase)
 
 
-def reported_phase(sim: SimSite, worker: WorkerTruth) -> str:
+def reported_phase(sim: InjectSite, worker: WorkerTruth) -> str:
     """The phase the worker last reported, from what the job was doing."""
     stage = sim.task.stage if sim.task is not None else "idle"
     if not worker.ready:
@@ -225,7 +225,7 @@ def reported_phase(sim: SimSite, worker: WorkerTruth) -> str:
     return {"train": "training", "ckpt": "checkpointing"}.get(stage, "waiting-for-batch")
 
 
-def _judge_hang(sim: SimSite, wid: str, phase: str) -> None:
+def _judge_hang(sim: InjectSite, wid: str, phase: str) -> None:
     worker = sim.workers.get(wid)
     slot = sim.model.slots.get(worker.slot) if worker else None
     if worker is None or worker.hung_at is None or slot is None or slot.wid != wid or not worker.alive:
@@ -237,7 +237,7 @@ def _judge_hang(sim: SimSite, wid: str, phase: str) -> None:
 # ------------------------------------------------------------------------------ fail-slow
 
 
-def _slow(sim: SimSite, worker: WorkerTruth, factor: float, duration: float) -> None:
+def _slow(sim: InjectSite, worker: WorkerTruth, factor: float, duration: float) -> None:
     worker.slow = max(1.0, factor)
     sim.update_capacity()
     if math.isfinite(duration):
@@ -249,7 +249,7 @@ def _slow(sim: SimSite, worker: WorkerTruth, factor: float, duration: float) -> 
 SLOW_TICK = 1.0
 
 
-def _slow_tick(sim: SimSite, wid: str) -> None:
+def _slow_tick(sim: InjectSite, wid: str) -> None:
     """Controller.tick's throughput check: progress samples for the slow rollout and a peer sample."""
     worker = sim.workers.get(wid)
     if worker is None or not worker.alive or worker.slow <= 1.0 or sim.model.life.state.terminal:
@@ -268,13 +268,13 @@ def _slow_tick(sim: SimSite, wid: str) -> None:
     sim.q.after(SLOW_TICK, _slow_tick, sim, wid)
 
 
-def _close_healed(sim: SimSite) -> None:
+def _close_healed(sim: InjectSite) -> None:
     """The tick at the moment a fault heals: it ends the fault if no verdict saw it."""
     if not sim.model.life.state.terminal:
         sim.reconcile(Observations())
 
 
-def _heal_slow(sim: SimSite, wid: str) -> None:
+def _heal_slow(sim: InjectSite, wid: str) -> None:
     worker = sim.workers.get(wid)
     if worker is not None:
         worker.slow = 1.0

@@ -26,8 +26,8 @@ from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
 from rlctl.core.states import JobState
 from rlctl.core.tick import Observations
 from rlctl.sim import armed
-from rlctl.sim.site import FluidTask, SimSite
-from rlctl.sim.workload import elastic_round_s, expected_step_s, jittered, round_timing, sample_length
+from rlctl.sim.site import FluidTask, PipelineSite
+from rlctl.sim.workload import elastic_round_s, expected_step_s, held_out_s, jittered, round_timing, sample_length
 
 REWARD_CAPACITY = 64  # rlctl/roles/reward.py CAPACITY
 HEARTBEAT_SUMMARY_EVERY_STEPS = 1
@@ -35,7 +35,7 @@ STANDBY_POLL_S = 0.3  # a warm standby asks standby.wait this often
 
 
 class Pipeline:
-    def __init__(self, sim: SimSite) -> None:
+    def __init__(self, sim: PipelineSite) -> None:
         self.sim = sim
         config = sim.scheduler.config
         self.task: FluidTask | None = None
@@ -62,8 +62,8 @@ class Pipeline:
         if model.productive_since is None or self.task is not None:
             return
         decisions = self.sim.reconcile(Observations())
-        if decisions.opened_round is not None or decisions.stop is not None:
-            return
+        if decisions.opened_round is not None or decisions.stop is not None or self.task is not None:
+            return  # a round generates, the job ended, or a held-out evaluation runs
         version = model.published_version
         rnd = self.sim.scheduler.round
         if version >= model.total_steps or rnd is None:
@@ -214,6 +214,52 @@ class Pipeline:
         self.stage = "idle"
         self.advance()
 
+    def evaluate_when_idle(self) -> None:
+        """A held-out evaluation runs (the tick started it): price it as its own phase once nothing
+        else runs. Live, its samples go to the rollouts after the round's; here it runs alone, before
+        the next phase and after the open round's generation and scoring, which is the same work at
+        most a round later (the next round waits for an older version's evaluation live as well)."""
+        run, rnd = self.sim.scheduler.held_out, self.sim.scheduler.round
+        if self.task is None and run is not None and (rnd is None or rnd.closed) and not self.sim.stopping:
+            self._start_task("eval", held_out_s(self.sim.cost, len(run.samples), run.max_new_tokens, self.sim.rng))
+
+    def _evaluation_done(self) -> None:
+        """The rollouts generated the held-out samples and the reward workers scored them: what
+        rollout.get_work/submit and reward.get_work/submit_scores report. Samples a worker that is not
+        working holds wait until they come back (ItemsReturned) and are redone."""
+        run = self.sim.scheduler.held_out
+        if run is None:
+            self.task, self.stage = None, "idle"
+            return
+        scheduler, now = self.sim.scheduler, self.sim.now
+        for slot in self.sim.working_slots("rollout"):
+            self.sim.commit(scheduler.dispatch(slot.slot, slot.wid or "", len(run.samples), now))
+        for wid, samples in self._held_by_working(run, INFLIGHT).items():
+            results = [{"item_id": sample.item_id, "response_tokens": [], "weights_version": run.version,
+                        "truncated": sample_length(self.sim.cost.generation, sample.seed) > run.max_new_tokens}
+                       for sample in samples]
+            self.sim.commit(scheduler.submit(self.sim.workers[wid].slot, wid, results, now))
+        for slot in self.sim.working_slots("reward"):
+            self.sim.commit(scheduler.dispatch_scoring(slot.slot, slot.wid or "", len(run.samples), now))
+        for wid, samples in self._held_by_working(run, SCORING).items():
+            scores = [{"item_id": sample.item_id, "reward": 1.0, "correct": True} for sample in samples]
+            self.sim.commit(scheduler.submit_scores(wid, scores, now))
+        if scheduler.held_out is run:
+            if self.task is not None:
+                self.task.rate = 0.0  # resumed when the held samples come back to working workers
+            return
+        self.task, self.stage = None, "idle"
+        self.advance()
+
+    def _held_by_working(self, run: Any, status: str) -> dict[str, list[Any]]:
+        """The held-out samples in ``status`` by the working worker holding them."""
+        held: dict[str, list[Any]] = {}
+        for sample in run.samples.values():
+            worker = self.sim.workers.get(sample.wid or "")
+            if sample.status == status and worker is not None and worker.working and self.sim.node_ok(worker.node):
+                held.setdefault(worker.wid, []).append(sample)
+        return held
+
     def _start_training(self, version: int) -> None:
         self._trainer_phase("training", version)
         self._start_task("train", jittered(self.sim.cost.step.train_s, self.sim.cost.step.jitter, self.sim.rng))
@@ -281,6 +327,8 @@ class Pipeline:
         elif task is not None and task.stage == "score":
             self._dispatch_scoring()
             self.sim.update_capacity()
+        elif task is not None and task.stage == "eval" and task.rate == 0.0:
+            self._evaluation_done()
 
     def on_trainer_lost(self) -> None:
         if self.task is not None and self.task.stage in ("train", "ckpt"):
@@ -305,7 +353,7 @@ class Pipeline:
             return
         self.task.advance(self.sim.now)
         handler = {"gen": self._generation_done, "score": self._scoring_done, "train": self._training_done,
-                   "ckpt": self._checkpoint_done}[self.task.stage]
+                   "ckpt": self._checkpoint_done, "eval": self._evaluation_done}[self.task.stage]
         handler()
 
     def rollout_sync(self, wid: str) -> None:
@@ -385,11 +433,13 @@ class Pipeline:
             self.sim.emit(WorkerPhaseData(slot=slots[0].slot, wid=slots[0].wid, phase=phase, step=step))
 
 
-def stage_rate(sim: SimSite, stage: str) -> float:
+def stage_rate(sim: PipelineSite, stage: str) -> float:
     """The share of capacity a stage's work progresses at: its role's live workers' (the trainer
     group's for training and checkpoints)."""
     if stage == "gen":
         return sim.role_rate("rollout")
+    if stage == "eval":
+        return min(sim.role_rate("rollout"), sim.role_rate("reward"))
     if stage == "score":
         return sim.role_rate("reward")
     return sim.trainer_rate()

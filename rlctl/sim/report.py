@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.core.ettr import CATEGORIES
-from rlctl.sim.site import SimSite
+from rlctl.sim.site import ReportSite
 
 
-def summarize(sim: SimSite, wall_clock_s: float) -> dict[str, Any]:
+def summarize(sim: ReportSite, wall_clock_s: float) -> dict[str, Any]:
     """One run, as a JSON-able dict."""
     model = sim.model
     ledger = model.ledger

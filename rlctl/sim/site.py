@@ -1,8 +1,10 @@
-"""What the simulator's parts share: a run's settings, its tallies, the fluid task, and ``SimSite``.
+"""What the simulator's parts share: a run's settings, its tallies, the fluid task, and the view of
+the running simulation each part is typed against.
 
-``SimSite`` is the narrow view of a running simulation that fault injection (``inject``), the
-effect runner (``effects``), the pipeline (``pipeline``) and the report (``report``) are typed
-against; ``engine.Simulation`` provides it. None of them imports the engine.
+Each part receives only what it uses: fault injection (``InjectSite``), armed faults, which fire
+through injection (``ArmedSite``), the effect runner (``EffectsSite``), the pipeline, which reaches
+armed faults (``PipelineSite``), and the report (``ReportSite``). ``engine.Simulation`` provides
+them all; none of them imports the engine.
 """
 
 from __future__ import annotations
@@ -79,39 +81,13 @@ class FluidTask:
         return None if self.rate <= 0 else self.since + left / self.rate
 
 
-class SimSite(Protocol):
-    spec: JobSpec
+class EffectsSite(Protocol):
+    """What ``rlctl.sim.effects`` uses: carrying the core's effects out on the simulated cluster."""
     cost: CostModel
-    config: SimConfig
-    failures: FailureModel
-    layout: Layout
-    rng: random.Random
-    q: EventQueue
     model: JobModel
-    scheduler: RoundScheduler
-    detector: Detector
     orc: Orchestrator
     nodes: dict[str, NodeTruth]
     workers: dict[str, WorkerTruth]
-    stats: SimStats
-    armed: ArmedFaults
-    interval: float
-    end_to_end_s: float | None
-
-    @property
-    def now(self) -> float: ...
-
-    @property
-    def task(self) -> FluidTask | None: ...
-
-    @property
-    def stopping(self) -> bool: ...
-
-    def emit(self, payload: EventPayload) -> Event: ...
-
-    def commit(self, events: list[Event]) -> list[Event]: ...
-
-    def reconcile(self, seen: Observations) -> TickDecisions: ...
 
     def agent_connected(self, name: str) -> bool: ...
 
@@ -127,15 +103,70 @@ class SimSite(Protocol):
 
     def update_capacity(self) -> None: ...
 
-    def working_slots(self, role: str) -> list[SlotRecord]: ...
-
-    def role_slots(self, role: str) -> list[SlotRecord]: ...
-
     def on_trainer_lost(self) -> None: ...
 
     def on_items_returned(self) -> None: ...
 
     def cancel_task(self) -> None: ...
+
+    def after(self, delay: float, callback: Callable[..., None], *args: Any) -> None: ...
+
+
+class InjectSite(Protocol):
+    """What ``rlctl.sim.inject`` uses: a fault's ground truth and what the controller observes of it."""
+    cost: CostModel
+    rng: random.Random
+    q: EventQueue
+    model: JobModel
+    detector: Detector
+    orc: Orchestrator
+    nodes: dict[str, NodeTruth]
+    workers: dict[str, WorkerTruth]
+    stats: SimStats
+    armed: ArmedFaults
+    interval: float
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def task(self) -> FluidTask | None: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def emit(self, payload: EventPayload) -> Event: ...
+
+    def reconcile(self, seen: Observations) -> TickDecisions: ...
+
+    def agent_connected(self, name: str) -> bool: ...
+
+    def start_agent(self, name: str, delay: float) -> None: ...
+
+    def kill(self, worker: WorkerTruth) -> None: ...
+
+    def update_capacity(self) -> None: ...
+
+    def working_slots(self, role: str) -> list[SlotRecord]: ...
+
+
+class ArmedSite(InjectSite, Protocol):
+    """What ``rlctl.sim.armed`` uses (and, through it, ``rlctl.sim.inject``): the faults armed for a
+    phase, and firing them."""
+
+    def inject(self, fault: SimFault) -> None: ...
+
+
+class PipelineSite(ArmedSite, Protocol):
+    """What ``rlctl.sim.pipeline`` uses (and, through it, ``rlctl.sim.armed`` and ``rlctl.sim.inject``):
+    the RL pipeline's phases."""
+    spec: JobSpec
+    failures: FailureModel
+    scheduler: RoundScheduler
+
+    def commit(self, events: list[Event]) -> list[Event]: ...
+
+    def role_slots(self, role: str) -> list[SlotRecord]: ...
 
     def current(self, wid: str) -> tuple[WorkerTruth, SlotRecord] | None:
         """The worker ``wid`` if it is alive and still its slot's worker."""
@@ -149,8 +180,14 @@ class SimSite(Protocol):
 
     def beating_nodes(self) -> int: ...
 
-    def inject(self, fault: SimFault) -> None: ...
 
-    def finish(self, reason: str, succeeded: bool) -> None: ...
-
-    def after(self, delay: float, callback: Callable[..., None], *args: Any) -> None: ...
+class ReportSite(Protocol):
+    """What ``rlctl.sim.report`` uses: a finished run's figures."""
+    config: SimConfig
+    failures: FailureModel
+    layout: Layout
+    q: EventQueue
+    model: JobModel
+    orc: Orchestrator
+    stats: SimStats
+    end_to_end_s: float | None

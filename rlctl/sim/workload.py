@@ -47,6 +47,9 @@ def scheduler_config(spec: JobSpec, cost: CostModel) -> SchedulerConfig:
     )
 
 
+DEFAULT_HELD_OUT_PROMPTS = 64
+
+
 def synthetic_prompts(count: int, seed: int) -> list[PromptRef]:
     """``count`` prompts; their lengths live in the samples (drawn per sample seed), not the prompt."""
     return [PromptRef(f"sp{index:06d}", SYNTHETIC_PROMPT_TOKENS, {"synthetic": True, "seed": seed}) for index in range(count)]
@@ -97,6 +100,25 @@ def round_timing(cost: CostModel, kind: str, cap: int, overprovision: float, rng
         tokens = min(float(cap), _max_of(gen, real_samples, rng))
     env_s = gen.env_turns * gen.env_call_s
     return RoundTiming(tokens, gen.overhead_s + gen.per_token_s * tokens + env_s, env_s)
+
+
+def held_out_s(cost: CostModel, prompts: int, cap: int, rng: random.Random) -> float:
+    """A held-out evaluation's seconds: one sample per prompt, the longest of them at the per-token
+    latency, then one scoring pass."""
+    gen = cost.generation
+    tokens = min(float(cap), _max_of(gen, prompts, rng))
+    return gen.overhead_s + gen.per_token_s * tokens + jittered(cost.step.reward_s, cost.step.jitter, rng)
+
+
+def synthetic_held_out(spec: JobSpec) -> list[PromptRef]:
+    """The held-out prompts of a job with ``[data] eval_files`` and ``eval_every`` > 0: the first
+    ``eval_max_prompts`` of them (64 for "all": the simulator reads no files); none otherwise."""
+    data = spec.data
+    if not data["eval_files"] or int(data["eval_every"]) <= 0:
+        return []
+    count = int(data["eval_max_prompts"]) or DEFAULT_HELD_OUT_PROMPTS
+    return [PromptRef(f"sh{index:06d}", SYNTHETIC_PROMPT_TOKENS, {"synthetic": True, "seed": spec.seed})
+            for index in range(count)]
 
 
 def elastic_round_s(cost: CostModel, timing: RoundTiming, regrouped: bool) -> float:
