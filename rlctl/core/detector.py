@@ -44,14 +44,16 @@ XID_CLASSES: dict[int, tuple[str, str]] = {
 }
 
 IDLE_PHASES = frozenset(
-    {"waiting-for-work", "waiting-for-batch", "waiting-for-env", "weight-sync", "checkpointing", "compiling", "loading", "starting",
+    {"waiting-for-work", "waiting-for-batch", "waiting-for-env", "waiting-for-weights", "weight-sync", "checkpointing", "compiling", "loading", "starting",
      "idle", "standby", "sleeping", "parked", "regrouping"}
 )
 THROUGHPUT_PHASES = frozenset({"generating"})
 # Up to this many workers in a role, a worker is compared with the median of the others only.
 SMALL_ROLE = 8
-# Phases in which a worker waits by asking the controller every fraction of a second.
-POLLING_PHASES = frozenset({"waiting-for-work", "waiting-for-batch", "waiting-for-env", "standby", "sleeping", "parked"})
+# Phases in which a worker waits by asking the controller every fraction of a second (a rollout
+# whose weight source died asks for another in ``waiting-for-weights`` until the source is back).
+POLLING_PHASES = frozenset({"waiting-for-work", "waiting-for-batch", "waiting-for-env", "waiting-for-weights", "standby",
+                            "sleeping", "parked"})
 
 
 @dataclass(frozen=True)

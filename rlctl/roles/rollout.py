@@ -145,18 +145,22 @@ class Rollout:
         ``fetch_holders``); a holder that fails is reported and the controller asked again."""
         from rlctl.weights import WeightError
 
-        self.w.phase("weight-sync", self.step)
         started = time.monotonic()
         failed: dict[str, Any] | None = None
         error = ""
         attempts = 0
         while True:
+            if not sources:
+                # Asking the controller for a live holder (the last one died): judged by these polls,
+                # not by the pull's progress bound, however long the holder's recovery takes.
+                self.w.phase("waiting-for-weights", self.step)
             while not sources:
                 reply = self.w.request("weights.source", version=version, failed_source=failed, error=error)
                 sources = list(reply.get("weights_sources") or []) if reply else []
                 failed = None
                 if not sources:
                     time.sleep(0.2)
+            self.w.phase("weight-sync", self.step)
             try:
                 bundle = fetch_holders(sources, self.server.pool)
                 break

@@ -164,3 +164,47 @@ def test_a_follower_started_while_its_group_runs_wide_loads_no_engine_until_it_i
     started = Rollout(LayoutWorker([]), RoleSettings(raw={}, checkpoint_dir=Path("."), weights_transport="tcp",
                                                      weights_host="127.0.0.1", standby=False))  # type: ignore[arg-type]
     assert started.engine is built[1] and not started.parked, "a worker not told to park loads its engine at once"
+
+
+class SourceWorker(RecordingWorker):
+    """Records the phases; answers ``weights.source`` with ``answers`` in turn (a controller that has
+    no live holder for a while, then the recovered one)."""
+
+    def __init__(self, answers: list[list[dict[str, Any]]]) -> None:
+        super().__init__(set())
+        self.answers, self.phases = answers, []
+
+    def phase(self, name: str, step: int | None = None) -> None:
+        self.phases.append(name)
+
+    def request(self, op: str, **args: Any) -> dict[str, Any]:
+        self.requests.append((op, args))
+        return {"weights_sources": self.answers.pop(0)} if op == "weights.source" else {}
+
+    def notify(self, op: str, **args: Any) -> None:
+        self.requests.append((op, args))
+
+
+def test_a_rollout_whose_weight_source_died_waits_by_polling_not_in_weight_sync() -> None:
+    """The only holder dies mid-sync (its port refuses): the rollout asks the controller for another
+    in ``waiting-for-weights``, judged by its polls however long the holder's recovery takes, and is
+    back in ``weight-sync`` once it has a source to pull from."""
+    import socket
+
+    import torch
+
+    from rlctl.weights import WeightServerThread
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead_port = sock.getsockname()[1]
+    with WeightServerThread("tcp", host="127.0.0.1") as recovered, WeightServerThread("tcp", host="127.0.0.1") as own:
+        source = recovered.publish(5, {"w": torch.arange(4, dtype=torch.float32)})
+        worker = SourceWorker([[], [], [source]])
+        rollout = Rollout.__new__(Rollout)
+        rollout.w, rollout.step, rollout.server = worker, 5, own  # type: ignore[assignment]
+        rollout.load_held = lambda version: None  # type: ignore[method-assign]
+        rollout.sync_weights(5, [{**source, "port": dead_port}])
+    assert worker.phases == ["weight-sync", "waiting-for-weights", "weight-sync"]
+    assert [op for op, _ in worker.requests] == ["weights.source"] * 3 + ["weights.held"]
+    assert worker.requests[0][1]["failed_source"]["port"] == dead_port
