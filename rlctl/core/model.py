@@ -360,6 +360,12 @@ class JobModel(WeightsRegistry):
         if d.action == "vacate-slot":
             slot = self.slots.get(d.slot or "")
             if slot is not None:
+                if slot.standby:
+                    # Its spare node was taken for a role: a fault of the standby (a crash while it
+                    # reloaded) has nothing left to recover; open, it would stay so to the end.
+                    for fault in self.open_faults():
+                        if fault.slot == slot.slot:
+                            self._recover_fault(fault, ev.at)
                 slot.node, slot.wid = None, None
                 self._node_slots = None
             if d.degraded:

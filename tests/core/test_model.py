@@ -103,6 +103,23 @@ def test_a_crashed_warm_standby_is_recovered_once_its_restart_is_standing_by_aga
     assert model.faults["f1"].recovered_at == 25.0
 
 
+def test_a_crashed_standby_whose_node_is_taken_for_a_role_while_it_reloads_has_nothing_left_to_recover() -> None:
+    """The standby crashed and is reloading when the trainer's node dies: its spare node is re-used
+    for the trainer (vacate-slot). Its fault ends there; it stayed open to the end of the run before."""
+    model = running_job()
+    standby = model.slots["standby-0"]
+    model.apply(event("FaultInjected", 20.0, fault_id="f1", node="node05", kind="crash", params={}))
+    model.apply(event("WorkerExited", 20.1, slot="standby-0", wid=standby.wid, exit_code=None, signal="SIGKILL"))
+    model.apply(event("Verdict", 20.2, node="node05", slot="standby-0", verdict="failed", fault="f1",
+                      fault_kind="worker-crash", action="restart-worker", reason="died", evidence_since=20.0))
+    wid = model.next_wid("standby-0")
+    model.apply(event("WorkerStarting", 20.3, slot="standby-0", wid=wid, node="node05", role="trainer", standby=True))
+    model.apply(event("WorkerPhase", 21.0, slot="standby-0", wid=wid, phase="loading", step=0))
+    model.apply(event("ActionTaken", 24.0, action="vacate-slot", node="node05", slot="standby-0",
+                      reason="spare node re-used"))
+    assert model.faults["f1"].recovered_at == 24.0 and not model.open_faults()
+
+
 def test_a_fault_free_run_through_every_idle_phase_raises_no_verdict() -> None:
     bounds = {"generating": 2.0, "training": 2.0, "weight-sync": 120.0, "checkpointing": 300.0, "compiling": 900.0,
               "loading": 600.0, "waiting-for-work": 5.0, "waiting-for-batch": 5.0, "scoring": 2.0}
