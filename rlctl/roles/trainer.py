@@ -31,10 +31,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlctl import worker
 from rlctl.roles.common import RoleSettings, model_path, setup_torch, wait_or_stop
+
+if TYPE_CHECKING:
+    from rlctl.weights import Bundle
 
 CURSOR_FILE = "cursor.json"
 # The metrics of the step a checkpoint ends with: a trainer killed after writing the checkpoint but
@@ -189,7 +192,7 @@ class TrainerRole:
         self.version = load_rank_state(self.trainer, data)
         return self.version
 
-    def fetch_replica_part(self, offer: dict[str, Any]) -> Any:
+    def fetch_replica_part(self, offer: dict[str, Any]) -> Bundle | None:
         """This rank's part of the replica ``offer`` names (None: the group's size differs). The
         standby serves only its newest copy: one that finished after the controller named ``offer``
         replaces it, so the part is asked for again under the newer offer once the standby has

@@ -14,6 +14,7 @@ nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -193,8 +194,7 @@ class Simulation:
         """The live controller's tick at this moment of virtual time (``rlctl.core.tick``), given what
         became observable now. The shell's part: a round that opens starts generating, and a stop
         ends the run. The caller probes the suspects."""
-        decisions = self.orc.reconcile(self.now, Observations(
-            nodes=seen.nodes, judged_nodes=seen.judged_nodes, workers=seen.workers, stopping=self.stopping))
+        decisions = self.orc.reconcile(self.now, dataclasses.replace(seen, stopping=self.stopping))
         if decisions.opened_round is not None:
             self.pipeline.round_opened(decisions.opened_round)
         stop = decisions.stop

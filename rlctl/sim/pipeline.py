@@ -9,6 +9,7 @@ would report (phases, trajectories, scores, published weights) is emitted as the
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from rlctl.core.event_payloads import (
@@ -22,6 +23,7 @@ from rlctl.core.event_payloads import (
     WorkerPhaseData,
 )
 from rlctl.core.model_weights import state_not_older
+from rlctl.core.round_state import Sample
 from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
 from rlctl.core.states import JobState
 from rlctl.core.tick import Observations
@@ -164,22 +166,28 @@ class Pipeline:
         self._start_scoring()
 
     def _submit_held(self, rnd: Any) -> bool:
-        """rollout.submit for every working rollout's in-flight items; False when there were none."""
-        by_wid: dict[str, list[dict[str, Any]]] = {}
-        for sample in rnd.samples.values():
-            if sample.status != INFLIGHT or not sample.wid:
-                continue
-            worker = self.sim.workers.get(sample.wid)
-            if worker is None or not worker.working or not self.sim.node_ok(worker.node):
-                continue
-            length = sample_length(self.sim.cost.generation, sample.seed)
-            by_wid.setdefault(sample.wid, []).append({
-                "item_id": sample.item_id, "response_tokens": [], "truncated": length > rnd.max_new_tokens,
-                "weights_version": rnd.weights_version,
-            })
-        for wid, results in by_wid.items():
+        """rollout.submit for every working rollout's in-flight items of the round; False when there were none."""
+        return self._submit_generated(rnd.samples.values(), rnd.weights_version, rnd.max_new_tokens)
+
+    def _submit_generated(self, samples: Iterable[Sample], weights_version: int, max_new_tokens: int) -> bool:
+        """rollout.submit for the in-flight ``samples`` working rollouts hold (a round's or a held-out
+        evaluation's); False when there were none."""
+        by_wid = self._held_by_working(samples, INFLIGHT)
+        for wid, held in by_wid.items():
+            results = [{"item_id": sample.item_id, "response_tokens": [], "weights_version": weights_version,
+                        "truncated": sample_length(self.sim.cost.generation, sample.seed) > max_new_tokens}
+                       for sample in held]
             self.sim.commit(self.sim.scheduler.submit(self.sim.workers[wid].slot, wid, results, self.sim.now))
         return bool(by_wid)
+
+    def _held_by_working(self, samples: Iterable[Sample], status: str) -> dict[str, list[Sample]]:
+        """``samples`` in ``status`` by the working worker (on a node that is up) holding them."""
+        held: dict[str, list[Sample]] = {}
+        for sample in samples:
+            worker = self.sim.workers.get(sample.wid or "")
+            if sample.status == status and worker is not None and worker.working and self.sim.node_ok(worker.node):
+                held.setdefault(worker.wid, []).append(sample)
+        return held
 
     def _start_scoring(self) -> None:
         self._dispatch_scoring()
@@ -234,14 +242,10 @@ class Pipeline:
         scheduler, now = self.sim.scheduler, self.sim.now
         for slot in self.sim.working_slots("rollout"):
             self.sim.commit(scheduler.dispatch(slot.slot, slot.wid or "", len(run.samples), now))
-        for wid, samples in self._held_by_working(run, INFLIGHT).items():
-            results = [{"item_id": sample.item_id, "response_tokens": [], "weights_version": run.version,
-                        "truncated": sample_length(self.sim.cost.generation, sample.seed) > run.max_new_tokens}
-                       for sample in samples]
-            self.sim.commit(scheduler.submit(self.sim.workers[wid].slot, wid, results, now))
+        self._submit_generated(run.samples.values(), run.version, run.max_new_tokens)
         for slot in self.sim.working_slots("reward"):
             self.sim.commit(scheduler.dispatch_scoring(slot.slot, slot.wid or "", len(run.samples), now))
-        for wid, samples in self._held_by_working(run, SCORING).items():
+        for wid, samples in self._held_by_working(run.samples.values(), SCORING).items():
             scores = [{"item_id": sample.item_id, "reward": 1.0, "correct": True} for sample in samples]
             self.sim.commit(scheduler.submit_scores(wid, scores, now))
         if scheduler.held_out is run:
@@ -250,15 +254,6 @@ class Pipeline:
             return
         self.task, self.stage = None, "idle"
         self.advance()
-
-    def _held_by_working(self, run: Any, status: str) -> dict[str, list[Any]]:
-        """The held-out samples in ``status`` by the working worker holding them."""
-        held: dict[str, list[Any]] = {}
-        for sample in run.samples.values():
-            worker = self.sim.workers.get(sample.wid or "")
-            if sample.status == status and worker is not None and worker.working and self.sim.node_ok(worker.node):
-                held.setdefault(worker.wid, []).append(sample)
-        return held
 
     def _start_training(self, version: int) -> None:
         self._trainer_phase("training", version)

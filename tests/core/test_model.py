@@ -6,6 +6,7 @@ import pytest
 
 from rlctl.core.detector import Detector, DetectorConfig, WorkerObs
 from rlctl.core.events import event
+from rlctl.core.model import JobModel
 from tests.core.test_policy import running_job
 
 
@@ -87,8 +88,8 @@ def test_the_trainer_state_is_offered_only_while_its_publisher_runs() -> None:
     assert model.live_trainer_state() is None  # its server died with it: a standby must not wait on it
 
 
-def test_a_crashed_warm_standby_is_recovered_once_its_restart_is_standing_by_again() -> None:
-    model = running_job()
+def standby_crashed_and_reloading(model: JobModel) -> str:
+    """The warm standby ``standby-0`` crashed (fault ``f1``, seen) and its restart is loading; its new wid."""
     standby = model.slots["standby-0"]
     model.apply(event("FaultInjected", 20.0, fault_id="f1", node="node05", kind="crash", params={}))
     assert model.faults["f1"].slot == "standby-0" and model.faults["f1"].impact == 0.0
@@ -99,6 +100,12 @@ def test_a_crashed_warm_standby_is_recovered_once_its_restart_is_standing_by_aga
     model.apply(event("WorkerStarting", 20.3, slot="standby-0", wid=wid, node="node05", role="trainer", standby=True))
     model.apply(event("WorkerPhase", 21.0, slot="standby-0", wid=wid, phase="loading", step=0))
     assert model.faults["f1"].recovered_at is None
+    return wid
+
+
+def test_a_crashed_warm_standby_is_recovered_once_its_restart_is_standing_by_again() -> None:
+    model = running_job()
+    wid = standby_crashed_and_reloading(model)
     model.apply(event("WorkerPhase", 25.0, slot="standby-0", wid=wid, phase="standby", step=0))
     assert model.faults["f1"].recovered_at == 25.0
 
@@ -107,14 +114,7 @@ def test_a_crashed_standby_whose_node_is_taken_for_a_role_while_it_reloads_has_n
     """The standby crashed and is reloading when the trainer's node dies: its spare node is re-used
     for the trainer (vacate-slot). Its fault ends there; it stayed open to the end of the run before."""
     model = running_job()
-    standby = model.slots["standby-0"]
-    model.apply(event("FaultInjected", 20.0, fault_id="f1", node="node05", kind="crash", params={}))
-    model.apply(event("WorkerExited", 20.1, slot="standby-0", wid=standby.wid, exit_code=None, signal="SIGKILL"))
-    model.apply(event("Verdict", 20.2, node="node05", slot="standby-0", verdict="failed", fault="f1",
-                      fault_kind="worker-crash", action="restart-worker", reason="died", evidence_since=20.0))
-    wid = model.next_wid("standby-0")
-    model.apply(event("WorkerStarting", 20.3, slot="standby-0", wid=wid, node="node05", role="trainer", standby=True))
-    model.apply(event("WorkerPhase", 21.0, slot="standby-0", wid=wid, phase="loading", step=0))
+    standby_crashed_and_reloading(model)
     model.apply(event("ActionTaken", 24.0, action="vacate-slot", node="node05", slot="standby-0",
                       reason="spare node re-used"))
     assert model.faults["f1"].recovered_at == 24.0 and not model.open_faults()
