@@ -1,9 +1,9 @@
-"""Worker start: a plain spawn against a fork from the node's worker template, in one run.
+"""Worker start: a plain spawn against a fork from the host's worker template, in one run.
 
-The agent's own ``Supervisor`` (in this process, which becomes the child subreaper a template needs)
-starts the real role programs (``python -m rlctl.roles.trainer``, ``rollout``, ``reward``) with the
-job's interpreter, ``--starts`` times per role and mode, one at a time. A unix socket stands in for
-the agent's relay; per start it records, from the moment the supervisor is asked:
+The agent's own ``Supervisor`` (in this process) starts the real role programs
+(``python -m rlctl.roles.trainer``, ``rollout``, ``reward``) with the job's interpreter,
+``--starts`` times per role and mode, one at a time. A unix socket stands in for the agent's
+relay; per start it records, from the moment the supervisor is asked:
 
 - ``hello_s``: the role's ``main`` has connected to the agent (role code is running);
 - ``ready_s``: the role has imported what it needs before its model load and reached it, where it
@@ -13,8 +13,8 @@ the agent's relay; per start it records, from the moment the supervisor is asked
   the model folder before its own imports (its tokenizer), so its ``ready_s`` is only its start.
 
 Spawn mode starts a fresh interpreter each time. Template mode asks to fork; its first start finds
-no template, spawns, and has the template started once that worker is past its imports; the bench
-waits for the template to be ready and then measures. Medians are over the starts after the first.
+no template, starts one and spawns (a real agent's start would wait for it); the bench waits for the
+template to be ready and then measures. Medians are over the starts after the first.
 
     python bench/worker_start.py [--starts 4]
 
@@ -138,7 +138,7 @@ def main() -> int:
                     "ready_s_median": round(statistics.median(r["ready_s"] for r in counted), 3),
                     "forked": sum(r["forked"] for r in counted), "counted": len(counted),
                 }
-        supervisor.templates.close()
+        supervisor.templates.close(for_good=True)
     results["template_ready_after_s"] = template_import_s
     for role, entry in results["roles"].items():
         entry["ready_speedup"] = round(entry["spawn"]["ready_s_median"] / entry["template"]["ready_s_median"], 1)

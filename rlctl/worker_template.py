@@ -1,37 +1,47 @@
-"""The per-node worker template: a warm interpreter that role workers are forked from.
+"""The host's worker template: a warm interpreter that role workers are forked from.
 
-The node agent (stdlib only) starts ``python -m rlctl.worker_template --fd N`` with the job's
-interpreter, handing it one end of a unix socketpair as fd N. The template imports torch,
-transformers and rlctl's role code once (never initialising CUDA: forking after CUDA init is
-unsafe), says ``ready``, then answers fork requests, one JSON object per line:
+A node agent (stdlib only) starts ``python -m rlctl.worker_template --name NAME`` with the job's
+interpreter, in a session of its own. The template binds the abstract unix socket ``NAME`` (a
+second template for the same name exits at once with ``EXIT_NAME_TAKEN``, so agents racing to
+start one end up sharing it), imports torch, transformers and rlctl's role code once (never
+initialising CUDA: forking after CUDA init is unsafe), and then serves every agent of the job on
+this host that connects: on the local backend that is every virtual node, on ssh and Slurm the
+node's own agent. Only processes of the template's own user are served (``SO_PEERCRED``).
 
-    agent → template  {"type": "fork", "argv": [...], "env": {...}, "cwd": "...", "log": "..."}
+One JSON object per line:
+
     template → agent  {"type": "ready", "pid": P, "import_s": S, "cuda_initialized": false, "preloaded": [...]}
-                      {"type": "forked", "pid": W}   or   {"type": "error", "error": "..."}
+    agent → template  {"type": "fork", "argv": [...], "env": {...}, "cwd": "...", "log": "..."}
+    template → agent  {"type": "forked", "pid": W}   or   {"type": "error", "error": "..."}
+                      {"type": "exited", "pid": W, "code": C}   (an exit code, or minus the signal)
 
-A fork is a double fork: the template forks a short-lived middle process, which forks the worker
-and exits at once. The template reaps the middle process before it answers, so by then the worker
-has been re-parented to the agent (a child subreaper): the agent reaps it with ``waitpid`` and sees
-its exit code or killing signal exactly as for a worker it spawned itself. The worker starts its
-own session (so the agent signals its process group), sends stdout and stderr to its log file,
-takes the request's environment and working directory, and then runs ``argv`` as ``python`` would:
-``[python, "-m", module, *args]`` or ``[python, script.py, *args]``. Its interpreter exits as a
-plain one does (atexit handlers, non-daemon threads joined, SystemExit's code).
+The template is the forked workers' parent: it reaps each one and tells the agent that asked for
+it how it ended, so the agent reports exit codes and killing signals as for a worker it spawned.
+A worker starts its own session (the agent signals its process group), sends stdout and stderr to
+its log file, takes the request's environment and working directory, and then runs ``argv`` as
+``python`` would: ``[python, "-m", module, *args]`` or ``[python, script.py, *args]``. Its
+interpreter exits as a plain one does (atexit handlers, non-daemon threads joined, SystemExit's
+code). Workers outlive a template that dies; their agents then see them end without a code.
 
-The template exits when the agent's end of the socket closes (the agent died or let it go).
-``RLCTL_TEMPLATE_PRELOAD`` (comma-separated ``module`` or ``module:attribute``) replaces the
-default preload list.
+An agent that leaves for good (none of its workers left running) says ``{"type": "bye"}``. The
+template exits when the last agent leaves that way, and otherwise once no agent has been
+connected for ``RLCTL_TEMPLATE_IDLE_S`` seconds (default ``IDLE_EXIT_S``), which covers an
+agent's restart. ``RLCTL_TEMPLATE_PRELOAD``
+(comma-separated ``module`` or ``module:attribute``) replaces the default preload list.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
 import runpy
+import select
 import signal
 import socket
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -48,6 +58,11 @@ DEFAULT_PRELOAD = (
     "rlctl.workload.hf_tokenizer", "rlctl.workload.rewardfn", "rlctl.workload.offload",
     "rlctl.workload.rank_state", "rlctl.workload.multiturn", "rlctl.workload.envs", "rlctl.weights",
 )
+IDLE_ENV = "RLCTL_TEMPLATE_IDLE_S"
+IDLE_EXIT_S = 10.0
+POLL_S = 0.05
+SEND_TIMEOUT_S = 2.0
+EXIT_NAME_TAKEN = 3
 EXIT_LOG_UNWRITABLE = 126
 EXIT_SETUP_FAILED = 127
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
@@ -103,83 +118,180 @@ def cuda_initialized() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-class Channel:
-    """JSON lines over the template's end of the socketpair."""
+class Client:
+    """One connected agent: JSON lines in and out, and the workers forked for it."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.sock.settimeout(SEND_TIMEOUT_S)
         self._buffer = b""
+        self.open = True
+        self.leaving = False  # said "bye": its agent is gone for good, with no worker left running
 
     def send(self, message: dict[str, Any]) -> None:
-        self.sock.sendall(json.dumps(message).encode() + b"\n")
+        if not self.open:
+            return
+        try:
+            self.sock.sendall(json.dumps(message).encode() + b"\n")
+        except OSError:
+            self.open = False  # an agent that does not read (or is gone) is let go
 
-    def receive(self) -> dict[str, Any] | None:
-        """The next message; None at end of file (the agent is gone)."""
-        while b"\n" not in self._buffer:
+    def read(self) -> list[dict[str, Any]]:
+        """The requests that have arrived (call when readable); marks the client closed at end of file."""
+        try:
             chunk = self.sock.recv(65536)
-            if not chunk:
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.open = False
+            return []
+        self._buffer += chunk
+        if len(self._buffer) > MAX_REQUEST_BYTES:
+            self.send({"type": "error", "error": "request too large"})
+            self.open = False
+            return []
+        messages = []
+        while b"\n" in self._buffer:
+            line, _, self._buffer = self._buffer.partition(b"\n")
+            try:
+                body = json.loads(line)
+            except ValueError:
+                body = None
+            messages.append(body if isinstance(body, dict) else {"type": "unreadable"})
+        return messages
+
+
+def bind(name: str) -> socket.socket | None:
+    """The listening socket at abstract address ``name``; None if another template holds it."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind("\0" + name)
+    except OSError:
+        listener.close()
+        return None
+    listener.listen(64)
+    return listener
+
+
+def same_user(sock: socket.socket) -> bool:
+    """Whether the peer runs as this process's user (``SO_PEERCRED``)."""
+    try:
+        credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return False
+    _, uid, _ = struct.unpack("3i", credentials)
+    return uid == os.getuid()
+
+
+class TemplateServer:
+    """Accepts agents, forks workers on request, reaps them and tells their agent how they ended."""
+
+    def __init__(self, listener: socket.socket, ready: dict[str, Any], idle_exit_s: float) -> None:
+        self.listener = listener
+        self.ready = ready
+        self.idle_exit_s = idle_exit_s
+        self.clients: list[Client] = []
+        self.owners: dict[int, Client] = {}
+        self.last_client_at = time.monotonic()
+        self.expect_return = True  # the last agent to leave may come back (it did not say bye)
+
+    def serve(self) -> ForkRequest | None:
+        """Serve until idle (returns None, in the template) or until this process is a newly forked
+        worker (returns its request, already set up)."""
+        while True:
+            sockets = [self.listener] + [client.sock for client in self.clients]
+            readable, _, _ = select.select(sockets, [], [], POLL_S)
+            for sock in readable:
+                if sock is self.listener:
+                    self._accept()
+                    continue
+                client = next(c for c in self.clients if c.sock is sock)
+                for message in client.read():
+                    request = self._answer(client, message)
+                    if request is not None:
+                        return request
+            self._reap()
+            self._drop_closed()
+            if self.clients:
+                self.last_client_at = time.monotonic()
+            elif not self.expect_return or time.monotonic() - self.last_client_at > self.idle_exit_s:
                 return None
-            self._buffer += chunk
-            if len(self._buffer) > MAX_REQUEST_BYTES:
-                raise TemplateError("request too large")
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        body = json.loads(line)
-        if not isinstance(body, dict):
-            raise TemplateError("a request must be a JSON object")
-        return body
 
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        if not same_user(sock):
+            sock.close()
+            return
+        client = Client(sock)
+        self.clients.append(client)
+        client.send(self.ready)
 
-def serve(channel: Channel) -> ForkRequest | None:
-    """Answer fork requests until the agent goes away (returns None in the template) or this
-    process is a newly forked worker (returns its request, already set up)."""
-    while True:
-        message = channel.receive()
-        if message is None:
+    def _answer(self, client: Client, message: dict[str, Any]) -> ForkRequest | None:
+        if message.get("type") == "bye":
+            client.leaving = True
             return None
         if message.get("type") != "fork":
-            channel.send({"type": "error", "error": f"unknown request type {message.get('type')!r}"})
-            continue
+            client.send({"type": "error", "error": f"unknown request type {message.get('type')!r}"})
+            return None
         try:
             request = ForkRequest.from_message(message)
         except (TemplateError, KeyError) as exc:
-            channel.send({"type": "error", "error": str(exc)})
-            continue
-        worker_pid = double_fork(channel, request)
-        if worker_pid == 0:
-            return request
-        channel.send({"type": "forked", "pid": worker_pid})
-
-
-def double_fork(channel: Channel, request: ForkRequest) -> int:
-    """Fork the worker through a middle process that exits at once; the worker's pid in the
-    template, 0 in the worker (set up and ready to run)."""
-    read_end, write_end = os.pipe()
-    middle = os.fork()
-    if middle == 0:
-        os.close(read_end)
+            client.send({"type": "error", "error": str(exc)})
+            return None
+        session_ready, session_led = os.pipe()
         try:
-            worker = os.fork()
-        except OSError:
-            os._exit(EXIT_SETUP_FAILED)
-        if worker == 0:
-            os.close(write_end)
-            become_worker(channel, request)
-            return 0
-        os.write(write_end, str(worker).encode())
-        os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        reported = pipe.read()
-    os.waitpid(middle, 0)  # after this the worker's parent is the agent
-    if not reported:
-        raise TemplateError("the middle process could not fork the worker")
-    return int(reported)
+            pid = os.fork()
+        except OSError as exc:
+            os.close(session_ready)
+            os.close(session_led)
+            client.send({"type": "error", "error": f"fork failed: {exc.strerror}"})
+            return None
+        if pid == 0:
+            os.close(session_ready)
+            self._become_worker(request, session_led)
+            return request
+        os.close(session_led)
+        os.read(session_ready, 1)  # the worker leads its session before its agent hears of it
+        os.close(session_ready)
+        self.owners[pid] = client
+        client.send({"type": "forked", "pid": pid})
+        return None
+
+    def _become_worker(self, request: ForkRequest, session_led: int) -> None:
+        for client in self.clients:
+            client.sock.close()
+        self.listener.close()
+        os.setsid()
+        os.close(session_led)
+        become_worker(request)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            owner = self.owners.pop(pid, None)
+            if owner is not None:
+                owner.send({"type": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def _drop_closed(self) -> None:
+        closed = [client for client in self.clients if not client.open]
+        for client in closed:
+            client.sock.close()
+            self.clients.remove(client)
+        if closed and not self.clients:
+            self.expect_return = not all(client.leaving for client in closed)
 
 
-def become_worker(channel: Channel, request: ForkRequest) -> None:
-    """In the forked worker: own session, stdio to the log, the request's environment and cwd."""
-    channel.sock.close()
-    os.setsid()
+def become_worker(request: ForkRequest) -> None:
+    """In the forked worker (already leading its own session): stdio to the log, the request's
+    environment and cwd."""
     try:
         log_fd = os.open(request.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError:
@@ -223,23 +335,35 @@ def preload_names() -> list[str]:
     return [name.strip() for name in raw.split(",") if name.strip()]
 
 
+def idle_exit_s() -> float:
+    try:
+        return max(0.5, float(os.environ.get(IDLE_ENV, IDLE_EXIT_S)))
+    except ValueError:
+        return IDLE_EXIT_S
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlctl.worker_template", description=__doc__.splitlines()[0])
-    parser.add_argument("--fd", type=int, required=True, help="this end of the agent's unix socketpair")
+    parser.add_argument("--name", required=True, help="the abstract unix socket name to serve agents on")
     args = parser.parse_args(argv)
-    sock = socket.socket(fileno=args.fd)
-    channel = Channel(sock)
+    listener = bind(args.name)
+    if listener is None:
+        print(f"worker template: {args.name} is already served", file=sys.stderr, flush=True)
+        return EXIT_NAME_TAKEN
     started = time.monotonic()
     loaded = preload(preload_names())
     if cuda_initialized():
-        channel.send({"type": "error", "error": "CUDA was initialised while preloading; refusing to fork workers"})
+        print("worker template: CUDA was initialised while preloading; refusing to fork workers",
+              file=sys.stderr, flush=True)
         return 1
-    channel.send({"type": "ready", "pid": os.getpid(), "import_s": round(time.monotonic() - started, 3),
-                  "cuda_initialized": False, "preloaded": loaded})
-    request = serve(channel)
+    gc.freeze()  # the preloaded objects stay out of collections: forked workers share their pages
+    ready = {"type": "ready", "pid": os.getpid(), "import_s": round(time.monotonic() - started, 3),
+             "cuda_initialized": False, "preloaded": loaded}
+    print(f"worker template {args.name} ready: {len(loaded)} modules in {ready['import_s']} s", flush=True)
+    request = TemplateServer(listener, ready, idle_exit_s()).serve()
     if request is None:
+        print(f"worker template {args.name}: no agent for {idle_exit_s():.0f} s, exiting", flush=True)
         return 0
-    del channel, sock
     run_worker(request)
     return 0
 

@@ -6,7 +6,7 @@ thread. Loops:
 - heartbeats every ``heartbeat_interval_s`` with workers' phase/progress and GPU samples;
 - a watch loop (every 0.1 s) that tails worker logs for NCCL signals, kills a worker whose NCCL
   watchdog fired (``nccl_kill_after_s`` later; ``rlctl_agent.watch``) and reaps exited workers;
-  every 0.5 s it also keeps the node's worker templates (``rlctl_agent.template_client``);
+  every 0.5 s it also follows the worker templates it uses (``rlctl_agent.template_client``);
 - a GPU event loop that forwards XID/ECC/remap/throttle/lost signals.
 
 Exit: ``shutdown`` stops the workers and exits 0; SIGTERM/SIGINT make the agent exit and leave
@@ -36,6 +36,7 @@ from .gpu import GpuProvider, WorkerLoad, make_gpu_provider
 from .relay import WorkerRelay
 from .signals import Signal
 from .supervisor import Supervisor, SupervisorError, WorkerExit, WorkerRecord, parse_signal
+from .template_client import READY_WAIT_S, Template
 from .watch import WorkerWatch
 
 log = logging.getLogger("rlctl_agent")
@@ -98,7 +99,7 @@ class Agent:
                 task.cancel()
             await self.relay.close()
             self.supervisor.save_state()
-            self.supervisor.templates.close()
+            self.supervisor.templates.close(for_good=not self.supervisor.live())
             self.gpu.close()
 
     def _on_loop_end(self, task: asyncio.Task[None]) -> None:
@@ -264,6 +265,10 @@ class Agent:
             log.warning("command %s failed: %s", cmd_id, error)
 
     async def _start_worker(self, message: dict[str, Any]) -> None:
+        if message.get("template") and str(message["wid"]) not in self.supervisor.workers:
+            template = self.supervisor.template_for(list(message["argv"]), dict(message.get("env") or {}))
+            if template is not None:
+                await self._until_settled(template)
         record, _ = self.supervisor.start(
             wid=str(message["wid"]), slot=str(message.get("slot", "")), role=str(message.get("role", "")),
             argv=list(message["argv"]), env=dict(message.get("env") or {}), cwd=message.get("cwd"),
@@ -271,6 +276,17 @@ class Agent:
         self.link.send_event("worker_started", cmd_id=message.get("cmd_id"), wid=record.wid, pid=record.pid,
                              forked=record.forked)
         self._ack(message.get("cmd_id"))
+
+    @staticmethod
+    async def _until_settled(template: Template) -> None:
+        """Wait (at most ``READY_WAIT_S``) for a template that is being started: forking from it
+        then beats importing everything again in a spawned worker."""
+        deadline = time.monotonic() + READY_WAIT_S
+        while time.monotonic() < deadline:
+            template.check()
+            if template.state in ("ready", "dead"):
+                return
+            await asyncio.sleep(WATCH_INTERVAL_S / 2)
 
     async def _stop_worker(self, message: dict[str, Any]) -> None:
         record = self.supervisor.get(str(message["wid"]))

@@ -7,9 +7,10 @@ offset); a restarted agent re-adopts the workers that are still alive, telling t
 reused PID by the start time in ``/proc/<pid>/stat``. Adopted workers are not children of the
 agent, so their end is seen by polling ``/proc`` and reported with reason ``untracked-exit``.
 
-A start asked to fork from the node's worker template (``template_client``) gets a worker forked
-from a warm interpreter when one is ready, and a plain spawn otherwise; a forked worker is the
-agent's child too (the agent is a child subreaper), so both kinds are supervised the same way.
+A start asked to fork from the host's worker template (``template_client``) gets a worker forked
+from a warm interpreter when one is ready, and a plain spawn otherwise. A forked worker is the
+template's child; the template reports its end to this agent, so both kinds are supervised the
+same way (exit code or killing signal, log, phases, signals to its process group).
 
 Not thread-safe: the agent calls it from its event loop only.
 """
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 from . import protocol
 from .config import AgentConfig
 from .nccl import WorkerLogWatcher
-from .template_client import STARTING_GRACE_S, ForkedChild, WorkerTemplates, forkable
+from .template_client import ForkedChild, Template, WorkerTemplates, forkable
 
 log = logging.getLogger("rlctl_agent.supervisor")
 
@@ -210,7 +211,7 @@ class Supervisor:
         self._config = config
         self._gpu_count = gpu_count
         self.workers: dict[str, WorkerRecord] = {}
-        self.templates = WorkerTemplates(config.logs_dir)
+        self.templates = WorkerTemplates(config.logs_dir, config.job_id)
 
     def live(self) -> list[WorkerRecord]:
         """Workers that have not been seen to exit."""
@@ -262,24 +263,24 @@ class Supervisor:
             except OSError as exc:
                 raise SupervisorError(f"cannot start {argv[0]!r}: {exc.strerror}") from None
 
-    def _fork(self, argv: list[str], env: dict[str, str], workdir: Path, log_path: Path) -> ForkedChild | None:
-        """The worker forked from a ready template of its interpreter; None (spawn it) when there is
-        none yet, it is not ready, or the fork fails. Asking registers the template, so it starts."""
+    def template_for(self, argv: list[str], env: dict[str, str]) -> Template | None:
+        """The template a start of ``argv`` with ``env`` would fork from (started now if new);
+        None for a command line a template cannot run."""
         if not forkable(argv):
             return None
-        template = self.templates.want(argv[0], env)
-        if template is None:
+        return self.templates.want(argv[0], self._worker_env("", "", "", env, _placed_gpus(env)), time.monotonic())
+
+    def _fork(self, argv: list[str], env: dict[str, str], workdir: Path, log_path: Path) -> ForkedChild | None:
+        """The worker forked from a ready template of its interpreter; None (spawn it) when the
+        template is not ready or the fork fails."""
+        if not forkable(argv):
             return None
-        pid = self.templates.fork(template, argv, env, str(workdir), log_path)
-        return ForkedChild(pid) if pid is not None else None
+        template = self.templates.want(argv[0], env, time.monotonic())
+        return self.templates.fork(template, argv, env, str(workdir), log_path)
 
     def maintain_templates(self, now: float) -> None:
-        """Start, notice and restart the node's worker templates; reap adopted orphans' zombies.
-        A template waits while a worker of this node is still importing (so they do not compete)."""
-        importing = any(record.phase == "starting" and now - record.started_at < STARTING_GRACE_S
-                        for record in self.live() if not record.adopted)
-        self.templates.maintain(now, importing)
-        self.templates.reap_orphans({record.pid for record in self.live()} | self.templates.pids())
+        """Notice ready or dead templates and start again the ones that died."""
+        self.templates.maintain(now)
 
     def _pick_gpu(self, env: dict[str, str]) -> int | None:
         """The GPU a new worker uses: the first of its CUDA_VISIBLE_DEVICES, else the least busy one."""

@@ -1,23 +1,26 @@
-"""The agent's side of the worker template (``rlctl.worker_template``): start, ask, restart, reap.
+"""The agent's side of the worker template (``rlctl.worker_template``): find or start, ask, follow.
 
-A template is one warm interpreter per (job interpreter, import-time environment) on this node. It
-is started with the job's interpreter once the node's workers are past their own imports (so the
-two do not compete for the CPU at job start), restarted if it dies (at most ``MAX_FAILED_STARTS``
-times in a row without reaching ``ready``), and exits by itself when the agent's end of its
-socketpair closes. ``fork`` returns the pid of a worker forked from a ready template, or None, and
-the caller then spawns the worker plainly: a start never fails because of the template.
+A template is one warm interpreter per (job, interpreter, import-time environment) on this host,
+shared by every agent of the job here: on the local backend all virtual nodes use one, on ssh and
+Slurm each node has its own. It listens on an abstract unix socket whose name is derived from that
+key, so an agent finds a running one by connecting, and otherwise starts one (in its own session,
+so a node-down of the agent that started it leaves it serving the others). Two agents that start
+one at the same moment end up sharing the one that bound the name first.
 
-Forked workers are re-parented to the agent, which makes itself a child subreaper
-(``prctl(PR_SET_CHILD_SUBREAPER)``) the first time it starts a template; ``ForkedChild`` reaps one
-with ``waitpid``, so its exit code or killing signal is seen as for a spawned worker. Being a
-subreaper also adopts the orphans of workers' own children; ``reap_orphans`` collects their zombies.
+The template forks the workers, reaps them and sends each one's end (exit code, or minus the
+killing signal) to the agent that asked for it: ``ForkedChild`` reads it there, and polls like
+``Popen``. If the template dies first, the worker's end is seen by polling ``/proc`` and has no
+code (``untracked``). A template that dies is started again on a later ``maintain``, at most
+``MAX_FAILED_STARTS`` times in a row without reaching ``ready``. ``fork`` returns the pid of a
+worker forked from a ready template, or None, and the caller then spawns the worker plainly: a
+start never fails because of the template.
 
 Stdlib only; not thread-safe (the agent's event loop calls it).
 """
 
 from __future__ import annotations
 
-import ctypes
+import hashlib
 import json
 import logging
 import os
@@ -31,18 +34,19 @@ from typing import Any
 
 log = logging.getLogger("rlctl_agent.template")
 
-PR_SET_CHILD_SUBREAPER = 36
 TEMPLATE_MODULE = "rlctl.worker_template"
+EXIT_NAME_TAKEN = 3  # rlctl.worker_template: another template already serves the name
 FORK_REPLY_TIMEOUT_S = 10.0
 MAX_FAILED_STARTS = 3
 RESTART_BACKOFF_S = 2.0
-STARTING_GRACE_S = 60.0  # start the template anyway once a worker has been starting this long
+LAUNCH_TIMEOUT_S = 30.0  # a started template that cannot be reached by then is let go
+READY_WAIT_S = 20.0  # how long a start waits for a starting template before it spawns instead
 # Variables that differ between the workers of a node; a template's environment leaves them out,
 # so every role on the node shares one template (each forked worker gets its full environment).
-PER_WORKER_PREFIXES = ("RLCTL_", "TORCH_NCCL_", "NCCL_", "UCX", "CUDA_", "NVIDIA_")
+PER_WORKER_PREFIXES = ("RLCTL_", "TORCH_NCCL_", "TORCH_FR_", "NCCL_", "UCX", "CUDA_", "NVIDIA_")
 PER_WORKER_NAMES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                               "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"})
-KEEP_FOR_TEMPLATE = frozenset({"RLCTL_TEMPLATE_PRELOAD", "RLCTL_CACHE"})
+KEEP_FOR_TEMPLATE = frozenset({"RLCTL_TEMPLATE_PRELOAD", "RLCTL_TEMPLATE_IDLE_S", "RLCTL_CACHE"})
 
 
 def forkable(argv: list[str]) -> bool:
@@ -60,28 +64,10 @@ def template_env(worker_env: dict[str, str]) -> dict[str, str]:
             if key in KEEP_FOR_TEMPLATE or not (key.startswith(PER_WORKER_PREFIXES) or key in PER_WORKER_NAMES)}
 
 
-def become_subreaper() -> bool:
-    """Make this process adopt its descendants' orphans (Linux); False where that is not possible."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def own_children() -> list[int]:
-    """The pids of this process's children (``/proc/self/task/*/children``)."""
-    pids: list[int] = []
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return pids
-    for task in tasks:
-        try:
-            pids.extend(int(pid) for pid in Path(f"/proc/self/task/{task}/children").read_text().split())
-        except (OSError, ValueError):
-            continue
-    return pids
+def template_name(job_id: str, python: str, env: dict[str, str]) -> str:
+    """The abstract socket name of the template for this job, interpreter and environment (per user)."""
+    key = json.dumps([os.getuid(), job_id, python, sorted(env.items())])
+    return "rlctl-worker-template-" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def _is_zombie(pid: int) -> bool:
@@ -90,39 +76,6 @@ def _is_zombie(pid: int) -> bool:
     except OSError:
         return False
     return raw[raw.rindex(")") + 2:].split()[0] == "Z"
-
-
-class ForkedChild:
-    """A worker forked from a template and re-parented to the agent: ``poll`` like ``Popen.poll``
-    (None while it runs; its exit code, or minus the signal that killed it)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self.untracked = False  # it ended but was not ours to reap: how is unknown
-
-    def poll(self) -> int | None:
-        if self.returncode is not None:
-            return self.returncode
-        try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            if _gone(self.pid):
-                self.untracked, self.returncode = True, 0
-            return self.returncode
-        if pid == 0:
-            return None
-        self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Block until it ends (as ``Popen.wait``; ``subprocess.TimeoutExpired`` after ``timeout``)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(0.01)
-        return code
 
 
 def _gone(pid: int) -> bool:
@@ -137,8 +90,10 @@ def _gone(pid: int) -> bool:
 
 @dataclass
 class Template:
-    """One template process and where it stands: ``starting`` → ``ready`` → ``dead``."""
+    """One template and this agent's connection to it: ``idle`` → ``launching`` (this agent started
+    it and is connecting) → ``starting`` (connected, it is importing) → ``ready`` → ``dead``."""
 
+    name: str
     python: str
     env: dict[str, str]
     log_path: Path
@@ -149,96 +104,149 @@ class Template:
     failed_starts: int = 0
     last_start: float = 0.0
     forks: int = 0
+    exits: dict[int, int] = field(default_factory=dict)
+    connection: int = 0  # counts connections: a worker's end is reported on the one it was forked over
     _buffer: bytes = b""
 
     @property
     def pid(self) -> int | None:
+        """The template's pid once it said ready (or the one this agent started)."""
+        if "pid" in self.info:
+            return int(self.info["pid"])
         return self.process.pid if self.process is not None else None
 
     def start(self, now: float) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        """Connect to the running template, or start one and connect to it on a later ``check``."""
         self.last_start = now
-        self._buffer = b""
+        self._buffer, self.info = b"", {}
+        if self._connect():
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with self.log_path.open("ab") as log_file:
                 self.process = subprocess.Popen(
-                    [self.python, "-m", TEMPLATE_MODULE, "--fd", str(theirs.fileno())], env=self.env,
-                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),),
-                    cwd=self.log_path.parent,
+                    [self.python, "-m", TEMPLATE_MODULE, "--name", self.name], env=self.env,
+                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                    cwd=self.log_path.parent, start_new_session=True,
                 )
         except OSError as exc:
-            ours.close()
             self.failed_starts += 1
             self.state = "dead"
             log.warning("cannot start the worker template with %s: %s", self.python, exc.strerror)
             return
-        finally:
-            theirs.close()
-        self.sock = ours
-        self.state = "starting"
+        self.state = "launching"
         log.info("worker template starting (pid %d, %s)", self.process.pid, self.python)
 
-    def check(self) -> None:
-        """Notice readiness (``starting``) or death (any state), without blocking."""
-        if self.state in ("starting", "ready") and self.process is not None and self.process.poll() is not None:
-            self._died(f"exited with {self.process.returncode}")
+    def _connect(self) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect("\0" + self.name)
+        except OSError:
+            sock.close()
+            return False
+        self.sock, self.state = sock, "starting"
+        self.connection += 1
+        self.exits.clear()
+        return True
+
+    def check(self, now: float | None = None) -> None:
+        """Notice a launched template listening, readiness, workers' ends and death; never blocks."""
+        now = time.monotonic() if now is None else now
+        if self.state == "launching":
+            self._check_launch(now)
+        if self.state in ("starting", "ready"):
+            self._pump()
+        if self.state != "launching" and self.process is not None and self.process.poll() is not None:
+            self.process = None  # reaped: it exited (idle, or killed) after it served
+
+    def _check_launch(self, now: float) -> None:
+        if self._connect():
             return
-        if self.state != "starting" or self.sock is None:
+        code = self.process.poll() if self.process is not None else None
+        if code == EXIT_NAME_TAKEN and self._connect():
             return
-        while True:
+        if code is not None:
+            self._died(f"exited with {code} before it listened")
+        elif now - self.last_start > LAUNCH_TIMEOUT_S:
+            self.kill(f"not listening after {LAUNCH_TIMEOUT_S:.0f} s")
+
+    def _pump(self) -> None:
+        """Read every line that has arrived."""
+        while self.sock is not None:
             readable, _, _ = select.select([self.sock], [], [], 0)
             if not readable:
                 return
-            message = self._read_line(timeout=0.0)
-            if message is None:
+            for message in self._receive():
+                self._take(message)
+
+    def _take(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "exited":
+            self.exits[int(message["pid"])] = int(message["code"])
+        elif kind == "ready" and self.state == "starting":
+            if message.get("cuda_initialized") is not False:
+                self.kill("its preload initialised CUDA")
                 return
-            if message.get("type") == "ready" and message.get("cuda_initialized") is False:
-                self.state, self.info, self.failed_starts = "ready", message, 0
-                log.info("worker template ready (pid %s, imports %.1f s)", message.get("pid"), message.get("import_s", 0))
-                return
-            self.kill(f"refused: {message.get('error', message)}")
-            return
+            self.state, self.info, self.failed_starts = "ready", message, 0
+            log.info("worker template ready (pid %s, imports %.1f s)", message.get("pid"), message.get("import_s", 0))
+
+    def _receive(self) -> list[dict[str, Any]]:
+        """The lines one ``recv`` completes (the connection is marked dead at end of file)."""
+        assert self.sock is not None
+        try:
+            chunk = self.sock.recv(65536)
+        except OSError as exc:
+            self._died(f"connection failed: {exc}")
+            return []
+        if not chunk:
+            self._died("closed its socket")
+            return []
+        self._buffer += chunk
+        messages = []
+        while b"\n" in self._buffer:
+            line, _, self._buffer = self._buffer.partition(b"\n")
+            try:
+                body = json.loads(line)
+            except ValueError:
+                body = None
+            messages.append(body if isinstance(body, dict) else {"type": "error", "error": f"unreadable {line[:100]!r}"})
+        return messages
 
     def fork(self, request: dict[str, Any]) -> int | None:
-        """Ask a ready template for a worker; its pid, or None (the template is then let go)."""
+        """Ask a ready template for a worker; its pid, or None (spawn it instead)."""
+        self.check()
         if self.state != "ready" or self.sock is None:
             return None
         try:
-            self.sock.settimeout(FORK_REPLY_TIMEOUT_S)
             self.sock.sendall(json.dumps({"type": "fork", **request}).encode() + b"\n")
-            reply = self._read_line(timeout=FORK_REPLY_TIMEOUT_S)
         except OSError as exc:
-            self.kill(f"fork request failed: {exc}")
+            self._died(f"fork request failed: {exc}")
             return None
-        if reply is None or reply.get("type") != "forked":
-            if reply is not None and reply.get("type") == "error":
-                log.warning("worker template refused a fork: %s", reply.get("error"))
-                return None
-            self.kill(f"no fork answer: {reply}")
-            return None
-        self.forks += 1
-        return int(reply["pid"])
+        deadline = time.monotonic() + FORK_REPLY_TIMEOUT_S
+        while self.sock is not None and time.monotonic() < deadline:
+            readable, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
+            if not readable:
+                break
+            for message in self._receive():
+                if message.get("type") == "forked":
+                    self.forks += 1
+                    return int(message["pid"])
+                if message.get("type") == "error":
+                    log.warning("worker template refused a fork: %s", message.get("error"))
+                    return None
+                self._take(message)
+        if self.sock is not None:
+            self._died("no answer to a fork request")
+        return None
 
-    def _read_line(self, timeout: float) -> dict[str, Any] | None:
-        """The next line: waiting up to ``timeout`` (0: only what has arrived); None if none."""
-        assert self.sock is not None
-        self.sock.settimeout(timeout)
-        while b"\n" not in self._buffer:
-            try:
-                chunk = self.sock.recv(65536)
-            except (BlockingIOError, TimeoutError):
-                return None
-            if not chunk:
-                self._died("closed its socket")
-                return None
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        try:
-            body = json.loads(line)
-        except ValueError:
-            return {"type": "error", "error": f"unreadable line {line[:100]!r}"}
-        return body if isinstance(body, dict) else {"type": "error", "error": "not an object"}
+    def exit_of(self, pid: int) -> int | None:
+        """How a worker it forked for this agent ended, once the template has said so."""
+        self.check()
+        return self.exits.pop(pid, None)
+
+    def still_reports(self, connection: int) -> bool:
+        """Whether the connection a worker was forked over is still open (and so will report its end)."""
+        return self.sock is not None and self.connection == connection
 
     def _died(self, why: str) -> None:
         if self.state == "dead":
@@ -249,8 +257,8 @@ class Template:
         self._close()
 
     def kill(self, why: str) -> None:
-        """Let this template go (SIGKILL); the next ``maintain`` may start another."""
-        if self.process is not None and self.process.poll() is None:
+        """Let this template go: the one this agent started is killed, a shared one is left."""
+        if self.process is not None and self.process.poll() is None and self.state == "launching":
             self.process.kill()
             self.process.wait(5)
         self._died(why)
@@ -262,79 +270,81 @@ class Template:
             self.sock = None
 
 
-class WorkerTemplates:
-    """The node's templates, keyed by (interpreter, template environment)."""
+class ForkedChild:
+    """A worker forked by a template: ``poll`` like ``Popen.poll`` (None while it runs; its exit
+    code, or minus the signal that killed it, as the template reports it)."""
 
-    def __init__(self, logs_dir: Path) -> None:
+    def __init__(self, pid: int, template: Template) -> None:
+        self.pid = pid
+        self.template = template
+        self.connection = template.connection
+        self.returncode: int | None = None
+        self.untracked = False  # it ended after its template died: how is unknown
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        code = self.template.exit_of(self.pid) if self.template.connection == self.connection else None
+        if code is not None:
+            self.returncode = code
+        elif not self.template.still_reports(self.connection) and _gone(self.pid):
+            self.untracked, self.returncode = True, 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until it ends (as ``Popen.wait``; ``subprocess.TimeoutExpired`` after ``timeout``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return code
+
+
+class WorkerTemplates:
+    """The templates this agent uses, keyed by (interpreter, template environment)."""
+
+    def __init__(self, logs_dir: Path, job_id: str) -> None:
         self._logs_dir = logs_dir
-        self._templates: dict[tuple[str, frozenset[tuple[str, str]]], Template] = {}
-        self._subreaper: bool | None = None
+        self._job_id = job_id
+        self._templates: dict[str, Template] = {}
 
     @property
     def templates(self) -> list[Template]:
         return list(self._templates.values())
 
-    def pids(self) -> set[int]:
-        return {pid for template in self._templates.values() if (pid := template.pid) is not None}
-
-    def want(self, python: str, worker_env: dict[str, str]) -> Template | None:
-        """The template for workers run by ``python`` with ``worker_env`` (registered if new; it
-        starts on a later ``maintain``); None where this node cannot fork workers."""
-        if self._subreaper is None:
-            self._subreaper = become_subreaper()
-            if not self._subreaper:
-                log.warning("cannot become a child subreaper: workers are spawned, never forked")
-        if not self._subreaper:
-            return None
+    def want(self, python: str, worker_env: dict[str, str], now: float) -> Template:
+        """The template for workers run by ``python`` with ``worker_env``; a new one is started
+        (or found running) at once."""
         env = template_env(worker_env)
-        key = (python, frozenset(env.items()))
-        template = self._templates.get(key)
+        name = template_name(self._job_id, python, env)
+        template = self._templates.get(name)
         if template is None:
-            index = len(self._templates)
-            template = Template(python, env, self._logs_dir / f"worker-template-{index}.log")
-            self._templates[key] = template
+            template = Template(name, python, env, self._logs_dir / f"worker-template-{len(self._templates)}.log")
+            self._templates[name] = template
+            template.start(now)
         return template
 
-    def maintain(self, now: float, workers_importing: bool) -> None:
-        """Notice ready or dead templates; start (or restart) the wanted ones that are not running,
-        once no worker on the node is importing, backing off after a failed start."""
+    def maintain(self, now: float) -> None:
+        """Notice ready or dead templates; start again the ones that died, backing off after a failed start."""
         for template in self._templates.values():
-            template.check()
-            if template.state not in ("idle", "dead") or template.failed_starts >= MAX_FAILED_STARTS:
+            template.check(now)
+            if template.state != "dead" or template.failed_starts >= MAX_FAILED_STARTS:
                 continue
-            if now - template.last_start < RESTART_BACKOFF_S:
-                continue
-            if workers_importing and template.state == "idle":
-                continue
-            template.start(now)
+            if now - template.last_start >= RESTART_BACKOFF_S:
+                template.start(now)
 
-    def fork(self, template: Template, argv: list[str], env: dict[str, str], cwd: str, log_path: Path) -> int | None:
-        template.check()
-        return template.fork({"argv": argv, "env": env, "cwd": cwd, "log": str(log_path)})
+    def fork(self, template: Template, argv: list[str], env: dict[str, str], cwd: str, log_path: Path) -> ForkedChild | None:
+        pid = template.fork({"argv": argv, "env": env, "cwd": cwd, "log": str(log_path)})
+        return ForkedChild(pid, template) if pid is not None else None
 
-    def reap_orphans(self, known: set[int]) -> int:
-        """Collect the zombies of adopted orphans (children that are neither workers nor templates)."""
-        if not self._subreaper:
-            return 0
-        reaped = 0
-        for pid in own_children():
-            if pid in known or not _is_zombie(pid):
-                continue
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    reaped += 1
-            except ChildProcessError:
-                continue
-        return reaped
-
-    def close(self) -> None:
-        """Let every template go (their sockets close, so they exit by themselves)."""
+    def close(self, for_good: bool) -> None:
+        """Let every template go. ``for_good``: this agent leaves no worker running, so a template
+        it was the last user of exits at once (otherwise it waits a while for a restarted agent)."""
         for template in self._templates.values():
-            template._close()
-            if template.process is not None:
+            if for_good and template.sock is not None:
                 try:
-                    template.process.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    template.process.kill()
-                    template.process.wait(2)
-
+                    template.sock.sendall(b'{"type": "bye"}\n')
+                except OSError:
+                    pass
+            template._close()

@@ -27,6 +27,9 @@ log = logging.getLogger("rlctl.controller.effects")
 RELEASE_TIMEOUT_S = 15.0
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 Record = Callable[[EventPayload], list[Event]]
+# An agent answers a start once the worker runs; a start that forks from a template still being
+# started waits for it up to 20 s (rlctl_agent.template_client.READY_WAIT_S) first.
+START_ACK_WAIT_S = 30.0
 
 
 class EffectRunner:
@@ -85,7 +88,7 @@ class EffectRunner:
         """Send the start command for a worker (already journaled as WorkerStarting) to its agent."""
         slot = self.model.slots[effect.slot]
         argv, env = self.launcher.argv_env(slot)
-        ack = await self.hub.command(effect.node, "start_worker", wait=10.0, wid=effect.wid, slot=effect.slot,
+        ack = await self.hub.command(effect.node, "start_worker", wait=START_ACK_WAIT_S, wid=effect.wid, slot=effect.slot,
                                      role=effect.role, argv=argv, env=env, cwd=self.launcher.cwd(effect.node),
                                      template=self.launcher.forks_from_template(slot))
         if ack is None or not ack.get("ok", False):

@@ -74,7 +74,7 @@ def _role_fields(nodes_default: int, command: list[str], minimum_nodes: int, wor
         "env": Field("str-map", "Extra environment variables for the role's workers.", {}),
         "fork_from_template": Field(
             "bool",
-            "Fork this role's workers from the node's worker template when `[cluster] worker_template` is on; "
+            "Fork this role's workers from the host's worker template when `[cluster] worker_template` is on; "
             "false: always start them in a fresh interpreter (a program that must not inherit the template's "
             "imports, or that initialises CUDA before its own imports).",
             True,
@@ -114,16 +114,14 @@ JOB_SCHEMA: dict[str, Field] = {
             "backend": Field("choice", "Which backend allocates nodes.", "local", choices=("local", "ssh", "slurm")),
             "worker_template": Field(
                 "bool",
-                "Each node's agent keeps a worker template: a process of the job's interpreter that has imported "
-                "torch, transformers and the role code (never CUDA). Worker (re)starts fork from it and run role code "
-                "in well under a second instead of paying for those imports again. The first worker of a node is "
-                "spawned; the template starts once it is past its imports. A node whose template is not ready or "
-                "has died spawns the worker as before (a dead template is restarted). A worker's interpreter "
-                "options are not supported: only `python -m module ...` and `python script.py ...` commands fork. "
-                "Per role: `fork_from_template`. Unset, it is on for the ssh and slurm backends and off for the local "
-                "backend: its virtual nodes share one machine, where a template per node costs more CPU at the job's "
-                "start than its faster restarts save (docs/figures.md, \"Worker template on the local backend\").",
-                None,
+                "Workers fork from a worker template: a process of the job's interpreter that has imported torch, "
+                "transformers and the role code (never CUDA), one per job on each host, shared by the job's agents "
+                "there (on the local backend, every virtual node). Worker (re)starts fork from it and run role code in "
+                "well under a second instead of paying for those imports again; the first start on a host waits for "
+                "the template (at most 6 s) instead of importing everything itself. A start that finds no ready "
+                "template spawns the worker as before (a dead template is restarted). Only `python -m module ...` and "
+                "`python script.py ...` commands fork. Per role: `fork_from_template`.",
+                True,
             ),
             "agent_tls": Field(
                 "choice",
@@ -250,7 +248,7 @@ JOB_SCHEMA: dict[str, Field] = {
             ),
             "fork_from_template": Field(
                 "bool",
-                "Fork warm standbys from the node's worker template when `[cluster] worker_template` is on.",
+                "Fork warm standbys from the host's worker template when `[cluster] worker_template` is on.",
                 True,
             ),
             "replicate_trainer_state": Field(
@@ -701,10 +699,8 @@ class JobSpec:
 
     @property
     def worker_template(self) -> bool:
-        """`[cluster] worker_template`: workers fork from a warm per-node template; unset, on for the
-        ssh and slurm backends and off for the local one."""
-        chosen = self.raw["cluster"]["worker_template"]
-        return self.backend != "local" if chosen is None else bool(chosen)
+        """`[cluster] worker_template`: workers fork from a warm template shared by the job's agents on a host."""
+        return bool(self.raw["cluster"]["worker_template"])
 
     @property
     def standby_fork_from_template(self) -> bool:

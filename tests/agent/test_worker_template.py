@@ -1,10 +1,13 @@
-"""Workers forked from the node's worker template (``rlctl.worker_template``).
+"""Workers forked from the host's worker template (``rlctl.worker_template``).
 
-The protocol is driven directly over a socketpair (ready line, fork, errors, exit at end of
-file; the real preload list leaves CUDA uninitialised and is inherited by the worker); then a real
-agent forks ``worker_program.py`` workers and supervises them as spawned ones: phases, exit code,
-SIGKILL reported as a signal, stop of the process group, NCCL lines tailed from the log, and a
-killed template that leads to a spawned fallback and then a restarted template.
+The protocol is driven directly over the template's abstract socket (ready line, fork, errors,
+each worker's end reported to the connection that asked for it, a second template for the same
+name exiting at once, exit after the last agent says bye or after the idle bound; the real
+preload list leaves CUDA uninitialised and is inherited by the worker). Then real agents fork
+``worker_program.py`` workers and supervise them as spawned ones: phases, exit code, SIGKILL
+reported as a signal, stop of the process group, NCCL lines tailed from the log, two agents of one
+job sharing one template, a killed template that is started again, and a template that cannot
+start leading to spawned workers.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from agent_testkit import AgentProcess, ControllerStub, process_gone, wait_until, worker_argv
+from conftest import SECRET
 from rlctl_agent.template_client import forkable, template_env
 
 pytestmark = pytest.mark.timeout(90)
@@ -30,29 +35,42 @@ LIGHT_PRELOAD = "rlctl.worker"
 
 
 class TemplateUnderTest:
-    """``python -m rlctl.worker_template`` on one end of a socketpair held by the test."""
+    """``python -m rlctl.worker_template --name NAME`` and one connection to it held by the test."""
 
-    def __init__(self, preload: str, workdir: Path) -> None:
-        self.sock, theirs = socket.socketpair()
-        env = {**os.environ, "RLCTL_TEMPLATE_PRELOAD": preload}
-        self.process = subprocess.Popen([sys.executable, "-m", "rlctl.worker_template", "--fd", str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(),), env=env, cwd=workdir,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        theirs.close()
-        self.sock.settimeout(60)
-        self.reader = self.sock.makefile("rb")
+    def __init__(self, preload: str, workdir: Path, idle_s: float = 30.0) -> None:
+        self.name = f"rlctl-test-template-{uuid.uuid4().hex}"
+        env = {**os.environ, "RLCTL_TEMPLATE_PRELOAD": preload, "RLCTL_TEMPLATE_IDLE_S": str(idle_s)}
+        self.process = subprocess.Popen([sys.executable, "-m", "rlctl.worker_template", "--name", self.name],
+                                        env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.sock, self.reader = self.connect()
+
+    def connect(self) -> tuple[socket.socket, Any]:
+        deadline = time.monotonic() + 30
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect("\0" + self.name)
+                break
+            except OSError:
+                sock.close()
+                assert time.monotonic() < deadline and self.process.poll() is None, "the template never listened"
+                time.sleep(0.05)
+        sock.settimeout(60)
+        return sock, sock.makefile("rb")
 
     def send(self, message: dict[str, Any]) -> dict[str, Any]:
         self.sock.sendall(json.dumps(message).encode() + b"\n")
         return self.receive()
 
-    def receive(self) -> dict[str, Any]:
-        line = self.reader.readline()
+    def receive(self, reader: Any = None) -> dict[str, Any]:
+        line = (reader or self.reader).readline()
         assert line, "the template closed its socket"
         body: dict[str, Any] = json.loads(line)
         return body
 
-    def close(self) -> int:
+    def close(self, bye: bool = True) -> int:
+        if bye:
+            self.sock.sendall(b'{"type": "bye"}\n')
         self.reader.close()
         self.sock.close()
         return self.process.wait(10)
@@ -113,7 +131,7 @@ def test_template_protocol_with_the_real_preload(workdir: Path) -> None:
         assert bad["type"] == "error" and "-c" in bad["error"]
         assert template.send({"type": "nonsense"})["type"] == "error"
     finally:
-        assert template.close() == 0, "the template exits when the agent's end of its socket closes"
+        assert template.close() == 0, "the template exits when its last agent says bye"
 
 
 def test_template_runs_modules_like_python_dash_m(light_template: TemplateUnderTest, workdir: Path) -> None:
@@ -129,6 +147,53 @@ def test_template_runs_modules_like_python_dash_m(light_template: TemplateUnderT
                                  "env": dict(os.environ), "cwd": str(workdir), "log": str(workdir / "m.log")})
     assert reply["type"] == "forked"
     assert wait_for_file(out).strip() == repr(([str(out)], str(workdir)))
+    assert light_template.receive() == {"type": "exited", "pid": reply["pid"], "code": 4}
+
+
+def test_each_workers_end_goes_to_the_agent_that_asked_and_one_name_has_one_template(
+        light_template: TemplateUnderTest, workdir: Path) -> None:
+    first = light_template.receive()
+    assert first["type"] == "ready"
+    other_sock, other_reader = light_template.connect()
+    assert light_template.receive(other_reader) == first, "every agent that connects is told the template is ready"
+    sleeper = workdir / "sleep.py"
+    sleeper.write_text("import time\ntime.sleep(60)\n")
+    other_sock.sendall(json.dumps({"type": "fork", "argv": [sys.executable, str(sleeper)], "env": dict(os.environ),
+                                   "cwd": str(workdir), "log": str(workdir / "s.log")}).encode() + b"\n")
+    theirs = light_template.receive(other_reader)
+    ours = light_template.send({"type": "fork", "argv": [sys.executable, str(sleeper)], "env": dict(os.environ),
+                                "cwd": str(workdir), "log": str(workdir / "s.log")})
+    os.kill(theirs["pid"], 9)
+    os.kill(ours["pid"], 15)
+    assert light_template.receive() == {"type": "exited", "pid": ours["pid"], "code": -15}
+    assert light_template.receive(other_reader) == {"type": "exited", "pid": theirs["pid"], "code": -9}
+    second = subprocess.run([sys.executable, "-m", "rlctl.worker_template", "--name", light_template.name],
+                            capture_output=True, text=True, timeout=30, check=False,
+                            env={**os.environ, "RLCTL_TEMPLATE_PRELOAD": ""})
+    assert second.returncode == 3 and "already served" in second.stderr
+    other_reader.close()
+    other_sock.close()
+
+
+def test_a_template_waits_for_an_agent_that_left_without_bye_then_exits(workdir: Path) -> None:
+    template = TemplateUnderTest(LIGHT_PRELOAD, workdir, idle_s=1.5)
+    try:
+        assert template.receive()["type"] == "ready"
+        left = time.monotonic()
+        template.reader.close()
+        template.sock.close()
+        time.sleep(0.5)
+        assert template.process.poll() is None, "an agent that did not say bye may come back"
+        sock, reader = template.connect()
+        assert template.receive(reader)["type"] == "ready"
+        reader.close()
+        sock.close()
+        left = time.monotonic()
+        assert template.process.wait(10) == 0
+        assert time.monotonic() - left >= 1.0
+    finally:
+        if template.process.poll() is None:
+            template.process.kill()
 
 
 def test_which_commands_fork_and_what_the_template_inherits() -> None:
@@ -164,8 +229,9 @@ def test_agent_supervises_forked_workers_and_restarts_a_dead_template(
     agent = spawn_agent()
     controller.wait_type("hello")
     first = start(controller, "w1", "--exit-after", "0.2")
-    assert first["forked"] is False, "no template is running before the first start"
-    wait_until(lambda: template_readies(agent) == 1, timeout=30)
+    assert first["forked"] is True, "the first start waits for the template it started"
+    assert controller.wait_type("worker_exited", wid="w1")["exit_code"] == 0
+    assert template_readies(agent) == 1
 
     forked = start(controller, "w2")
     assert forked["forked"] is True
@@ -195,10 +261,56 @@ def test_agent_supervises_forked_workers_and_restarts_a_dead_template(
     assert (nccl_exit["reason"], nccl_exit["signal"]) == ("nccl-timeout", "SIGKILL")
     assert "watchdog-line-at" in (workdir / "logs" / "w5.log").read_text(), "a forked worker's stderr is its log"
 
+    survivor = start(controller, "w6")
+    controller.wait_type("worker_phase", wid="w6", phase="generating")
     os.kill(template_pid(agent), 9)
-    fallback = start(controller, "w6", "--exit-after", "0.2")
-    assert fallback["forked"] is False, "a start that finds the template dead spawns the worker"
-    assert controller.wait_type("worker_exited", wid="w6")["exit_code"] == 0
     wait_until(lambda: template_readies(agent) == 2, timeout=30)
+    assert template_pid(agent) != pid
+    assert controller.ack(controller.send("stop_worker", wid="w6", grace_s=2.0))["ok"] is True
+    orphan = controller.wait_type("worker_exited", wid="w6")
+    assert orphan["reason"] == "untracked-exit", "a worker whose template died ends without a code"
+    assert process_gone(int(survivor["pid"]))
     assert start(controller, "w7", "--exit-after", "0.2")["forked"] is True
     assert controller.wait_type("worker_exited", wid="w7")["exit_code"] == 0
+
+
+def test_the_agents_of_one_job_on_a_host_share_one_template(
+        controller: ControllerStub, spawn_agent: Spawn, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLCTL_TEMPLATE_PRELOAD", LIGHT_PRELOAD)
+    first = spawn_agent()
+    controller.wait_type("hello")
+    assert start(controller, "a1", "--exit-after", "0.2")["forked"] is True
+    (workdir / "node02").mkdir()
+    second = AgentProcess(workdir / "node02", controller.port, secret=SECRET, node="node02").start()
+    try:
+        controller.wait_type("hello", node="node02")
+        since = controller.mark()
+        cmd_id = controller.send("start_worker", wid="b1", slot="rollout-b1", role="rollout",
+                                    argv=worker_argv("--exit-after", "0.2", "--code", "3"), env={}, cwd=None,
+                                    template=True)
+        assert controller.ack(cmd_id)["ok"] is True
+        assert controller.wait_type("worker_started", since=since, wid="b1")["forked"] is True
+        assert controller.wait_type("worker_exited", wid="b1")["exit_code"] == 3
+        assert template_pid(second) == template_pid(first)
+        assert "worker template starting" not in second.log_text(), "the second agent found the first one's"
+    finally:
+        second.kill()
+
+
+def test_workers_are_spawned_when_the_template_cannot_start(
+        controller: ControllerStub, spawn_agent: Spawn, workdir: Path) -> None:
+    python = workdir / "python-without-template"
+    python.write_text(f"#!/bin/sh\ncase \"$2\" in rlctl.worker_template) echo 'no template here' >&2; exit 1;; esac\n"
+                      f"exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    spawn_agent()
+    controller.wait_type("hello")
+    for wid in ("s1", "s2"):
+        since = controller.mark()
+        cmd_id = controller.send("start_worker", wid=wid, slot=f"rollout-{wid}", role="rollout",
+                                 argv=[str(python), *worker_argv("--exit-after", "0.2")[1:]], env={}, cwd=None,
+                                 template=True)
+        assert controller.ack(cmd_id)["ok"] is True
+        assert controller.wait_type("worker_started", since=since, wid=wid)["forked"] is False
+        assert controller.wait_type("worker_exited", wid=wid)["exit_code"] == 0
+    assert "no template here" in (workdir / "logs" / "worker-template-0.log").read_text()

@@ -29,12 +29,12 @@ def test_quickstart_is_valid() -> None:
     assert spec.rollout.tail_batching.enabled
 
 
-def test_the_worker_template_is_on_by_default_for_real_nodes_and_off_for_the_local_backend(tmp_path: Path) -> None:
+def test_the_worker_template_is_on_by_default_on_every_backend(tmp_path: Path) -> None:
     local = (ROOT / "examples" / "quickstart.toml").read_text()
-    assert not load_job_file(ROOT / "examples" / "quickstart.toml").worker_template
-    chosen = tmp_path / "on.toml"
-    chosen.write_text(local.replace("[cluster]\n", "[cluster]\nworker_template = true\n", 1))
-    assert load_job_file(chosen).worker_template
+    assert load_job_file(ROOT / "examples" / "quickstart.toml").worker_template
+    chosen = tmp_path / "off.toml"
+    chosen.write_text(local.replace("[cluster]\n", "[cluster]\nworker_template = false\n", 1))
+    assert not load_job_file(chosen).worker_template
     for example in ("qwen3-8b-gsm8k-slurm.toml",):
         spec = load_job_file(ROOT / "examples" / example)
         assert spec.backend == "slurm" and spec.worker_template

@@ -1,7 +1,7 @@
-"""A real local job with ``[cluster] worker_template = true`` (and the reward role opted out):
-the first workers are spawned, a crashed rollout worker and a crashed trainer are restarted
-from their node's template, each reporting its first phase within a second of the start, and
-the opted-out reward worker is spawned again."""
+"""A real local job with the worker template (the default) and the reward role opted out: the
+job's virtual nodes share one template, from which the first workers are already forked; a
+crashed rollout worker and a crashed trainer are forked again, each reporting its first phase
+within a second of the start; the opted-out reward worker is spawned, first and again."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rlctl.controller.store import Journal
 from tests.integration.helpers import kill_everything_under, rlctl, rlctl_json, status, wait_for, write_job
 
 FORKED = re.compile(r"started worker (\S+) \(role (\w+),.*forked from the template")
+READY = re.compile(r"worker template ready \(pid (\d+),")
 SPAWNED = re.compile(r"started worker (\S+) \(role (\w+),.*pid \d+$")
 
 
@@ -41,17 +42,25 @@ def template_ready_on(jobdir: JobDir, node: str) -> bool:
     return log.exists() and "worker template ready" in log.read_text(errors="replace")
 
 
+def template_pids(jobdir: JobDir) -> set[int]:
+    """The pids of the templates the job's agents connected to."""
+    pids = set()
+    for log in (jobdir.path / "nodes").glob("*/agent.log"):
+        pids.update(int(pid) for pid in READY.findall(log.read_text(errors="replace")))
+    return pids
+
+
 def test_restarted_workers_fork_from_the_template_and_start_fast(tmp_path: Path, state_dir: Path) -> None:
     job_file = write_job(tmp_path, name="tpl", spares=0, max_restarts=5)
     text = job_file.read_text()
-    text = text.replace("[cluster]\n", "[cluster]\nworker_template = true\n", 1)
     job_file.write_text(text.replace("[roles.reward]\n", "[roles.reward]\nfork_from_template = false\n", 1))
     launched = rlctl_json(state_dir, "launch", str(job_file))
     job, jobdir = launched["job_id"], JobDir(Path(launched["job_dir"]))
     try:
         wait_for(lambda: status(state_dir, job)["job"]["step"] >= 2, 180, "two RL steps")
         first = agent_starts(jobdir)
-        assert first and not any(first.values()), f"a node's first worker is spawned: {first}"
+        assert first and all(forked is (wid.split("-")[0] != "reward") for wid, forked in first.items()), first
+        assert len(template_pids(jobdir)) == 1, "the job's virtual nodes share one template"
         for role in ("rollout", "trainer", "reward"):
             snap = status(state_dir, job)
             node = next(n["name"] for n in snap["nodes"] if n["role"] == role and n["worker_state"] == "running")
