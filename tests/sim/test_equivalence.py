@@ -4,12 +4,15 @@ Both decide through the one orchestration core (``rlctl.core.orchestrate``). The
 controller's detection (``rlctl.controller.detection``) around a shell that only journals; the sim
 side is ``rlctl.sim.observe`` in a paused simulation. Both start from
 the same job model: the simulator's own, and one rebuilt by replaying its events (the journal path).
-A real local chaos run's journal is also replayed: every plan it journaled is re-derived.
+A real local chaos run's journal is also replayed: every plan it journaled is re-derived. And a
+whole simulated job's events are fed, moment by moment, to the live tick: at every moment the
+simulator opened a round, started a held-out evaluation or finished, the live tick does the same.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from typing import Any
 
@@ -26,6 +29,9 @@ from rlctl.core.plansteps import Step
 from rlctl.core.tick import Observations, TickDecisions, WorkerSightings
 from rlctl.sim import observe
 from rlctl.sim.calibrate import read_events
+from rlctl.sim.costmodel import CostModel
+from rlctl.sim.engine import SimConfig, Simulation
+from rlctl.sim.faults import TraceFailures
 from rlctl.spec_loader import load_job_file
 from tests.core.shells import RecordingShell
 from tests.core.test_rounds import make_scheduler
@@ -209,3 +215,63 @@ def test_the_sim_events_replay_to_the_same_model(quickstart: Any) -> None:
     assert replayed.published_version == sim.model.published_version
     assert {k: v.life.state for k, v in replayed.nodes.items()} == {k: v.life.state for k, v in sim.model.nodes.items()}
     assert json.dumps(sorted(replayed.slots)) == json.dumps(sorted(sim.model.slots))
+
+
+# ---- rounds, held-out evaluations and the finish -------------------------------------------------
+
+DECISION_TYPES = ("EpochStarted", "RoundStarted", "HeldOutStarted")
+TRACE_STEPS = 6
+
+
+def with_held_out(spec: Any) -> Any:
+    """The job with held-out prompts evaluated every second version (the simulator makes them up)."""
+    return dataclasses.replace(spec, raw={**spec.raw, "data": {
+        **spec.raw["data"], "eval_files": ["held_out.parquet"], "eval_every": 2, "eval_max_prompts": 8}})
+
+
+def test_rounds_held_out_evaluations_and_the_finish_are_decided_the_same_live_and_simulated(quickstart: Any) -> None:
+    """A simulated job's whole event sequence is fed, moment by moment, to the live controller's
+    tick (its detection observing, the core deciding, the detection carrying out). At every moment
+    the simulator opened a round or an epoch, started a held-out evaluation or finished the job, the
+    live tick, given everything journaled before it, decides the same: the same events with the
+    same data (prompts, versions, kinds, sizes), and the same stop."""
+    spec = with_held_out(quickstart)
+    config = SimConfig(policy="role", steps=TRACE_STEPS, record_events=True)
+    pristine = Simulation(spec, CostModel(), TraceFailures([]), config)
+    sim = Simulation(spec, CostModel(), TraceFailures([]), config)
+    sim.run()
+    events = sim.events
+    final = [e for e in events if e.type == "JobStateChanged" and e.data["state"] == "succeeded"]
+    assert final, "the simulated job should succeed"
+    moments = sorted({e.at for e in events if e.type in DECISION_TYPES} | {final[0].at})
+    compared = {"RoundStarted": 0, "HeldOutStarted": 0, "EpochStarted": 0, "finish": 0}
+    for at in moments:
+        before = [e for e in events if e.at < at or (e.at == at and e.type not in DECISION_TYPES
+                                                       and e.type != "JobStateChanged")]
+        simulated = [e for e in events if e.at == at and e.type in DECISION_TYPES]
+        model = replayed_model_with(before, copy.deepcopy(pristine.scheduler))
+        stub = StubController(model, spec, observe.detector_for(spec), at)
+        all_quiet(stub)
+        decisions = stub.orc.reconcile(at, stub.detection.observe(at, stopping=False))
+        stub.detection.carry_out(decisions)
+        live = [e for e in stub.recorded if e.type in DECISION_TYPES]
+        assert [(e.type, e.data) for e in live] == [(e.type, e.data) for e in simulated], f"at {at:.1f} s"
+        for e in simulated:
+            compared[e.type] += 1
+        if at == final[0].at:
+            assert decisions.stop is not None and decisions.stop.succeeded
+            assert decisions.stop.reason == final[0].data["reason"]
+            compared["finish"] += 1
+        else:
+            assert decisions.stop is None, f"the live tick stopped the job at {at:.1f} s"
+    assert compared["RoundStarted"] >= TRACE_STEPS and compared["HeldOutStarted"] == TRACE_STEPS // 2 + 1
+    assert compared["EpochStarted"] >= 1 and compared["finish"] == 1
+
+
+def replayed_model_with(events: list[Event], scheduler: Any) -> JobModel:
+    """The model (and its round scheduler) a controller rebuilds from ``events``, as on resume."""
+    model = JobModel(job_id="replayed")
+    model.scheduler = scheduler
+    for ev in events:
+        model.apply(ev)
+    return model
