@@ -159,7 +159,7 @@ def compare_placements(args: argparse.Namespace) -> None:
 
 
 def compare_templates(args: argparse.Namespace) -> None:
-    """The role policy with every worker forked from its node's warm template against the old spawn
+    """The role policy with every worker forked from the host's warm template against the old spawn
     (``[cluster] worker_template`` true and false), the same fault draws: ETTR, time per step and
     recovery per fault kind. Prints one JSON object."""
     results: dict[str, Any] = {"rate": args.rate, "steps": args.steps, "seed": args.seed, "step_scale": args.step_scale,
