@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlctl_agent.protocol import JsonLines
+
 PRELOAD_ENV = "RLCTL_TEMPLATE_PRELOAD"
 DEFAULT_PRELOAD = (
     "torch", "transformers", "transformers:AutoModelForCausalLM", "transformers:AutoTokenizer",
@@ -124,7 +126,7 @@ class Client:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.sock.settimeout(SEND_TIMEOUT_S)
-        self._buffer = b""
+        self._lines = JsonLines()
         self.open = True
         self.leaving = False  # said "bye": its agent is gone for good, with no worker left running
 
@@ -145,19 +147,10 @@ class Client:
         if not chunk:
             self.open = False
             return []
-        self._buffer += chunk
-        if len(self._buffer) > MAX_REQUEST_BYTES:
+        messages = [body if body is not None else {"type": "unreadable"} for body in self._lines.feed(chunk)]
+        if self._lines.pending_bytes > MAX_REQUEST_BYTES:
             self.send({"type": "error", "error": "request too large"})
             self.open = False
-            return []
-        messages = []
-        while b"\n" in self._buffer:
-            line, _, self._buffer = self._buffer.partition(b"\n")
-            try:
-                body = json.loads(line)
-            except ValueError:
-                body = None
-            messages.append(body if isinstance(body, dict) else {"type": "unreadable"})
         return messages
 
 

@@ -68,6 +68,31 @@ def loads_bounded(line: bytes | str) -> Any:
     return value
 
 
+class JsonLines:
+    """A byte stream cut into JSON objects, one per line (the worker template's protocol): ``feed``
+    gives the objects its chunk completes, None for a line that is not one bounded JSON object."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of an unfinished line held back."""
+        return len(self._pending)
+
+    def feed(self, chunk: bytes) -> list[dict[str, Any] | None]:
+        self._pending += chunk
+        objects: list[dict[str, Any] | None] = []
+        while b"\n" in self._pending:
+            line, _, self._pending = self._pending.partition(b"\n")
+            try:
+                body = loads_bounded(line)
+            except ProtocolError:
+                body = None
+            objects.append(body if isinstance(body, dict) else None)
+        return objects
+
+
 def nesting(value: Any, limit: int = MAX_NESTING) -> int:
     """How deep arrays and objects nest in ``value`` (a scalar: 0), without recursion; counting
     stops past ``limit``."""

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .protocol import JsonLines
+
 log = logging.getLogger("rlctl_agent.template")
 
 TEMPLATE_MODULE = "rlctl.worker_template"
@@ -106,7 +108,7 @@ class Template:
     forks: int = 0
     exits: dict[int, int] = field(default_factory=dict)
     connection: int = 0  # counts connections: a worker's end is reported on the one it was forked over
-    _buffer: bytes = b""
+    _lines: JsonLines = field(default_factory=JsonLines)
 
     @property
     def pid(self) -> int | None:
@@ -118,7 +120,7 @@ class Template:
     def start(self, now: float) -> None:
         """Connect to the running template, or start one and connect to it on a later ``check``."""
         self.last_start = now
-        self._buffer, self.info = b"", {}
+        self._lines, self.info = JsonLines(), {}
         if self._connect():
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,16 +203,8 @@ class Template:
         if not chunk:
             self._died("closed its socket")
             return []
-        self._buffer += chunk
-        messages = []
-        while b"\n" in self._buffer:
-            line, _, self._buffer = self._buffer.partition(b"\n")
-            try:
-                body = json.loads(line)
-            except ValueError:
-                body = None
-            messages.append(body if isinstance(body, dict) else {"type": "error", "error": f"unreadable {line[:100]!r}"})
-        return messages
+        return [body if body is not None else {"type": "error", "error": "an unreadable line"}
+                for body in self._lines.feed(chunk)]
 
     def fork(self, request: dict[str, Any]) -> int | None:
         """Ask a ready template for a worker; its pid, or None (spawn it instead)."""

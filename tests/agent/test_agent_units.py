@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from rlctl_agent import protocol
 from rlctl_agent.config import ConfigError, load_config, parse_config
 from rlctl_agent.gpu import NoGpuError, NvmlProvider, SimProvider, WorkerLoad, make_gpu_provider
 from rlctl_agent.nccl import NCCL_FLIGHT_RECORDER, NCCL_TIMEOUT, WorkerLogWatcher, parse_line
@@ -296,3 +297,11 @@ def test_a_workers_last_error_is_its_tracebacks_final_line_and_a_sigbus_names_th
     said = signal_error(7, last_error(log))
     assert said.startswith("SIGBUS: a file it had mapped") and said.endswith("(Fatal Python error: Bus error)"), said
     assert signal_error(7, "").startswith("SIGBUS: a file it had mapped")
+
+
+def test_json_lines_cut_a_stream_into_objects_and_mark_unreadable_lines() -> None:
+    lines = protocol.JsonLines()
+    assert lines.feed(b'{"type": "fo') == [] and lines.pending_bytes == 12
+    assert lines.feed(b'rk"}\nnot json\n[1, 2]\n' + b"[" * 100 + b"]" * 100 + b'\n{"a": 1}\n{"b"') == [
+        {"type": "fork"}, None, None, None, {"a": 1}]
+    assert lines.pending_bytes == 4
