@@ -43,6 +43,10 @@ BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 HANDSHAKE_TIMEOUT_S = 10.0  # a loaded controller can stall for seconds; a paused one never answers
+# A live controller speaks first (TLS, then the challenge) at once. A paused predecessor still holding
+# the port (reuse_port) takes every other connection into its backlog and never does: the first
+# wait for it to speak is short and doubles, up to the bounds above, while controllers stay silent.
+FIRST_WORD_TIMEOUT_S = 2.0
 OUTBOX_LIMIT = 10_000
 COMMAND_TYPES = frozenset({"start_worker", "stop_worker", "signal_worker", "inject", "to_worker", "shutdown"})
 PING_SILENCE_FACTOR = 4.0
@@ -96,6 +100,7 @@ class ControllerLink:
         self.controller_epoch: Any = None
         self.highest_epoch = highest_epoch
         self.silence_s: float | None = None  # set from the welcome's ping interval
+        self._silent_controllers = 0  # connections in a row whose controller never spoke
         self.last_connected = time.monotonic()  # when a controller was last reachable (connected or welcomed)
         self.connected = asyncio.Event()
 
@@ -147,7 +152,7 @@ class ControllerLink:
             try:
                 reader, writer = await asyncio.open_connection(
                     self._config.controller_host, self._config.controller_port, limit=protocol.MAX_MESSAGE_BYTES + 1,
-                    ssl=self._tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if self._tls else None)
+                    ssl=self._tls, ssl_handshake_timeout=self._first_word_timeout(TLS_HANDSHAKE_TIMEOUT_S) if self._tls else None)
                 self._check_pinned(writer)
             except ssl.SSLError as exc:
                 log.error("controller %s:%d failed the TLS check (not this job's controller?): %s",
@@ -155,6 +160,8 @@ class ControllerLink:
                 await asyncio.sleep(next(delays))
                 continue
             except OSError as exc:
+                if isinstance(exc, (TimeoutError, ConnectionAbortedError)):  # no TLS answer in time
+                    self._silent_controllers += 1
                 log.debug("controller %s:%d unreachable: %s", self._config.controller_host,
                           self._config.controller_port, exc)
                 await asyncio.sleep(next(delays))
@@ -171,6 +178,10 @@ class ControllerLink:
                 self._disconnect(writer)
             await asyncio.sleep(next(delays))
 
+    def _first_word_timeout(self, bound: float) -> float:
+        """How long to wait for the controller to speak first on a new connection."""
+        return min(bound, FIRST_WORD_TIMEOUT_S * 2 ** min(self._silent_controllers, 8))
+
     def _check_pinned(self, writer: asyncio.StreamWriter) -> None:
         """With TLS, the peer's certificate must be the pinned one, byte for byte."""
         if self._tls is None:
@@ -183,7 +194,12 @@ class ControllerLink:
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _enable_keepalive(writer)
-        challenge = await self._read(reader, HANDSHAKE_TIMEOUT_S)
+        try:
+            challenge = await self._read(reader, self._first_word_timeout(HANDSHAKE_TIMEOUT_S))
+        except TimeoutError:
+            self._silent_controllers += 1
+            raise TimeoutError("the controller sent no challenge (a paused one holding the port?)") from None
+        self._silent_controllers = 0
         nonce = challenge.get("nonce")
         if challenge["type"] != "challenge" or not isinstance(nonce, str):
             raise protocol.ProtocolError(f"expected a challenge, got {challenge['type']!r}")

@@ -1,14 +1,17 @@
 """The agent's side of fencing and of a lost controller: it refuses a controller older than one it
 has seen (welcome and commands), leaves a controller that went silent for a reconnect, and stops
-its workers and exits once no controller has been reachable for ``orphan_timeout_s``."""
+its workers and exits once no controller has been reachable for ``orphan_timeout_s``, and gives up
+fast on a controller that accepts but never speaks (a paused one still holding the port)."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from agent_testkit import AgentProcess, ControllerStub, process_gone, wait_until
+from conftest import SECRET
 from test_agent_process import start_worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,3 +63,39 @@ def test_an_orphaned_agent_stops_its_workers_and_exits(controller: ControllerStu
     assert agent.wait(timeout=20) == 75
     wait_until(lambda: process_gone(pid), timeout=5)
     assert "no controller reachable" in agent.log_text()
+
+
+def logged_at(agent: AgentProcess, text: str) -> list[float]:
+    """When each agent log line containing ``text`` was written (seconds of the day)."""
+    times = []
+    for line in agent.log_text().splitlines():
+        if text in line:
+            clock = line.split()[1].replace(",", ".")
+            hours, minutes, seconds = clock.split(":")
+            times.append(int(hours) * 3600 + int(minutes) * 60 + float(seconds))
+    return times
+
+
+def test_a_controller_that_never_speaks_is_given_up_on_fast_then_slower(workdir: Path) -> None:
+    """A paused predecessor holding the port (``reuse_port``) takes connections into its backlog and
+    never sends the challenge: the agent gives up on it after 2 s, then 4 s, not 10 s each, and
+    reaches the live controller once there is one."""
+    silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    port = silent.getsockname()[1]
+    agent = AgentProcess(workdir, port, secret=SECRET).start()
+    live = ControllerStub(SECRET, port=port)
+    try:
+        wait_until(lambda: len(logged_at(agent, "sent no challenge")) >= 2, timeout=20)
+        first, second = logged_at(agent, "sent no challenge")[:2]
+        started = logged_at(agent, "agent for job")[0]
+        assert first - started < 5.0, f"the first silent controller was given up on after {first - started:.1f} s"
+        assert second - first >= 3.9, "the second wait doubles"
+        silent.close()
+        live.start()
+        live.wait_type("hello", timeout=15)
+    finally:
+        agent.kill()
+        live.close()
+        silent.close()
