@@ -84,7 +84,7 @@ class WorkerRecord:
     suspended: bool = False
     exited: bool = False
     log_start: int = 0  # where this worker's own lines begin in its log (a wid's log may hold an earlier start's)
-    forked: bool = False  # forked from the node's worker template (not spawned)
+    forked: bool = False  # forked from the host's worker template (not spawned)
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -226,7 +226,7 @@ class Supervisor:
     def start(self, wid: str, slot: str, role: str, argv: list[str], env: dict[str, str],
               cwd: str | None, template: bool = False) -> tuple[WorkerRecord, bool]:
         """Start worker ``wid``; idempotent: a known wid returns its record and False. ``template``:
-        fork it from the node's worker template where one is ready (else spawn it)."""
+        fork it from the host's worker template where one is ready (else spawn it)."""
         if wid in self.workers:
             return self.workers[wid], False
         if not argv or not all(isinstance(arg, str) for arg in argv):

@@ -557,7 +557,7 @@ class RoleSpec:
     env: dict[str, str]
     tensor_parallel_size: int = 1
     colocated: bool = False  # its workers run on the trainer's nodes and GPUs (allocates no nodes of its own)
-    fork_from_template: bool = True  # with [cluster] worker_template on: its workers fork from the node's template
+    fork_from_template: bool = True  # with [cluster] worker_template on: its workers fork from the host's template
 
     @property
     def gpus_per_worker(self) -> int:
