@@ -263,9 +263,10 @@ def test_agent_supervises_forked_workers_and_restarts_a_dead_template(
 
     survivor = start(controller, "w6")
     controller.wait_type("worker_phase", wid="w6", phase="generating")
-    os.kill(template_pid(agent), 9)
+    dead_template = template_pid(agent)
+    os.kill(dead_template, 9)
     wait_until(lambda: template_readies(agent) == 2, timeout=30)
-    assert template_pid(agent) != pid
+    assert template_pid(agent) != dead_template
     assert controller.ack(controller.send("stop_worker", wid="w6", grace_s=2.0))["ok"] is True
     orphan = controller.wait_type("worker_exited", wid="w6")
     assert orphan["reason"] == "untracked-exit", "a worker whose template died ends without a code"
