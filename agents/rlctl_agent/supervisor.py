@@ -85,7 +85,6 @@ class WorkerRecord:
     exited: bool = False
     log_start: int = 0  # where this worker's own lines begin in its log (a wid's log may hold an earlier start's)
     forked: bool = False  # forked from the host's worker template (not spawned)
-    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def adopted(self) -> bool:

@@ -105,7 +105,6 @@ class Template:
     info: dict[str, Any] = field(default_factory=dict)
     failed_starts: int = 0
     last_start: float = 0.0
-    forks: int = 0
     exits: dict[int, int] = field(default_factory=dict)
     connection: int = 0  # counts connections: a worker's end is reported on the one it was forked over
     _lines: JsonLines = field(default_factory=JsonLines)
@@ -185,10 +184,7 @@ class Template:
         kind = message.get("type")
         if kind == "exited":
             self.exits[int(message["pid"])] = int(message["code"])
-        elif kind == "ready" and self.state == "starting":
-            if message.get("cuda_initialized") is not False:
-                self.kill("its preload initialised CUDA")
-                return
+        elif kind == "ready" and self.state == "starting":  # a template whose preload initialised CUDA never says it
             self.state, self.info, self.failed_starts = "ready", message, 0
             log.info("worker template ready (pid %s, imports %.1f s)", message.get("pid"), message.get("import_s", 0))
 
@@ -223,7 +219,6 @@ class Template:
                 break
             for message in self._receive():
                 if message.get("type") == "forked":
-                    self.forks += 1
                     return int(message["pid"])
                 if message.get("type") == "error":
                     log.warning("worker template refused a fork: %s", message.get("error"))
@@ -251,8 +246,8 @@ class Template:
         self._close()
 
     def kill(self, why: str) -> None:
-        """Let this template go: the one this agent started is killed, a shared one is left."""
-        if self.process is not None and self.process.poll() is None and self.state == "launching":
+        """Let go of a template this agent started that never came to listen: it is killed."""
+        if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(5)
         self._died(why)

@@ -118,7 +118,7 @@ JOB_SCHEMA: dict[str, Field] = {
                 "transformers and the role code (never CUDA), one per job on each host, shared by the job's agents "
                 "there (on the local backend, every virtual node). Worker (re)starts fork from it and run role code in "
                 "well under a second instead of paying for those imports again; the first start on a host waits for "
-                "the template (at most 6 s) instead of importing everything itself. A start that finds no ready "
+                "the template (at most 20 s) instead of importing everything itself. A start that finds no ready "
                 "template spawns the worker as before (a dead template is restarted). Only `python -m module ...` and "
                 "`python script.py ...` commands fork. Per role: `fork_from_template`.",
                 True,
