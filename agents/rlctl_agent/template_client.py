@@ -217,13 +217,17 @@ class Template:
             readable, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
             if not readable:
                 break
-            for message in self._receive():
-                if message.get("type") == "forked":
-                    return int(message["pid"])
-                if message.get("type") == "error":
-                    log.warning("worker template refused a fork: %s", message.get("error"))
-                    return None
-                self._take(message)
+            answer: dict[str, Any] | None = None
+            for message in self._receive():  # the answer may share a read with other workers' ends
+                if answer is None and message.get("type") in ("forked", "error"):
+                    answer = message
+                else:
+                    self._take(message)
+            if answer is not None and answer.get("type") == "forked":
+                return int(answer["pid"])
+            if answer is not None:
+                log.warning("worker template refused a fork: %s", answer.get("error"))
+                return None
         if self.sock is not None:
             self._died("no answer to a fork request")
         return None

@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 from agent_testkit import AgentProcess, ControllerStub, process_gone, wait_until, worker_argv
 from conftest import SECRET
-from rlctl_agent.template_client import forkable, template_env
+from rlctl_agent.template_client import Template, forkable, template_env
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -315,3 +316,31 @@ def test_workers_are_spawned_when_the_template_cannot_start(
         assert controller.wait_type("worker_started", since=since, wid=wid)["forked"] is False
         assert controller.wait_type("worker_exited", wid=wid)["exit_code"] == 0
     assert "no template here" in (workdir / "logs" / "worker-template-0.log").read_text()
+
+
+@pytest.mark.parametrize("order", ["forked-then-exited", "exited-then-forked"])
+def test_a_workers_end_that_shares_a_read_with_a_fork_answer_is_kept(order: str, tmp_path: Path) -> None:
+    """The template reaps right after it answers a fork: the answer and another worker's end can
+    arrive in one read, and the end must still reach that worker's agent."""
+    name = f"rlctl-test-template-{uuid.uuid4().hex}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    template = Template(name=name, python=sys.executable, env={}, log_path=tmp_path / "template.log")
+    template.start(time.monotonic())  # connects: the name is bound
+    server, _ = listener.accept()
+    server.sendall(b'{"type": "ready", "pid": 1}\n')
+    wait_until(lambda: template.check() or template.state == "ready", 5)
+    replies = [b'{"type": "forked", "pid": 4242}\n', b'{"type": "exited", "pid": 4141, "code": -15}\n']
+
+    def answer_in_one_write() -> None:
+        assert json.loads(server.makefile("rb").readline())["type"] == "fork"
+        server.sendall(b"".join(replies if order == "forked-then-exited" else replies[::-1]))
+
+    answering = threading.Thread(target=answer_in_one_write)
+    answering.start()
+    assert template.fork({"argv": ["x"], "env": {}, "cwd": "/", "log": "/dev/null"}) == 4242
+    answering.join(5)
+    assert template.exit_of(4141) == -15
+    server.close()
+    listener.close()
