@@ -269,9 +269,14 @@ class TemplateServer:
                 return
             if pid == 0:
                 return
+            code = os.waitstatus_to_exitcode(status)
             owner = self.owners.pop(pid, None)
             if owner is not None:
-                owner.send({"type": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+                owner.send({"type": "exited", "pid": pid, "code": code})
+            # The template's log keeps every end, the ones no agent heard of included.
+            told = owner is not None and owner.open
+            print(f"worker template: worker {pid} ended ({describe_end(code)})"
+                  f"{'' if told else '; its agent had gone'}", flush=True)
 
     def _drop_closed(self) -> None:
         closed = [client for client in self.clients if not client.open]
@@ -280,6 +285,16 @@ class TemplateServer:
             self.clients.remove(client)
         if closed and not self.clients:
             self.expect_return = not all(client.leaving for client in closed)
+
+
+def describe_end(code: int) -> str:
+    """``exit code N`` or ``killed by SIGNAME`` for a ``waitstatus_to_exitcode`` value."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def become_worker(request: ForkRequest) -> None:
@@ -353,9 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     ready = {"type": "ready", "pid": os.getpid(), "import_s": round(time.monotonic() - started, 3),
              "cuda_initialized": False, "preloaded": loaded}
     print(f"worker template {args.name} ready: {len(loaded)} modules in {ready['import_s']} s", flush=True)
-    request = TemplateServer(listener, ready, idle_exit_s()).serve()
+    server = TemplateServer(listener, ready, idle_exit_s())
+    request = server.serve()
     if request is None:
-        print(f"worker template {args.name}: no agent for {idle_exit_s():.0f} s, exiting", flush=True)
+        why = f"no agent for {idle_exit_s():.0f} s" if server.expect_return else "its last agent left"
+        print(f"worker template {args.name}: {why}, exiting", flush=True)
         return 0
     run_worker(request)
     return 0

@@ -172,8 +172,21 @@ def test_each_workers_end_goes_to_the_agent_that_asked_and_one_name_has_one_temp
                             capture_output=True, text=True, timeout=30, check=False,
                             env={**os.environ, "RLCTL_TEMPLATE_PRELOAD": ""})
     assert second.returncode == 3 and "already served" in second.stderr
+    other_sock.sendall(json.dumps({"type": "fork", "argv": [sys.executable, str(sleeper)], "env": dict(os.environ),
+                                   "cwd": str(workdir), "log": str(workdir / "s.log")}).encode() + b"\n")
+    orphan = light_template.receive(other_reader)
     other_reader.close()
-    other_sock.close()
+    other_sock.close()  # that agent is gone: only the template's log hears how its worker ended
+    time.sleep(0.3)
+    os.kill(orphan["pid"], 9)
+    wait_until(lambda: process_gone(orphan["pid"]))  # reaped
+    light_template.close()
+    assert light_template.process.stdout is not None
+    said = light_template.process.stdout.read().decode()
+    assert f"worker {ours['pid']} ended (killed by SIGTERM)\n" in said
+    assert f"worker {theirs['pid']} ended (killed by SIGKILL)\n" in said
+    assert f"worker {orphan['pid']} ended (killed by SIGKILL); its agent had gone\n" in said
+    assert said.endswith(": its last agent left, exiting\n")
 
 
 def test_a_template_waits_for_an_agent_that_left_without_bye_then_exits(workdir: Path) -> None:
