@@ -287,6 +287,14 @@ class TemplateServer:
             self.expect_return = not all(client.leaving for client in closed)
 
 
+# What a newly started interpreter has: Python ignores SIGPIPE and SIGXFSZ (a write to a closed
+# socket raises BrokenPipeError) and turns SIGINT into KeyboardInterrupt.
+FRESH_INTERPRETER_SIGNALS: dict[signal.Signals, Any] = {
+    signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL, signal.SIGCHLD: signal.SIG_DFL,
+    signal.SIGPIPE: signal.SIG_IGN, signal.SIGXFSZ: signal.SIG_IGN,
+}
+
+
 def describe_end(code: int) -> str:
     """``exit code N`` or ``killed by SIGNAME`` for a ``waitstatus_to_exitcode`` value."""
     if code >= 0:
@@ -310,8 +318,8 @@ def become_worker(request: ForkRequest) -> None:
     os.dup2(log_fd, 2)
     os.close(null_fd)
     os.close(log_fd)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-        signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+    for signum, disposition in FRESH_INTERPRETER_SIGNALS.items():
+        signal.signal(signum, disposition)
     try:
         os.chdir(request.cwd)
     except OSError as exc:

@@ -135,6 +135,40 @@ def test_template_protocol_with_the_real_preload(workdir: Path) -> None:
         assert template.close() == 0, "the template exits when its last agent says bye"
 
 
+SIGNALS = """
+import json, signal, socket, sys
+names = ("SIGINT", "SIGTERM", "SIGCHLD", "SIGPIPE", "SIGXFSZ", "SIGHUP", "SIGUSR1")
+seen = {name: str(signal.getsignal(getattr(signal, name))) for name in names}
+ours, theirs = socket.socketpair()
+theirs.close()  # an agent that died: writing to it must raise, not kill the worker
+try:
+    for _ in range(3):
+        ours.sendall(b"progress\\n")
+except BrokenPipeError:
+    seen["write_to_a_closed_peer"] = "BrokenPipeError"
+json.dump(seen, open(sys.argv[1], "w"))
+open(sys.argv[1], "a").write("\\n")
+"""
+
+
+def test_a_forked_worker_starts_with_the_signal_dispositions_of_a_fresh_interpreter(
+        light_template: TemplateUnderTest, workdir: Path) -> None:
+    """A spawned Python ignores SIGPIPE; a forked worker that did not was killed by the first write
+    to the socket of an agent that had just died (an agent-kill then looked like a node loss)."""
+    assert light_template.receive()["type"] == "ready"
+    script = workdir / "signals.py"
+    script.write_text(SIGNALS)
+    spawned = subprocess.run([sys.executable, str(script), str(workdir / "spawned.json")], check=True, timeout=30)
+    assert spawned.returncode == 0
+    reply = light_template.send({"type": "fork", "argv": [sys.executable, str(script), str(workdir / "forked.json")],
+                                 "env": dict(os.environ), "cwd": str(workdir), "log": str(workdir / "signals.log")})
+    assert reply["type"] == "forked"
+    assert light_template.receive() == {"type": "exited", "pid": reply["pid"], "code": 0}
+    forked = json.loads((workdir / "forked.json").read_text())
+    assert forked == json.loads((workdir / "spawned.json").read_text())
+    assert forked["write_to_a_closed_peer"] == "BrokenPipeError"
+
+
 def test_template_runs_modules_like_python_dash_m(light_template: TemplateUnderTest, workdir: Path) -> None:
     assert light_template.receive()["type"] == "ready"
     package = workdir / "probe_pkg"
