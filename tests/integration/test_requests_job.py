@@ -145,7 +145,12 @@ def test_bad_requests_injections_and_two_resumes_at_once(tmp_path: Path, state_d
     lost = [r for r in results if r[0] != 0]
     assert len(won) == 1 and len(lost) == 1, results
     assert "resumed" in won[0][1]
-    assert lost[0][0] == 3 and "taken over by another controller" in lost[0][2], lost[0]
+    # The loser lost the race for the journal's epoch (fenced as its controller started), or it
+    # started late enough to find the winner's controller answering and refused at once: either
+    # way it did nothing and the winner runs the job.
+    code, _, said = lost[0]
+    assert (code == 3 and "taken over by another controller" in said) or (
+        code == 1 and "already has a running controller" in said), lost[0]
     assert [e.data["epoch"] for e in events_of(jobdir, "ControllerStarted")] == [1, 2]
     step = status(state_dir, job)["job"]["step"]
     wait_for(lambda: (s := status(state_dir, job))["job"]["step"] >= step + 1 and s["controller"].get("live"),
