@@ -81,7 +81,7 @@ def plan(model: JobModel, verdict: Verdict, max_restarts_per_slot: int, claims: 
         slot = next((s for s in workers_on(model, verdict.node, slot) if s.role == "trainer"), slot)
     if slot.role == "trainer" and not slot.standby and len(trainer_group(model)) > 1:
         return _restart_trainer_group(model, verdict, slot, node_bad, max_restarts_per_slot, claims)
-    standbys = _standbys(model, verdict.node, claims)
+    standbys = _standbys(model, verdict.node, claims, slot.role)
     if node_bad and slot.role == "trainer" and standbys and len(workers_on(model, verdict.node, slot)) > 1:
         return _standby_takes_colocated_node(model, verdict, slot, standbys[0])
     if standbys and len(workers_on(model, verdict.node, slot)) == 1:
@@ -162,12 +162,23 @@ def _standby_takes_colocated_node(model: JobModel, verdict: Verdict, trainer: Sl
             + [RequestSpare(verdict.node)])
 
 
-def _standbys(model: JobModel, bad_node: str, claims: Claims) -> list[SlotRecord]:
-    """Standbys ready to take over: running, fully loaded (phase ``standby``), on a healthy node, and
-    not already taking over for another plan."""
+def _standbys(model: JobModel, bad_node: str, claims: Claims, role: str) -> list[SlotRecord]:
+    """Standbys ready to take over ``role``: running, fully loaded (phase ``standby``), on a healthy
+    node, not already taking over for another plan, and not the one whose trainer-state replica
+    restarting trainers are about to restore from (unless the role is the trainer's)."""
+    kept = _replica_kept_for_trainers(model) if role != "trainer" else None
     return [s for s in model.standby_slots() if s.node != bad_node and _usable(model, s.node)
-            and s.slot not in claims.slots and s.node not in claims.nodes
+            and s.slot not in claims.slots and s.node not in claims.nodes and s.slot != kept
             and s.life is not None and s.life.state.value == "running" and s.phase == "standby"]
+
+
+def _replica_kept_for_trainers(model: JobModel) -> str | None:
+    """The standby slot holding the live trainer-state replica while a trainer has yet to restore
+    (a restarting group restores from it; taken for another role, it would be lost to them)."""
+    replica = model.live_state_replica()
+    if replica is None or all(s.serving for s in trainer_group(model)):
+        return None
+    return replica.slot
 
 
 def slots_released_by(model: JobModel, step: Step) -> list[SlotRecord]:

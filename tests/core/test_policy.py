@@ -184,3 +184,21 @@ def test_a_spare_node_another_plan_moves_slots_onto_is_not_offered_to_the_next_p
     second = plan(model, verdict("node03", None, "node-loss", "replace-node"), 2, Claims.of(first))
     assert kinds(second) == ["fail-node", "request-node"]
     assert Claims.of(first) == Claims(frozenset({"rollout-0"}), frozenset({"node09"}))
+
+
+def test_the_standby_holding_the_trainer_replica_is_kept_for_a_restarting_trainer_group() -> None:
+    """A rollout that fails while the trainer group restarts does not take the standby whose
+    in-memory copy of the trainer state the group is about to restore from."""
+    model = running_job(trainers=2)
+    for rank in ("trainer-0", "trainer-1"):
+        model.slots[rank].serving = True
+    standby = model.slots["standby-0"]
+    model.apply(event("TrainerStateHeld", 2.0, slot="standby-0", wid=standby.wid, step=4,
+                      source={"sharded": True, "shards": [{}, {}]}))
+    rollout_fails = verdict("node02", "rollout-0", "worker-crash", "restart-worker")
+    assert kinds(plan(model, rollout_fails, 2)) == ["stop-worker", "activate-standby", "make-standby"], \
+        "the trainers serve: the standby may take the rollout"
+    for step in plan(model, verdict("node20", "trainer-1", "worker-crash", "restart-worker"), 2):
+        model.apply(event("WorkerStarting", 3.0, slot=step.journal_fields()["slot"], wid=model.next_wid(
+            step.journal_fields()["slot"]), node=model.slots[step.journal_fields()["slot"]].node, role="trainer"))
+    assert kinds(plan(model, rollout_fails, 2)) == ["restart-worker"], "the group restores from the standby's copy"
