@@ -31,7 +31,7 @@ export RLCTL_CACHE="${RLCTL_CACHE:-$ROOT/.cache/rlctl}"
 echo "main suite: .venv ready after $((SECONDS - started)) s" >&2
 
 set +e
-# Two workers (tests/conftest.py): whole jobs one at a time on one, the rest beside them.
+# Two workers (tests/conftest.py): the timed tests one at a time on one, the rest beside them.
 python -m pytest -q -n "${RLCTL_TEST_WORKERS:-2}" "$@"
 code=$?
 set -e

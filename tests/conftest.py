@@ -1,16 +1,16 @@
 """Suite-wide rules: how the suite shares two xdist workers, and Hypothesis without wall-clock limits.
 
 ``scripts/test.sh`` runs pytest with ``-n 2``. Tests that run real processes against time bounds
-form two work units, each run on one worker, one test at a time, as a serial run would:
-
-- ``jobs``: whole jobs (integration, chaos, the lab cluster, the GPU check's CPU twin). No two
-  ever run at once: each job's detection bounds assume it has the machine's spare cores.
-- ``processes``: agents, weight servers, the controller's hub, the telemetry endpoint. They may run
-  beside a job, as they run beside each other on a real node.
-
-Every other test is pure computation (the core, the simulator, the workload on torch, static
-checks) and goes with its module to whichever worker is free. A plain ``pytest`` (no ``-n``) runs
+(whole jobs in integration, chaos, the lab cluster and the GPU check's CPU twin; agents, weight
+servers, the controller's hub, the telemetry endpoint) form one work unit: xdist runs it on one
+worker, one test at a time, in the same order as a serial run. Every other test is pure
+computation (the core, the simulator, the workload on torch, static checks) and goes with its
+module to whichever worker is free, beside the timed unit. A plain ``pytest`` (no ``-n``) runs
 everything in order, as before.
+
+Agents and weight servers once ran as a second unit beside the jobs: a clean run then closed 7 of
+8 strangers within a weight server's bound (``test_strangers_beyond_the_cap_are_closed_at_once``),
+so every timed test shares the one unit.
 
 The units come from a scheduler of our own rather than ``xdist_group`` marks: with pytest 9.2,
 xdist 3.8's ``--dist loadgroup`` no longer sees the marks (pytest-dev/pytest-xdist#1386).
@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-# Top-level test folder → its unit; the folders not named here are split by module.
-TIMED_UNITS = {
-    **dict.fromkeys(("integration", "chaos", "lab", "gpu"), "jobs"),
-    **dict.fromkeys(("agent", "weights", "controller", "observe", "backends"), "processes"),
-}
+TIMED_UNIT = "timed"
+# Top-level test folders whose tests start processes, sockets or jobs and assert on how fast
+# something happens; the folders not named here are split by module.
+TIMED_FOLDERS = frozenset({"integration", "chaos", "lab", "gpu", "agent", "weights", "controller", "observe",
+                           "backends"})
 
 try:
     from hypothesis import settings
@@ -39,12 +39,12 @@ else:
 
 
 def work_unit_of(nodeid: str) -> str:
-    """The xdist work unit of the test ``nodeid`` (``tests/<folder>/<module>.py::<name>``): one of
-    the timed units, or the test's module."""
+    """The xdist work unit of the test ``nodeid`` (``tests/<folder>/<module>.py::<name>``): the
+    timed unit, or the test's module."""
     module = nodeid.split("::", 1)[0]
     parts = module.split("/")
-    if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIMED_UNITS:
-        return TIMED_UNITS[parts[1]]
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIMED_FOLDERS:
+        return TIMED_UNIT
     return module
 
 
