@@ -15,8 +15,10 @@ What they prove (issue 31, items 1, 2 and 6), through the code a job runs, not a
   node pulls it (its host buffer allocated and pinned beforehand, as a rollout's pool is after its
   first pull), verifies it, loads it onto the GPU and compares it with the same random state made
   there. Goal: bit-exact, the lane named, and end to end (pull start to loaded on the GPU) >=
-  ``PULL_GOAL_GBPS``; >= ``IPC_GOAL_GBPS`` where the lane is ``cuda_ipc`` (GPU memory carried by
-  UCX itself, which rlctl's host-staged transports do not use yet: see docs/weight-sync.md).
+  ``PULL_GOAL_GBPS``. Over ``ucx`` the holder also keeps the version in device memory
+  (``publish(..., device_copy=True)``) and the joiner pulls that copy into GPU memory of its own
+  (``fetch_device_bundle``: UCX carries GPU memory itself, ``cuda_ipc`` on one node) and loads
+  from it device to device: the same goals, >= ``IPC_GOAL_GBPS`` where the lane is ``cuda_ipc``.
 
 A figure short of its goal fails the part, with every figure in the report. The CPU twins
 (``CPU_STAGE``, ``CPU_PULL``, run by ``tests/gpu/test_weights_parts.py``) run the same code with
@@ -144,7 +146,7 @@ def random_state(torch: Any, specs: list[tuple[str, tuple[int, ...]]], device: s
 
 
 def _cuda_capability(transport: str) -> dict[str, Any]:
-    """Whether UCX here could carry GPU memory itself (reported; rlctl's pulls are host-staged)."""
+    """Whether UCX here could carry GPU memory itself (the device-memory pull needs it on a GPU)."""
     if transport != "ucx":
         return {"cuda_support": False, "transports": [], "cuda_transports": []}
     from rlctl.weights.transport_ucx import cuda_memory_capability
@@ -259,7 +261,7 @@ def pull_figures(torch: Any, bench: PullBench) -> Figures:
         with WeightServerThread(transport, host="127.0.0.1") as server:
             _sync(torch, bench.device)
             started = time.perf_counter()
-            descriptor = server.publish(1, state)
+            descriptor = server.publish(1, state, device_copy=transport == "ucx")
             publish_s = time.perf_counter() - started
             del state  # the joiner makes its own copy to compare with; free the GPU for it
             if bench.device.startswith("cuda"):
@@ -315,43 +317,78 @@ def joiner_main(descriptor: dict[str, Any], specs: list[tuple[str, tuple[int, ..
 def _join(descriptor: dict[str, Any], specs: list[tuple[str, tuple[int, ...]]], device: str) -> Figures:
     import torch
 
-    from rlctl.weights import fetch_bundle_sync, unflatten
+    from rlctl.weights import fetch_bundle_sync, offers_device_copy, unflatten
     from rlctl.weights.staging import HostBufferPool
-    from rlctl.workload.weights_load import load_into
 
     nbytes = int(descriptor["nbytes"])
     pool = HostBufferPool()
     with pool.reserve(nbytes):  # what a rollout's pool holds after its first pull: allocated, pinned
         pass
     targets = {name: torch.empty(dims, dtype=torch.bfloat16, device=device) for name, dims in specs}
+    expected = random_state(torch, specs, device, STATE_SEED)
+
+    def host_pull() -> tuple[Any, dict[str, Any]]:
+        bundle = fetch_bundle_sync(descriptor, timeout=JOINER_TIMEOUT_S, pool=pool)
+        return bundle, unflatten(bundle.manifest, bundle.buffer)
+
+    figures = _timed_pull(torch, host_pull, targets, expected, device)
+    figures.update(bytes=nbytes, tensors=len(specs), pinned=pool.buffers[0].pinned)
+    if offers_device_copy(descriptor):
+        from rlctl.weights import fetch_device_bundle_sync
+        from rlctl.weights.device_bundle import DeviceBufferPool
+
+        device_pool = DeviceBufferPool(device)
+        with device_pool.reserve(nbytes):  # allocated once, as a rollout's device buffers are after a first pull
+            pass
+
+        def device_pull() -> tuple[Any, dict[str, Any]]:
+            bundle = fetch_device_bundle_sync(descriptor, device_pool, timeout=JOINER_TIMEOUT_S)
+            return bundle, bundle.tensors()
+
+        for target in targets.values():
+            target.zero_()  # the device pull's load is checked on its own
+        figures["device_pull"] = _timed_pull(torch, device_pull, targets, expected, device)
+    return figures
+
+
+def _timed_pull(torch: Any, pull: Any, targets: dict[str, Any], expected: dict[str, Any], device: str) -> Figures:
+    """One pull (``pull()`` -> the bundle and its tensors' views) loaded into ``targets``, timed end
+    to end and compared with ``expected``: its figures."""
+    from rlctl.workload.weights_load import load_into
+
     _sync(torch, device)
     started = time.perf_counter()
-    bundle = fetch_bundle_sync(descriptor, timeout=JOINER_TIMEOUT_S, pool=pool)
+    bundle, views = pull()
     fetched = time.perf_counter()
-    loaded = load_into(targets, unflatten(bundle.manifest, bundle.buffer), "the joiner's targets")
+    loaded = load_into(targets, views, "the joiner's targets")
     seconds = time.perf_counter() - started
-    expected = random_state(torch, specs, device, STATE_SEED)
     wrong = [name for name, t in expected.items() if not torch.equal(targets[name], t)]
-    pull = bundle.pull
-    assert pull is not None
-    return {"bytes": nbytes, "tensors": len(specs), "path": pull.transport, "lane": pull.lane,
-            "lanes": list(pull.lanes), "transfer_gbps": pull.gbps, "verify_s": round(fetched - started - pull.seconds, 4),
-            "load_gbps": loaded.gbps, "load_pinned_source": loaded.pinned_source, "pinned": pool.buffers[0].pinned,
-            "end_to_end_s": round(seconds, 4), "end_to_end_gbps": _gbps(nbytes, seconds),
-            "bit_exact": not wrong, "mismatched": wrong[:3]}
+    stats = bundle.pull
+    assert stats is not None
+    nbytes = bundle.manifest.nbytes
+    return {"path": stats.transport, "lane": stats.lane, "lanes": list(stats.lanes), "transfer_gbps": stats.gbps,
+            "verify_s": round(fetched - started - stats.seconds, 4), "load_gbps": loaded.gbps,
+            "load_pinned_source": loaded.pinned_source, "end_to_end_s": round(seconds, 4),
+            "end_to_end_gbps": _gbps(nbytes, seconds), "bit_exact": not wrong, "mismatched": wrong[:3]}
 
 
 def pull_missed(figures: Figures) -> list[str]:
     """Each goal of ``weights_pull_local`` its figures fall short of, in words."""
     missed = []
     for name, shape in figures["shapes"].items():
-        goal = IPC_GOAL_GBPS if shape["lane"] == "cuda_ipc" else PULL_GOAL_GBPS
-        if not shape["bit_exact"]:
-            missed.append(f"{name}: the loaded state differs from the published one ({shape['mismatched']})")
-        if not shape["lane"] or not shape["lanes"]:
-            missed.append(f"{name}: the pull named no lane")
-        if shape["end_to_end_gbps"] < goal:
-            missed.append(f"{name}: {shape['end_to_end_gbps']} GB/s end to end over {shape['lane']} < {goal}")
+        pulls = {name: shape, **({f"{name} into device memory": shape["device_pull"]} if "device_pull" in shape else {})}
+        for what, pull in pulls.items():
+            goal = IPC_GOAL_GBPS if pull["lane"] == "cuda_ipc" else PULL_GOAL_GBPS
+            if not pull["bit_exact"]:
+                missed.append(f"{what}: the loaded state differs from the published one ({pull['mismatched']})")
+            if not pull["lane"] or not pull["lanes"]:
+                missed.append(f"{what}: the pull named no lane")
+            if pull["end_to_end_gbps"] < goal:
+                missed.append(f"{what}: {pull['end_to_end_gbps']} GB/s end to end over {pull['lane']} < {goal}")
+    if figures["device"].startswith("cuda") and figures["ucx_cuda_memory"].get("cuda_support"):
+        for name, shape in figures["shapes"].items():
+            if "device_pull" not in shape:
+                missed.append(f"{name}: UCX here carries GPU memory but no device-memory pull ran")
     return missed
 
 

@@ -8,11 +8,21 @@ verified. Transports: `ucx` (ucxx listener), `ucx-sm` (ucxx worker-address endpo
 memory on one host; a `ucx` holder offers it to joiners on its node), `tcp` (stdlib fallback).
 No collective group. Host buffers are reused and pinned where CUDA is (`staging`), checksums are
 hashed leaf by leaf on several threads (`checksum`), and every pull says which lanes it took
-(`lanes`). See docs/weight-sync.md.
+(`lanes`). A `ucx` holder can also keep a version in device memory for joiners on GPUs to pull
+device to device (`device_bundle`, `fetch_device_bundle`). See docs/weight-sync.md.
 """
 
 from rlctl.weights.bundle import Bundle, Manifest, TensorEntry, compute_checksum, flatten, unflatten, verify
-from rlctl.weights.client import fetch, fetch_bundle, fetch_bundle_sync, fetch_sync, receive_raw
+from rlctl.weights.client import (
+    fetch,
+    fetch_bundle,
+    fetch_bundle_sync,
+    fetch_device_bundle,
+    fetch_device_bundle_sync,
+    fetch_sync,
+    offers_device_copy,
+    receive_raw,
+)
 from rlctl.weights.errors import (
     TransportUnavailableError,
     WeightError,
@@ -40,8 +50,11 @@ __all__ = [
     "fetch",
     "fetch_bundle",
     "fetch_bundle_sync",
+    "fetch_device_bundle",
+    "fetch_device_bundle_sync",
     "fetch_sync",
     "flatten",
+    "offers_device_copy",
     "receive_raw",
     "resolve_transport",
     "unflatten",

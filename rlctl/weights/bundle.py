@@ -107,6 +107,14 @@ class Bundle:
     staging: StagingStats | None = field(default=None, compare=False, repr=False)
     pull: PullStats | None = field(default=None, compare=False, repr=False)
 
+    def body(self, offset: int, length: int) -> Buffer:
+        """Bytes ``[offset, offset + length)`` of the buffer (a view)."""
+        return self.buffer[offset:offset + length]
+
+    def served_fields(self) -> dict[str, Any]:
+        """Nothing: a holder's reply says nothing more about host memory."""
+        return {}
+
 
 # ---------------------------------------------------------------------------------------------
 # byte ranges

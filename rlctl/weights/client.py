@@ -10,6 +10,9 @@ checksum) before anything is returned, and tensors are zero-copy views into it.
   `WeightServer.publish_bundle` (rollout → new rollout without re-packing).
 * `receive_raw` → the unverified manifest and buffer (benchmarks, or callers that verify later);
   `receive` → the same with the route it took.
+* `fetch_device_bundle` → the holder's copy in device memory, received into device memory of this
+  process (`rlctl.weights.device_bundle`), checked against the descriptor's fingerprint on the
+  device: no host copy on either side. `offers_device_copy` says whether a source has one.
 
 Every fetched bundle carries `pull` (`rlctl.weights.lanes.PullStats`): the transport and the UCX
 lanes the transfer took, its lane class, bytes, seconds and GB/s. A `ucx` holder on this node
@@ -30,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlctl.weights.bundle import Buffer, Bundle, Manifest, unflatten, verify
-from rlctl.weights.errors import WeightTransferError
+from rlctl.weights.device_bundle import DeviceBufferPool, DeviceBundle, check_fingerprint
+from rlctl.weights.errors import TransportUnavailableError, WeightIntegrityError, WeightTransferError
 from rlctl.weights.lanes import PullStats, Route, same_node
 from rlctl.weights.staging import HostBufferPool
 from rlctl.weights.transport_tcp import DEFAULT_MAX_NBYTES, tcp_receive
@@ -131,6 +135,52 @@ async def _fetch_into(source: dict[str, Any], timeout: float, max_nbytes: int, o
     received = await receive(source, timeout, max_nbytes, out)
     await asyncio.to_thread(verify, received.manifest, received.buffer, source["version"], source["checksum"])
     return Bundle(manifest=received.manifest, buffer=received.buffer, pull=received.stats())
+
+
+def offers_device_copy(source: dict[str, Any]) -> bool:
+    """Whether the holder of ``source`` keeps the version in device memory for joiners to pull."""
+    return (isinstance(source.get("device_fingerprint"), str) and isinstance(source.get("device"), str)
+            and source.get("transport") in ("ucx", "ucx-sm"))
+
+
+async def fetch_device_bundle(source: dict[str, Any], pool: DeviceBufferPool, timeout: float = 60.0,
+                              max_nbytes: int = DEFAULT_MAX_NBYTES) -> DeviceBundle:
+    """Pull the holder's copy in device memory into a buffer of ``pool`` (its device), and check
+    it there: the manifest's version and checksum against the descriptor's, the bytes against its
+    fingerprint. The buffer stays reserved while the returned bundle lives; its ``pull`` names the
+    lanes (``cuda_ipc`` counts where the bytes landed in GPU memory).
+
+    ``TransportUnavailableError`` when ``source`` offers no device copy; ``WeightTransferError`` /
+    ``WeightIntegrityError`` as ``fetch_bundle``.
+    """
+    check_descriptor(source)
+    if not offers_device_copy(source):
+        raise TransportUnavailableError(f"the holder at {source['host']}:{source['port']} offers no copy in device "
+                                        "memory")
+    nbytes = int(source["nbytes"])
+    if not 0 <= nbytes <= max_nbytes:
+        raise WeightTransferError(f"the source announces {nbytes} bytes, outside [0, {max_nbytes}]")
+    with pool.reserve(nbytes) as buffer:
+        landing = buffer.view(nbytes)
+        received = await receive({**source, "memory": "device"}, timeout, max_nbytes, landing)
+        if received.buffer is not landing:
+            raise WeightTransferError(f"the holder sent {received.manifest.nbytes} bytes, the source announced {nbytes}")
+        manifest = received.manifest
+        if manifest.version != source["version"] or manifest.checksum != source["checksum"]:
+            raise WeightIntegrityError(f"the holder sent version {manifest.version} (checksum {manifest.checksum}), "
+                                       f"the source announced {source['version']} ({source['checksum']})")
+        promised = str(source["device_fingerprint"])
+        await asyncio.to_thread(check_fingerprint, landing, promised, f"version {manifest.version} from "
+                                f"{source['host']}:{source['port']}")
+        bundle = DeviceBundle(manifest, landing, promised, pull=received.stats())
+        buffer.hold(bundle)
+    return bundle
+
+
+def fetch_device_bundle_sync(source: dict[str, Any], pool: DeviceBufferPool, timeout: float = 60.0,
+                             max_nbytes: int = DEFAULT_MAX_NBYTES) -> DeviceBundle:
+    """Blocking `fetch_device_bundle` (same constraint as `fetch_sync`)."""
+    return asyncio.run(fetch_device_bundle(source, pool, timeout, max_nbytes))
 
 
 async def fetch(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int = DEFAULT_MAX_NBYTES,

@@ -48,10 +48,11 @@ class Route:
 
     transport: str
     lanes: tuple[str, ...]
+    device_memory: bool = False  # the bytes landed in GPU memory (then cuda_ipc counts)
 
     @property
     def lane(self) -> str:
-        return lane_class(self.lanes)  # rlctl's transfers move host memory
+        return lane_class(self.lanes, self.device_memory)
 
 
 @dataclass(frozen=True)

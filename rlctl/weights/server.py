@@ -16,6 +16,10 @@ Contract:
   copying: a rollout re-serves exactly the bytes it received.
 * `publish_parts(bundles)` serves several bundles at once from this one server, each at its own
   `index` in its descriptor (a warm standby's copy of every trainer rank's part of the state).
+* `publish(..., device_copy=True)` (``ucx`` transports) also keeps the version in device memory
+  (`rlctl.weights.device_bundle`): a joiner on a GPU asks for that copy and UCX carries it
+  device to device (``cuda_ipc`` on one node, GPUDirect RDMA across nodes). The descriptor then
+  names it (`device_fingerprint`, `device`); joiners without that lane pull the host bundle.
 * A joiner is served whatever version the holder has now; the joiner checks it against the
   descriptor it was given (`WeightIntegrityError` on mismatch), so a stale descriptor never
   yields silently wrong weights.
@@ -32,12 +36,14 @@ from typing import Any, Literal, Protocol, Self
 from rlctl.weights.admission import AdmissionCounts
 from rlctl.weights.auth import job_token
 from rlctl.weights.bundle import Bundle, flatten
+from rlctl.weights.device_bundle import DeviceBufferPool, DeviceBundle, device_of, flatten_on_device
 from rlctl.weights.errors import TransportUnavailableError
 from rlctl.weights.lanes import local_node_id
 from rlctl.weights.staging import HostBufferPool
-from rlctl.weights.transport_tcp import DEFAULT_HOLDER_IO_TIMEOUT_S, TcpHolder
+from rlctl.weights.transport_tcp import DEFAULT_HOLDER_IO_TIMEOUT_S, Servable, TcpHolder
 
 TRANSPORTS = ("tcp", "ucx", "ucx-sm")
+DEVICE_MEMORY_TRANSPORTS = ("ucx", "ucx-sm")  # UCX sends from device memory; rlctl's tcp sends host bytes only
 DEFAULT_HOST = "127.0.0.1"
 THREAD_CALL_TIMEOUT_S = 600.0
 
@@ -68,14 +74,14 @@ def resolve_transport(transport: str) -> str:
 def _make_holder(transport: str, server: WeightServer, host: str, port: int, max_concurrent: int,
                  io_timeout: float, token: bytes | None) -> Holder:
     if transport == "tcp":
-        return TcpHolder(server.current_bundle, host, port, max_concurrent, io_timeout, token=token)
+        return TcpHolder(server.served, host, port, max_concurrent, io_timeout, token=token)
     from rlctl.weights.transport_ucx import UcxHolder, UcxSmHolder
 
     if transport == "ucx":
-        return UcxHolder(server.current_bundle, port, io_timeout, token=token, same_node_host=host,
+        return UcxHolder(server.served, port, io_timeout, token=token, same_node_host=host,
                          max_concurrent=max_concurrent)
     if transport == "ucx-sm":
-        return UcxSmHolder(server.current_bundle, host, port, max_concurrent, io_timeout, token=token)
+        return UcxSmHolder(server.served, host, port, max_concurrent, io_timeout, token=token)
     raise TransportUnavailableError(f"no holder for transport {transport!r}")
 
 
@@ -111,11 +117,28 @@ class WeightServer:
         self._holder: Holder | None = None
         self._endpoint_fields: dict[str, Any] = {}
         self._bundles: tuple[Bundle, ...] = ()
+        self._device_bundles: tuple[DeviceBundle | None, ...] = ()
         self.pool = pool if pool is not None else HostBufferPool()
+        self._device_pools: dict[str, DeviceBufferPool] = {}
 
     def current_bundle(self, index: int = 0) -> Bundle | None:
         """The bundle served right now at ``index`` (None before the first publish, or past the last part)."""
         return self._bundles[index] if 0 <= index < len(self._bundles) else None
+
+    def current_device_bundle(self, index: int = 0) -> DeviceBundle | None:
+        """The copy in device memory of the bundle served at ``index`` (None where there is none)."""
+        return self._device_bundles[index] if 0 <= index < len(self._device_bundles) else None
+
+    def served(self, index: int, memory: str = "host") -> Servable | None:
+        """What a joiner asking for ``memory`` (``host`` or ``device``) at ``index`` is sent."""
+        return self.current_device_bundle(index) if memory == "device" else self.current_bundle(index)
+
+    def device_pool(self, device: str) -> DeviceBufferPool:
+        """The device buffers this server keeps its copies in on ``device``."""
+        pool = self._device_pools.get(device)
+        if pool is None:
+            pool = self._device_pools[device] = DeviceBufferPool(device)
+        return pool
 
     async def start(self) -> None:
         """Bind and start serving (joiners get a refusal until the first publish)."""
@@ -126,14 +149,33 @@ class WeightServer:
         self._endpoint_fields = await holder.start()
         self._holder = holder
 
-    async def publish(self, version: int, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Snapshot `state` as `version`, serve it from now on, and return its source descriptor."""
-        bundle = await asyncio.to_thread(flatten, state, version, self._checksum_algorithm, self.pool)
-        return await self.publish_bundle(bundle)
+    async def publish(self, version: int, state: Mapping[str, Any], device_copy: bool = False) -> dict[str, Any]:
+        """Snapshot `state` as `version`, serve it from now on, and return its source descriptor.
 
-    async def publish_bundle(self, bundle: Bundle) -> dict[str, Any]:
-        """Serve an already flat bundle (not copied, must not be mutated) and return its descriptor."""
-        self._serve((bundle,))
+        `device_copy`: also keep the version in device memory, on the device of `state`'s tensors
+        (``ValueError`` for the tcp transport or a state without torch tensors)."""
+        device = self._device_for_copy(state) if device_copy else None
+        bundle = await asyncio.to_thread(flatten, state, version, self._checksum_algorithm, self.pool)
+        on_device = None
+        if device is not None:
+            on_device = await asyncio.to_thread(flatten_on_device, bundle.manifest, state, self.device_pool(device))
+        return await self.publish_bundle(bundle, on_device)
+
+    def _device_for_copy(self, state: Mapping[str, Any]) -> str:
+        if self.transport not in DEVICE_MEMORY_TRANSPORTS:
+            raise ValueError(f"a copy in device memory is served over {' or '.join(DEVICE_MEMORY_TRANSPORTS)}, "
+                             f"not over this server's {self.transport!r}")
+        device = device_of(state)
+        if device is None:
+            raise ValueError("a copy in device memory needs a state of torch tensors")
+        return device
+
+    async def publish_bundle(self, bundle: Bundle, on_device: DeviceBundle | None = None) -> dict[str, Any]:
+        """Serve an already flat bundle (not copied, must not be mutated), with its copy in device
+        memory when given (the same manifest), and return its descriptor."""
+        if on_device is not None and on_device.manifest != bundle.manifest:
+            raise ValueError("the copy in device memory is not of the bundle published with it")
+        self._serve((bundle,), (on_device,))
         descriptor = self.descriptor()
         assert descriptor is not None
         return descriptor
@@ -143,10 +185,11 @@ class WeightServer:
         self._serve(tuple(bundles))
         return [self._describe(index) for index in range(len(bundles))]
 
-    def _serve(self, bundles: tuple[Bundle, ...]) -> None:
+    def _serve(self, bundles: tuple[Bundle, ...], on_device: tuple[DeviceBundle | None, ...] = ()) -> None:
         if self._holder is None:
             raise RuntimeError("WeightServer.start() must be awaited before publishing")
         self._bundles = bundles
+        self._device_bundles = on_device
 
     @property
     def endpoint(self) -> dict[str, Any]:
@@ -163,8 +206,10 @@ class WeightServer:
 
     def _describe(self, index: int) -> dict[str, Any]:
         manifest = self._bundles[index].manifest
+        on_device = self.current_device_bundle(index)
         return {**self.endpoint, **({"index": index} if len(self._bundles) > 1 else {}), "version": manifest.version,
-                "nbytes": manifest.nbytes, "checksum": manifest.checksum}
+                "nbytes": manifest.nbytes, "checksum": manifest.checksum,
+                **({"device": on_device.device, "device_fingerprint": on_device.fingerprint} if on_device else {})}
 
     def admission(self) -> AdmissionCounts:
         """What this server turned away before authentication, and who waits to authenticate now."""
@@ -178,6 +223,7 @@ class WeightServer:
         if holder is not None:
             await holder.close()
         self._bundles = ()
+        self._device_bundles = ()
 
 
 class WeightServerThread:
@@ -214,13 +260,13 @@ class WeightServerThread:
             self._thread.start()
         self._call(self.server.start())
 
-    def publish(self, version: int, state: Mapping[str, Any]) -> dict[str, Any]:
+    def publish(self, version: int, state: Mapping[str, Any], device_copy: bool = False) -> dict[str, Any]:
         """See `WeightServer.publish`."""
-        return self._call(self.server.publish(version, state))
+        return self._call(self.server.publish(version, state, device_copy))
 
-    def publish_bundle(self, bundle: Bundle) -> dict[str, Any]:
+    def publish_bundle(self, bundle: Bundle, on_device: DeviceBundle | None = None) -> dict[str, Any]:
         """See `WeightServer.publish_bundle`."""
-        return self._call(self.server.publish_bundle(bundle))
+        return self._call(self.server.publish_bundle(bundle, on_device))
 
     def publish_parts(self, bundles: Sequence[Bundle]) -> list[dict[str, Any]]:
         """See `WeightServer.publish_parts`."""

@@ -34,7 +34,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -48,6 +48,7 @@ MAX_POOLED_BUFFERS = 3
 Buffer = np.ndarray
 Register = Callable[[int, int], None]  # (address, length) -> None; raises when memory cannot be pinned
 Unregister = Callable[[int], None]
+PooledT = TypeVar("PooledT", bound="PooledBuffer")
 
 _warned_pageable = False
 _warn_lock = threading.Lock()
@@ -89,28 +90,14 @@ def warn_pageable_once(reason: str) -> None:
                 "GPU and host run slower (check `ulimit -l` and free host memory)", reason)
 
 
-class HostBuffer:
-    """One host allocation of ``capacity`` bytes (pinned or pageable), kept by a pool or used once.
+class PooledBuffer:
+    """One allocation of ``capacity`` bytes kept by a pool (or used once): busy while reserved or
+    while any object passed to ``hold`` is alive (a bundle on it). Thread-safe."""
 
-    Busy while reserved or while any object passed to ``hold`` is alive (a bundle on it); thread-safe.
-    """
-
-    def __init__(self, capacity: int, pinned: bool, memory: mmap.mmap | None, array: Buffer,
-                 unregister: Unregister | None) -> None:
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.pinned = pinned
-        self._memory = memory  # the mapping the array views (kept alive with it)
-        self.array = array
         self._users = 0
         self._lock = threading.Lock()
-        if pinned and unregister is not None:
-            weakref.finalize(self, unregister, int(array.ctypes.data))
-
-    def view(self, nbytes: int) -> Buffer:
-        """The first ``nbytes`` bytes as a 1-D uint8 array."""
-        if nbytes > self.capacity:
-            raise ValueError(f"{nbytes} bytes do not fit a host buffer of {self.capacity}")
-        return self.array[:nbytes]
 
     @property
     def busy(self) -> bool:
@@ -131,6 +118,25 @@ class HostBuffer:
         weakref.finalize(owner, self._leave)
 
 
+class HostBuffer(PooledBuffer):
+    """One host allocation (pinned or pageable)."""
+
+    def __init__(self, capacity: int, pinned: bool, memory: mmap.mmap | None, array: Buffer,
+                 unregister: Unregister | None) -> None:
+        super().__init__(capacity)
+        self.pinned = pinned
+        self._memory = memory  # the mapping the array views (kept alive with it)
+        self.array = array
+        if pinned and unregister is not None:
+            weakref.finalize(self, unregister, int(array.ctypes.data))
+
+    def view(self, nbytes: int) -> Buffer:
+        """The first ``nbytes`` bytes as a 1-D uint8 array."""
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes do not fit a host buffer of {self.capacity}")
+        return self.array[:nbytes]
+
+
 def allocate_host(nbytes: int, pin: bool, register: Register = _cuda_register,
                   unregister: Unregister = _cuda_unregister) -> HostBuffer:
     """A host buffer of ``nbytes`` from an anonymous mapping (page-aligned, zero-filled on first
@@ -149,37 +155,32 @@ def allocate_host(nbytes: int, pin: bool, register: Register = _cuda_register,
     return HostBuffer(nbytes, pinned, memory, array, unregister if pinned else None)
 
 
-class HostBufferPool:
-    """Host buffers for one holder (or joiner), allocated once and reused version after version.
+class BufferPool(Generic[PooledT]):
+    """Buffers for one holder (or joiner), allocated once and reused version after version.
 
-    ``pin``: page-lock the buffers (None: when CUDA is present at the first allocation). Up to
-    ``max_buffers`` are kept; ``reserve`` never hands out a busy one. Thread-safe.
+    Up to ``max_buffers`` are kept; ``reserve`` never hands out a busy one: it takes the smallest
+    free one that fits, else allocates (dropping a free one that is too small when the pool is
+    full), and beyond ``max_buffers`` busy ones a one-off buffer. Thread-safe. Subclasses say how
+    a buffer is allocated (``_allocate``) and what it is called in the log (``what``).
     """
 
-    def __init__(self, pin: bool | None = None, max_buffers: int = MAX_POOLED_BUFFERS,
-                 register: Register = _cuda_register, unregister: Unregister = _cuda_unregister) -> None:
+    what = "buffers"
+
+    def __init__(self, max_buffers: int = MAX_POOLED_BUFFERS) -> None:
         if max_buffers < 1:
-            raise ValueError("a host buffer pool keeps at least one buffer")
-        self._pin = pin
+            raise ValueError("a buffer pool keeps at least one buffer")
         self._max = max_buffers
-        self._register = register
-        self._unregister = unregister
-        self._buffers: list[HostBuffer] = []
+        self._buffers: list[PooledT] = []
         self._lock = threading.Lock()
         self.allocations = 0  # buffers allocated so far, pooled or one-off (a test and a bench read it)
 
     @property
-    def buffers(self) -> Sequence[HostBuffer]:
+    def buffers(self) -> Sequence[PooledT]:
         with self._lock:
             return tuple(self._buffers)
 
-    def _pinning(self) -> bool:
-        if self._pin is None:
-            self._pin = cuda_present()
-        return self._pin
-
     @contextlib.contextmanager
-    def reserve(self, nbytes: int) -> Iterator[HostBuffer]:
+    def reserve(self, nbytes: int) -> Iterator[PooledT]:
         """A free buffer of at least ``nbytes``, busy until the block ends (``hold`` it to keep it busy)."""
         buffer = self._take(nbytes)
         try:
@@ -187,7 +188,7 @@ class HostBufferPool:
         finally:
             buffer._leave()
 
-    def _take(self, nbytes: int) -> HostBuffer:
+    def _take(self, nbytes: int) -> PooledT:
         with self._lock:
             free = [b for b in self._buffers if not b.busy]
             fitting = sorted((b for b in free if b.capacity >= nbytes), key=lambda b: b.capacity)
@@ -198,22 +199,46 @@ class HostBufferPool:
                 self._buffers.remove(free[0])  # too small: its memory goes when its last view does
             pooled = len(self._buffers) < self._max
         buffer = self._allocate(nbytes)
+        with self._lock:
+            self.allocations += 1
         buffer._enter()
         if pooled:
             with self._lock:
                 self._buffers.append(buffer)
         else:
-            log.info("all %d pooled host buffers are busy (transfers still sending old versions): one-off buffer of "
-                     "%d bytes", self._max, nbytes)
+            log.info("all %d pooled %s are busy (transfers still sending old versions): one-off buffer of %d bytes",
+                     self._max, self.what, nbytes)
         return buffer
+
+    def _allocate(self, nbytes: int) -> PooledT:
+        raise NotImplementedError
+
+
+class HostBufferPool(BufferPool[HostBuffer]):
+    """Host buffers, page-locked where CUDA is.
+
+    ``pin``: page-lock the buffers (None: when CUDA is present at the first allocation).
+    """
+
+    what = "host buffers"
+
+    def __init__(self, pin: bool | None = None, max_buffers: int = MAX_POOLED_BUFFERS,
+                 register: Register = _cuda_register, unregister: Unregister = _cuda_unregister) -> None:
+        super().__init__(max_buffers)
+        self._pin = pin
+        self._register = register
+        self._unregister = unregister
+
+    def _pinning(self) -> bool:
+        if self._pin is None:
+            self._pin = cuda_present()
+        return self._pin
 
     def _allocate(self, nbytes: int) -> HostBuffer:
         pin = self._pinning()
         buffer = allocate_host(nbytes, pin, self._register, self._unregister)
         if pin and not buffer.pinned:
             self._pin = False  # refused once (a limit): do not pay for the attempt again
-        with self._lock:
-            self.allocations += 1
         return buffer
 
 

@@ -29,13 +29,13 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from rlctl.weights import admission, framing
 from rlctl.weights.admission import HANDSHAKE_TIMEOUT_S, MAX_UNAUTHENTICATED, AdmissionCounts, UnauthenticatedPeers
-from rlctl.weights.bundle import Buffer, Bundle, Manifest, byte_range
+from rlctl.weights.bundle import Buffer, Manifest, byte_range
 from rlctl.weights.errors import WeightTransferError
 from rlctl.weights.lanes import TCP_SOCKET_LANE, Route
 
@@ -47,12 +47,33 @@ DEFAULT_HOLDER_IO_TIMEOUT_S = 600.0
 NOTHING_PUBLISHED = "this holder has not published weights yet"
 
 
-def no_bundle(index: int) -> str:
+def no_bundle(index: int, memory: str = "host") -> str:
     """The refusal for a pull of a bundle this holder does not serve."""
+    if memory == "device":
+        return f"this holder keeps no copy in device memory of the bundle at index {index!r}"
     return NOTHING_PUBLISHED if index == 0 else f"no bundle at index {index!r}"
 
 
-BundleGetter = Callable[[int], Bundle | None]  # the bundle served at an index (None: nothing there)
+MEMORY_KINDS = ("host", "device")
+
+
+class Servable(Protocol):
+    """What a holder sends: a bundle in host memory (``Bundle``) or in device memory
+    (``device_bundle.DeviceBundle``)."""
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    def body(self, offset: int, length: int) -> Any:
+        """Bytes ``[offset, offset + length)`` as a buffer a transport sends from."""
+        ...
+
+    def served_fields(self) -> dict[str, Any]:
+        """What a holder's reply adds about this memory (a device bundle: ``memory``, ``fingerprint``)."""
+        ...
+
+
+BundleGetter = Callable[[int, str], Servable | None]  # the bundle served at (index, memory) (None: nothing there)
 ConnectionHandler = Callable[[socket.socket], Awaitable[None]]
 
 
@@ -148,10 +169,10 @@ class TcpHolder:
         """Answer an admitted joiner's request."""
         deadline = asyncio.get_running_loop().time() + self._io_timeout
         request = await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
-        answer = answer_fetch(request, self._current)
+        answer = answer_fetch(request, self._current, memories=("host",))
         await framing.send_frame(conn, answer.reply, deadline)
         if answer.bundle is not None:
-            await framing.send_all(conn, answer.bundle.buffer.data[answer.offset:answer.offset + answer.length], deadline)
+            await framing.send_all(conn, memoryview(answer.body()), deadline)
 
 
 @dataclass(frozen=True)
@@ -159,31 +180,42 @@ class FetchAnswer:
     """A holder's answer to a joiner's fetch frame: the header ``reply`` and, when it is served, what follows it."""
 
     reply: dict[str, Any]
-    bundle: Bundle | None = None
+    bundle: Servable | None = None
     offset: int = 0
     length: int = 0
 
+    def body(self) -> Any:
+        """The bytes that follow the reply (a buffer the transport sends from)."""
+        assert self.bundle is not None
+        return self.bundle.body(self.offset, self.length)
 
-def answer_fetch(request: dict[str, Any], current: BundleGetter) -> FetchAnswer:
-    """What a framed holder (TCP, and UCX shared memory's control channel) answers an admitted
-    joiner's ``request``: an error for no bundle at its ``index`` or a bad ``range``, else the
-    manifest and the byte range it sends."""
+
+def answer_fetch(request: dict[str, Any], current: BundleGetter,
+                 memories: tuple[str, ...] = MEMORY_KINDS) -> FetchAnswer:
+    """What a holder answers an admitted joiner's ``request`` (a TCP or control-channel frame, or
+    the fields of a UCX request): an error for no bundle at its ``index`` in the ``memory`` it asks
+    for (``host`` by default; ``device`` where this transport can send from device memory, one of
+    ``memories``) or a bad ``range``, else the manifest and the byte range it sends."""
     index = request.get("index", 0)
-    bundle = current(index) if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
+    memory = request.get("memory", "host")
+    if memory not in memories:
+        return FetchAnswer({"ok": False, "error": f"this holder sends {' or '.join(memories)} memory, not {memory!r}"})
+    bundle = current(index, memory) if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
     if bundle is None:
-        return FetchAnswer({"ok": False, "error": no_bundle(index)})
+        return FetchAnswer({"ok": False, "error": no_bundle(index, memory)})
     try:
         offset, length = byte_range(request.get("range"), bundle.manifest.nbytes)
     except ValueError as exc:
         return FetchAnswer({"ok": False, "error": str(exc)})
-    return FetchAnswer({"ok": True, "manifest": bundle.manifest.to_json(), "range": [offset, length]}, bundle, offset,
-                       length)
+    return FetchAnswer({"ok": True, "manifest": bundle.manifest.to_json(), "range": [offset, length],
+                        **bundle.served_fields()}, bundle, offset, length)
 
 
 def request_fields(source: dict[str, Any]) -> dict[str, Any]:
     """What a fetch frame carries besides its op and tag: the version, and the bundle's index and
     the byte range when the source names them."""
     return {"version": source.get("version"),
+            **({"memory": source["memory"]} if source.get("memory", "host") != "host" else {}),
             **({"index": int(source["index"])} if source.get("index") is not None else {}),
             **({"range": list(source["range"])} if source.get("range") is not None else {})}
 
@@ -216,9 +248,13 @@ def part_of(source: dict[str, Any], reply: dict[str, Any], manifest: Manifest) -
     return offset, length
 
 
-def receive_buffer(nbytes: int, out: Buffer | None) -> Buffer:
-    """`out` when it is a uint8 buffer of exactly `nbytes`, else a fresh one."""
-    if out is not None and out.dtype == np.uint8 and out.ndim == 1 and out.nbytes == nbytes and out.flags.writeable:
+def receive_buffer(nbytes: int, out: Any) -> Any:
+    """`out` when it is a writable uint8 host buffer (numpy) of exactly `nbytes`, or a 1-D uint8
+    torch tensor of exactly `nbytes` (device memory a UCX pull lands in); else a fresh host buffer."""
+    if isinstance(out, np.ndarray):
+        if out.dtype == np.uint8 and out.ndim == 1 and out.nbytes == nbytes and out.flags.writeable:
+            return out
+    elif out is not None and str(out.dtype) == "torch.uint8" and out.dim() == 1 and out.numel() == nbytes:
         return out
     return np.empty(nbytes, dtype=np.uint8)
 

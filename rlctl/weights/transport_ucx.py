@@ -51,17 +51,17 @@ import numpy as np
 from rlctl.weights import framing
 from rlctl.weights.admission import HANDSHAKE_TIMEOUT_S, MAX_UNAUTHENTICATED, AdmissionCounts, UnauthenticatedPeers
 from rlctl.weights.auth import REFUSED, TOKEN_BYTES, authorized, job_token
-from rlctl.weights.bundle import Buffer, Bundle, Manifest, byte_range
+from rlctl.weights.bundle import Buffer, Manifest
 from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, WeightTransferError
 from rlctl.weights.lanes import Route, endpoint_lanes
 from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
     DEFAULT_MAX_NBYTES,
     BundleGetter,
+    FetchAnswer,
     SocketServer,
     answer_fetch,
     manifest_from_reply,
-    no_bundle,
     opening,
     part_of,
     receive_buffer,
@@ -295,6 +295,7 @@ async def _close_endpoint(endpoint: Any) -> None:
 # ucx: listener + create_endpoint, endpoints kept open and reused across fetches
 
 REQUEST = 0x5EED
+REQUEST_DEVICE = 0x5EEE  # the same request, answered from the holder's copy in device memory
 # The request word, the byte range (offset, then length + 1; 0: the whole buffer), the index of the
 # bundle on a holder serving several, then the job's token (zeros without one).
 TOKEN_AT = 4
@@ -303,7 +304,7 @@ REQUEST_WORDS = TOKEN_AT + TOKEN_BYTES // 8
 
 def _request_words(source: dict[str, Any]) -> np.ndarray:
     words = np.zeros(REQUEST_WORDS, dtype=np.uint64)
-    words[0] = REQUEST
+    words[0] = REQUEST_DEVICE if source.get("memory") == "device" else REQUEST
     part = source.get("range")
     if part is not None:
         words[1], words[2] = int(part[0]), int(part[1]) + 1
@@ -405,9 +406,9 @@ class UcxHolder:
             request = await self._first_request(endpoint, task)
             while request is not None:
                 deadline = asyncio.get_running_loop().time() + self._io_timeout
-                index = int(request[3])
-                await self._runtime.hot(self._send_bundle(endpoint, index, self._current(index), deadline,
-                                                          _requested_range(request)))
+                fields = {"index": int(request[3]), "range": _requested_range(request),
+                          "memory": "device" if int(request[0]) == REQUEST_DEVICE else "host"}
+                await self._runtime.hot(self._send_bundle(endpoint, answer_fetch(fields, self._current), deadline))
                 request = await self._next_request(endpoint, self._idle_timeout)
         except WeightTransferError as exc:
             log.info("UCX weight transfer to a joiner ended: %s", exc)
@@ -439,29 +440,20 @@ class UcxHolder:
             await _bounded(endpoint.recv(request), deadline, "waiting for a request")
         except WeightTransferError:
             return None
-        if int(request[0]) != REQUEST:
+        if int(request[0]) not in (REQUEST, REQUEST_DEVICE):
             raise WeightTransferError(f"unexpected request word {int(request[0]):#x}")
         if not authorized(self._token, request[TOKEN_AT:].tobytes()):
             self.unauthenticated.refuse("a UCX endpoint")
             raise WeightTransferError(REFUSED)
         return request
 
-    async def _send_bundle(self, endpoint: Any, index: int, bundle: Bundle | None, deadline: float,
-                           requested: list[int] | None = None) -> None:
-        offset = nbytes = 0
-        if bundle is None:
-            reply: dict[str, Any] = {"ok": False, "error": no_bundle(index)}
-        else:
-            try:
-                offset, nbytes = byte_range(requested, bundle.manifest.nbytes)
-                reply = {"ok": True, "manifest": bundle.manifest.to_json(), "range": [offset, nbytes]}
-            except ValueError as exc:
-                reply = {"ok": False, "error": str(exc)}
-        header = np.frombuffer(framing.json_bytes(reply), dtype=np.uint8)
-        await _bounded(endpoint.send(np.array([header.nbytes, nbytes], dtype=np.uint64)), deadline, "sending sizes")
+    async def _send_bundle(self, endpoint: Any, answer: FetchAnswer, deadline: float) -> None:
+        header = np.frombuffer(framing.json_bytes(answer.reply), dtype=np.uint8)
+        await _bounded(endpoint.send(np.array([header.nbytes, answer.length], dtype=np.uint64)), deadline,
+                       "sending sizes")
         await _bounded(endpoint.send(header), deadline, "sending the header")
-        if bundle is not None and nbytes:
-            await _bounded(endpoint.send(bundle.buffer[offset:offset + nbytes]), deadline, "sending the weights")
+        if answer.bundle is not None and answer.length:
+            await _bounded(endpoint.send(answer.body()), deadline, "sending the weights")
         ack = np.zeros(1, dtype=np.uint64)
         await _bounded(endpoint.recv(ack), deadline, "waiting for the joiner's ack")
 
@@ -576,9 +568,9 @@ async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer
         raise WeightTransferError(f"holder announced {nbytes} B but its reply covers {length} B")
     buffer = receive_buffer(manifest.nbytes, out)
     if nbytes:
-        await _bounded(endpoint.recv(buffer[offset:offset + length]), deadline, "receiving the weights")
+        await _bounded(endpoint.recv(_landing(buffer, offset, length)), deadline, "receiving the weights")
     await _bounded(endpoint.send(np.array([ACK], dtype=np.uint64)), deadline, "sending the ack")
-    return manifest, buffer, Route("ucx", endpoint_lanes(endpoint))
+    return manifest, buffer, Route("ucx", endpoint_lanes(endpoint), _device_memory(buffer))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -628,7 +620,7 @@ class UcxSmHolder:
         if endpoint is None:
             await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
             return
-        part = answer.bundle.buffer[answer.offset:answer.offset + answer.length]
+        part = answer.body()
         try:
             await _first_failure_or_all(
                 self._runtime.run(_bounded(endpoint.send(part, tag=tag, force_tag=True), deadline,
@@ -718,11 +710,26 @@ async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = 
         offset, length = part_of(source, reply, manifest)
         buffer = receive_buffer(manifest.nbytes, out)
         if length:
-            await _receive_tagged(runtime, sock, buffer[offset:offset + length], tag, deadline)
+            await _receive_tagged(runtime, sock, _landing(buffer, offset, length), tag, deadline)
         await framing.send_frame(sock, {"ok": True}, deadline)
-        return manifest, buffer, Route("ucx-sm", _reported_lanes(reply))
+        return manifest, buffer, Route("ucx-sm", _reported_lanes(reply), _device_memory(buffer))
     finally:
         sock.close()
+
+
+def _landing(buffer: Any, offset: int, length: int) -> Any:
+    """Where bytes ``[offset, offset + length)`` of a receive buffer land, as ucxx takes it: a host
+    buffer's slice, or a torch tensor's (a CUDA one as it is)."""
+    if isinstance(buffer, np.ndarray):
+        return buffer[offset:offset + length]
+    from rlctl.weights.device_bundle import ucx_buffer
+
+    return ucx_buffer(buffer[offset:offset + length])
+
+
+def _device_memory(buffer: Any) -> bool:
+    """Whether a receive buffer is GPU memory (what a pull's lane class counts)."""
+    return not isinstance(buffer, np.ndarray) and bool(buffer.is_cuda)
 
 
 def _reported_lanes(reply: dict[str, Any]) -> tuple[str, ...]:

@@ -46,6 +46,12 @@ def test_the_pull_part_pulls_both_shapes_in_another_process_bit_exact_and_names_
         assert shape["bit_exact"] and shape["bytes"] == CPU_PULL.shapes[name].nbytes(), (name, shape)
         assert shape["lane"] in LANE_CLASSES and shape["lanes"], shape
         assert shape["path"] in ("tcp", "ucx", "ucx-sm") and shape["end_to_end_gbps"] > 0 and shape["transfer_gbps"] > 0
+        if figures["transport"] == "ucx":  # the holder kept a device copy: pulled into device memory (here: the CPU)
+            on_device = shape["device_pull"]
+            assert on_device["bit_exact"] and on_device["path"] == "ucx-sm" and on_device["lane"] in LANE_CLASSES
+            assert on_device["lanes"] and on_device["end_to_end_gbps"] > 0, on_device
+        else:
+            assert "device_pull" not in shape
     assert figures["missed_goals"] == pull_missed(figures)
 
 
@@ -58,7 +64,9 @@ def _stage_meeting_goals() -> dict[str, Any]:
 
 def _pull_meeting_goals(lane: str = "sm", gbps: float = 20.0) -> dict[str, Any]:
     shape = {"bit_exact": True, "lane": lane, "lanes": ["cma/memory"], "end_to_end_gbps": gbps, "mismatched": []}
-    return {"shapes": {"0.5b": dict(shape), "8b": dict(shape)}}
+    on_device = {**shape, "lane": "cuda_ipc", "lanes": ["cuda_ipc/cuda"], "end_to_end_gbps": 150.0}
+    return {"device": "cuda", "ucx_cuda_memory": {"cuda_support": True},
+            "shapes": {"0.5b": {**shape, "device_pull": dict(on_device)}, "8b": {**shape, "device_pull": dict(on_device)}}}
 
 
 def test_a_weights_figure_short_of_its_goal_fails_the_part_and_keeps_the_figures() -> None:
@@ -70,9 +78,14 @@ def test_a_weights_figure_short_of_its_goal_fails_the_part_and_keeps_the_figures
     not_refused["bad_input_refused"]["load"] = ""
     slow_pull, ipc_pull, unnamed = _pull_meeting_goals(gbps=19.5), _pull_meeting_goals("cuda_ipc", 60.0), _pull_meeting_goals()
     unnamed["shapes"]["8b"]["lanes"] = []
+    slow_device, no_device_pull = _pull_meeting_goals(), _pull_meeting_goals()
+    slow_device["shapes"]["8b"]["device_pull"]["end_to_end_gbps"] = 99.0
+    del no_device_pull["shapes"]["0.5b"]["device_pull"]
     cases = [(slow_stage, stage_missed, "staging 39.9 GB/s < 40"), (slow_load, stage_missed, "load 12.0 GB/s < 40"),
              (not_refused, stage_missed, "was not refused"), (slow_pull, pull_missed, "0.5b: 19.5 GB/s end to end"),
-             (ipc_pull, pull_missed, "over cuda_ipc < 100"), (unnamed, pull_missed, "8b: the pull named no lane")]
+             (ipc_pull, pull_missed, "over cuda_ipc < 100"), (unnamed, pull_missed, "8b: the pull named no lane"),
+             (slow_device, pull_missed, "8b into device memory: 99.0 GB/s end to end over cuda_ipc < 100"),
+             (no_device_pull, pull_missed, "0.5b: UCX here carries GPU memory but no device-memory pull ran")]
     for figures, rule, words in cases:
         result = run_part("weights", lambda figures=figures, rule=rule: _asserted(figures, rule(figures)))
         assert result["status"] == "failed" and words in result["error"], result["error"]

@@ -251,3 +251,60 @@ def lanes_joiner_main(tls: str, sources: dict[str, dict[str, Any]], out: mp.Queu
         except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
             records[name] = _describe(exc)
     out.put(records)
+
+
+# ---------------------------------------------------------------------------------------------
+# device copies: a holder that keeps the version in device memory (the CPU twin: device "cpu")
+
+
+def device_holder_main(transport: str, seed: int, mode: str, out: mp.Queue, stop: Any) -> None:
+    """Publish ``make_state(seed)`` as version 3 with a copy in device memory; put the descriptor
+    on ``out``. mode "corrupt-device" flips one byte of the device copy after publishing (its
+    fingerprint stays the published one); the host bundle stays intact."""
+    set_env(transport)
+    os.environ["UCX_TLS"] = "sm,tcp,self"
+    from rlctl.weights import WeightServerThread
+
+    with WeightServerThread(transport=transport) as server:
+        descriptor = server.publish(3, make_state(seed), device_copy=True)
+        if mode == "corrupt-device":
+            on_device = server.server.current_device_bundle()
+            assert on_device is not None
+            on_device.flat[on_device.manifest.nbytes // 3] ^= 0x10
+        out.put(descriptor)
+        stop.poll(60)
+
+
+def device_joiner_main(sources: dict[str, dict[str, Any]], seed: int, out: mp.Queue) -> None:
+    """Pull each of ``sources`` into device memory (device "cpu") with one pool, compare with
+    ``make_state(seed)``; put ``{name: record}`` on ``out`` (and "host" for a host pull of the first)."""
+    set_env("ucx")
+    os.environ["UCX_TLS"] = "sm,tcp,self"
+    import torch
+
+    from rlctl.weights import fetch_bundle_sync, fetch_device_bundle_sync, unflatten
+    from rlctl.weights.device_bundle import DeviceBufferPool
+
+    expected = make_state(seed)
+    pool = DeviceBufferPool("cpu")
+
+    def same(state: dict[str, Any]) -> bool:
+        return all(state[name].dtype == tensor.dtype and state[name].shape == tensor.shape
+                   and bool((state[name] == tensor).all()) for name, tensor in expected.items())
+
+    records: dict[str, dict[str, Any]] = {}
+    for name, source in sources.items():
+        try:
+            bundle = fetch_device_bundle_sync(source, pool, timeout=30.0)
+            assert bundle.pull is not None
+            records[name] = {"ok": True, "same": same(bundle.tensors()), "device": bundle.device,
+                             "views_pool": bundle.flat.data_ptr() in {b.tensor.data_ptr() for b in pool.buffers},
+                             **bundle.pull.to_json()}
+            del bundle
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
+            records[name] = _describe(exc)
+    records["pool"] = {"allocations": pool.allocations}
+    first = next(iter(sources.values()))
+    host = fetch_bundle_sync(first, timeout=30.0)
+    records["host"] = {"ok": True, "same": same(unflatten(host.manifest, host.buffer)), "torch": torch.__version__}
+    out.put(records)

@@ -1,0 +1,183 @@
+"""Weights versions held in device memory: the bundle a holder sends from GPU memory and a joiner
+receives into GPU memory, with no host copy.
+
+Role: where UCX can carry CUDA memory itself (``cuda_ipc`` between two processes on one node,
+``rc`` with GPUDirect RDMA across nodes), a weights version does not need to pass through host
+memory. A holder that publishes with a device copy keeps, beside its host bundle (which joiners
+without that lane still pull), a ``DeviceBundle``: the same bytes in the same layout (the host
+``Manifest``: offsets, names, dtypes, its checksum) in one flat uint8 tensor on its device. A
+joiner on a GPU receives it into a ``DeviceBuffer`` of its own and loads its model from views of
+it, device to device.
+
+* ``DeviceBufferPool``: device buffers reused version after version (``staging.BufferPool``),
+  busy while a bundle on them is alive, exactly as host buffers are.
+* ``flatten_on_device``: the device copy of a state at a manifest's layout (one copy per tensor on
+  the device; the gaps zeroed so the bytes equal the host bundle's).
+* ``fingerprint``: a check of the bytes computed where they are (no copy to the host): two sums
+  mod 2**64 of the buffer's little-endian 32-bit words, plain and weighted by position (Fletcher's
+  construction), with the byte count. It catches a truncated, shifted, stale or corrupted
+  transfer; it is not a cryptographic hash (the job's token is what keeps strangers out). The
+  holder computes it once per version and puts it in the source descriptor; the joiner recomputes
+  it on what landed, before anything is loaded.
+
+On a machine without a GPU every piece runs with ``device="cpu"`` (the CPU twin the tests run);
+torch is imported only by callers that hold torch tensors.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlctl.weights.errors import WeightIntegrityError
+from rlctl.weights.staging import BufferPool, PooledBuffer
+
+if TYPE_CHECKING:
+    from rlctl.weights.bundle import Manifest
+    from rlctl.weights.lanes import PullStats
+
+FINGERPRINT_FORMAT = "fl64"
+FINGERPRINT_CHUNK_WORDS = 1 << 22  # 16 MiB of data per step: three int64 temporaries of 32 MiB
+WORD_MASK = (1 << 64) - 1
+
+
+def _torch() -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch
+    return torch
+
+
+class DeviceBuffer(PooledBuffer):
+    """One flat uint8 tensor of ``capacity`` bytes on a device."""
+
+    def __init__(self, tensor: Any) -> None:
+        super().__init__(int(tensor.numel()))
+        self.tensor = tensor
+
+    def view(self, nbytes: int) -> Any:
+        """The first ``nbytes`` bytes (a 1-D uint8 tensor on the device)."""
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes do not fit a device buffer of {self.capacity}")
+        return self.tensor[:nbytes]
+
+
+class DeviceBufferPool(BufferPool[DeviceBuffer]):
+    """Device buffers on ``device`` (``"cuda:0"``; ``"cpu"`` for the CPU twin)."""
+
+    what = "device buffers"
+
+    def __init__(self, device: str, max_buffers: int = 2) -> None:
+        super().__init__(max_buffers)
+        self.device = device
+
+    def _allocate(self, nbytes: int) -> DeviceBuffer:
+        torch = _torch()
+        return DeviceBuffer(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+
+
+@dataclass(frozen=True)
+class DeviceBundle:
+    """A weights version in device memory: the host ``manifest``'s layout in ``flat`` (a 1-D uint8
+    tensor of ``manifest.nbytes``), its ``fingerprint``, and how it came when it was pulled."""
+
+    manifest: Manifest
+    flat: Any
+    fingerprint: str
+    pull: PullStats | None = None
+
+    @property
+    def device(self) -> str:
+        return str(self.flat.device)
+
+    def body(self, offset: int, length: int) -> Any:
+        """Bytes ``[offset, offset + length)`` as ucxx sends them (device memory stays where it is)."""
+        return ucx_buffer(self.flat[offset:offset + length])
+
+    def served_fields(self) -> dict[str, Any]:
+        """What a holder's reply says of this copy: device memory, and its fingerprint."""
+        return {"memory": "device", "fingerprint": self.fingerprint}
+
+    def tensors(self) -> dict[str, Any]:
+        """Every tensor as a view into ``flat`` (on the device, no copy)."""
+        torch = _torch()
+        out: dict[str, Any] = {}
+        for entry in self.manifest.tensors:
+            dtype = getattr(torch, entry.dtype)
+            piece = self.flat[entry.offset:entry.offset + entry.nbytes]
+            out[entry.name] = piece.view(dtype).view(entry.shape) if entry.nbytes else torch.empty(
+                entry.shape, dtype=dtype, device=self.flat.device)
+        return out
+
+
+def device_of(state: Mapping[str, Any]) -> str | None:
+    """The device of a state dict's torch tensors (None when it holds none)."""
+    for value in state.values():
+        device = getattr(value, "device", None)
+        if device is not None and hasattr(value, "is_contiguous"):
+            return str(device)
+    return None
+
+
+def flatten_on_device(manifest: Manifest, state: Mapping[str, Any], pool: DeviceBufferPool) -> DeviceBundle:
+    """Copy ``state`` into a buffer of ``pool`` at ``manifest``'s layout (the host bundle made from
+    the same state), on the pool's device. The buffer stays busy while the bundle lives."""
+    torch = _torch()
+    with pool.reserve(manifest.nbytes) as buffer:
+        flat = buffer.view(manifest.nbytes)
+        frontier = 0
+        for entry in manifest.tensors:
+            if entry.offset > frontier:
+                flat[frontier:entry.offset].zero_()
+            value = state[entry.name]
+            if entry.nbytes:
+                target = flat[entry.offset:entry.offset + entry.nbytes]
+                target.view(value.dtype).view(value.shape).copy_(value, non_blocking=True)
+            frontier = entry.offset + entry.nbytes
+        if manifest.nbytes > frontier:
+            flat[frontier:].zero_()
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+        bundle = DeviceBundle(manifest, flat, fingerprint(flat))
+        buffer.hold(bundle)
+    return bundle
+
+
+def fingerprint(flat: Any) -> str:
+    """The fingerprint of a 1-D uint8 tensor, computed on its device (see the module docstring)."""
+    torch = _torch()
+    nbytes = int(flat.numel())
+    whole = nbytes // 4 * 4
+    plain = torch.zeros((), dtype=torch.int64, device=flat.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    words = flat[:whole].view(torch.int32) if whole else flat.new_empty(0).view(torch.int32)
+    positions = torch.arange(1, min(FINGERPRINT_CHUNK_WORDS, max(words.numel(), 1)) + 1, dtype=torch.int64,
+                             device=flat.device)
+    for start in range(0, words.numel(), FINGERPRINT_CHUNK_WORDS):
+        chunk = words[start:start + FINGERPRINT_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
+        plain += chunk.sum()
+        weighted += (chunk * positions[:chunk.numel()]).sum() + start * chunk.sum()
+    if whole < nbytes:
+        tail = torch.zeros(4, dtype=torch.uint8, device=flat.device)
+        tail[:nbytes - whole] = flat[whole:]
+        word = tail.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        plain += word.sum()
+        weighted += word.sum() * (words.numel() + 1)
+    return f"{FINGERPRINT_FORMAT}:{nbytes}:{int(plain.item()) & WORD_MASK:016x}:{int(weighted.item()) & WORD_MASK:016x}"
+
+
+def check_fingerprint(flat: Any, expected: str, what: str) -> str:
+    """``flat``'s fingerprint; raises ``WeightIntegrityError`` naming ``what`` when it is not ``expected``."""
+    got = fingerprint(flat)
+    if got != expected:
+        raise WeightIntegrityError(f"{what}: the bytes in device memory have fingerprint {got}, the source "
+                                   f"promised {expected}")
+    return got
+
+
+def ucx_buffer(tensor: Any) -> Any:
+    """What ucxx sends from or receives into: a CUDA tensor as it is (``__cuda_array_interface__``),
+    a host tensor as the numpy array over its memory."""
+    return tensor if tensor.is_cuda else tensor.numpy()

@@ -1,0 +1,123 @@
+"""Pulls device to device: a holder keeps the version in device memory, a joiner receives it into
+device memory of its own and checks it there (``rlctl.weights.device_bundle``).
+
+On this machine the device is the CPU (the CPU twin): the same publish, request, UCX send and
+receive, and fingerprint check as on a GPU, where UCX carries the bytes over ``cuda_ipc`` (one
+node) or GPUDirect RDMA. The GPU check's ``weights_pull_local`` runs the real one.
+Real processes: the holder and the joiner are spawned, each with its own UCX worker.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+import torch
+import weights_procs
+
+from rlctl.weights import WeightServerThread, fetch_device_bundle_sync, flatten
+from rlctl.weights.device_bundle import DeviceBufferPool, check_fingerprint, fingerprint, flatten_on_device
+from rlctl.weights.errors import TransportUnavailableError, WeightIntegrityError
+
+CTX = mp.get_context("spawn")
+needs_ucxx = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (the 'ucx' extra) is not installed")
+WAIT_S = 90.0
+
+
+def _reference_fingerprint(data: bytes) -> str:
+    """The definition, in plain Python: Fletcher's two sums of little-endian 32-bit words mod 2**64."""
+    padded = data + b"\0" * (-len(data) % 4)
+    words = [int.from_bytes(padded[i:i + 4], "little") for i in range(0, len(padded), 4)]
+    plain = sum(words) % 2**64
+    weighted = sum((i + 1) * w for i, w in enumerate(words)) % 2**64
+    return f"fl64:{len(data)}:{plain:016x}:{weighted:016x}"
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 3, 4, 7, 4096, 40_003])
+def test_the_fingerprint_is_its_definition_in_one_step_or_many(nbytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    expected = _reference_fingerprint(bytes(data.numpy()))
+    assert fingerprint(data) == expected
+    monkeypatch.setattr("rlctl.weights.device_bundle.FINGERPRINT_CHUNK_WORDS", 5)
+    assert fingerprint(data) == expected
+
+
+def test_the_fingerprint_catches_a_flipped_bit_swapped_words_and_a_shorter_buffer() -> None:
+    data = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    base = fingerprint(data)
+    flipped = data.clone()
+    flipped[1000] ^= 0x04
+    swapped = data.clone()
+    swapped[0:4], swapped[4:8] = data[4:8].clone(), data[0:4].clone()
+    assert torch.equal(data[0:4], data[4:8]) or fingerprint(swapped) != base
+    assert fingerprint(flipped) != base and fingerprint(data[:-1]) != base
+    with pytest.raises(WeightIntegrityError, match="promised"):
+        check_fingerprint(flipped, base, "version 3")
+
+
+def test_the_device_copy_has_the_host_bundles_bytes_and_its_buffer_is_reused_once_released() -> None:
+    state = weights_procs.make_state(4)
+    bundle = flatten(state, 5)
+    pool = DeviceBufferPool("cpu")
+    on_device = flatten_on_device(bundle.manifest, state, pool)
+    assert bytes(on_device.flat.numpy()) == bytes(bundle.buffer)  # the alignment gaps zeroed the same way
+    assert on_device.fingerprint == _reference_fingerprint(bytes(bundle.buffer))
+    for name, tensor in on_device.tensors().items():
+        assert torch.equal(tensor, state[name]) and tensor.dtype == state[name].dtype
+    assert pool.buffers[0].busy
+    del on_device
+    again = flatten_on_device(bundle.manifest, weights_procs.make_state(4), pool)
+    assert pool.allocations == 1 and again.fingerprint == _reference_fingerprint(bytes(bundle.buffer))
+
+
+def test_a_device_copy_is_refused_over_tcp_and_a_source_without_one_is_not_pulled_into_device_memory() -> None:
+    import numpy as np
+
+    with WeightServerThread(transport="tcp", checksum_algorithm=None) as server:
+        with pytest.raises(ValueError, match="not over this server's 'tcp'"):
+            server.publish(1, weights_procs.make_state(1), device_copy=True)
+        descriptor = server.publish(1, {"w": np.ones(4, dtype=np.float32)})
+    assert "device_fingerprint" not in descriptor
+    with pytest.raises(TransportUnavailableError, match="offers no copy in device memory"):
+        fetch_device_bundle_sync(descriptor, DeviceBufferPool("cpu"))
+
+
+def _serve(transport: str, mode: str = "normal") -> tuple[Any, Any, dict[str, Any]]:
+    queue, (stop_reader, stop) = CTX.Queue(), CTX.Pipe(duplex=False)
+    holder = CTX.Process(target=weights_procs.device_holder_main, args=(transport, 2, mode, queue, stop_reader))
+    holder.start()
+    return holder, stop, queue.get(timeout=WAIT_S)
+
+
+@needs_ucxx
+@pytest.mark.timeout(240)
+def test_a_joiner_pulls_the_holders_device_copy_into_its_own_device_memory_and_checks_it_there() -> None:
+    ucx_holder, ucx_stop, source = _serve("ucx")
+    corrupt_holder, corrupt_stop, corrupt_source = _serve("ucx", "corrupt-device")
+    try:
+        assert source["device"] == "cpu" and source["device_fingerprint"].startswith("fl64:")
+        listener_only = {k: v for k, v in source.items() if k != "sm_port"}
+        promised_otherwise = {**source, "device_fingerprint": _reference_fingerprint(b"other")}
+        queue = CTX.Queue()
+        joiner = CTX.Process(target=weights_procs.device_joiner_main, args=(
+            {"same-node": source, "listener": listener_only, "again": source, "corrupt": corrupt_source,
+             "wrong-promise": promised_otherwise}, 2, queue))
+        joiner.start()
+        records = queue.get(timeout=WAIT_S)
+        joiner.join(30)
+    finally:
+        for holder, stop in ((ucx_holder, ucx_stop), (corrupt_holder, corrupt_stop)):
+            stop.send(True)
+            holder.join(30)
+    for name in ("same-node", "listener", "again"):
+        record = records[name]
+        assert record["ok"] and record["same"] and record["device"] == "cpu" and record["views_pool"], (name, record)
+    assert records["same-node"]["transport"] == "ucx-sm" and records["same-node"]["lane"] == "sm"
+    assert records["listener"]["transport"] == "ucx" and records["listener"]["lane"] in ("tcp", "sm")
+    assert records["pool"]["allocations"] == 1  # each bundle dropped before the next pull: one buffer reused
+    for name in ("corrupt", "wrong-promise"):
+        assert records[name] == {"ok": False, "error": "WeightIntegrityError", "message": records[name]["message"]}
+        assert "fingerprint" in records[name]["message"], records[name]
+    assert records["host"]["ok"] and records["host"]["same"]  # joiners without the lane pull the host bundle
