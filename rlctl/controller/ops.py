@@ -457,6 +457,8 @@ def _lane_fields(args: dict[str, Any]) -> dict[str, Any]:
         fields["lanes"] = [str(lane)[:LANE_NAME_MAX * 2] for lane in args["lanes"][:LANES_MAX]]
     if isinstance(args.get("gbps"), (int, float)):
         fields["gbps"] = float(args["gbps"])
+    if args.get("memory") in ("host", "device"):
+        fields["memory"] = args["memory"]
     if isinstance(args.get("same_node"), bool):
         fields["same_node"] = args["same_node"]
     return fields

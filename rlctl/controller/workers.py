@@ -69,6 +69,7 @@ class WorkerLauncher:
             "tensor_parallel_size": role.tensor_parallel_size if slot.role == "rollout" else 1,
             "colocated": spec.colocated and slot.role in ("trainer", "rollout"),
             "start_parked": slot.role == "rollout" and not slot.standby and self._group_runs_wide(slot),
+            "weights_device_memory": spec.weights_device_memory,
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
         if self.on_this_machine:

@@ -385,6 +385,12 @@ JOB_SCHEMA: dict[str, Field] = {
                 "choice", "`auto` uses UCX when ucxx imports, else TCP.", "auto", choices=("auto", "ucx", "ucx-sm", "tcp")
             ),
             "host": Field("str", "Address holders listen on and advertise.", "127.0.0.1"),
+            "device_memory": Field(
+                "choice", "Keep weights versions in GPU memory for pulls device to device over UCX (`cuda_ipc` on "
+                "one node, GPUDirect RDMA across nodes): the trainer keeps a copy of the version it serves, rollouts "
+                "pull into GPU memory and load from there. `auto`: on CUDA where UCX carries CUDA memory and the "
+                "copy fits; `on`: wherever the transport is UCX (on CPU too); `off`: through host memory always.",
+                "auto", choices=("auto", "on", "off")),
         },
     ),
     "model": Field(
@@ -683,6 +689,7 @@ class JobSpec:
     rollout: RolloutSpec
     weights_transport: str
     weights_host: str
+    weights_device_memory: str
     agent_tls: str
     observability: ObservabilitySpec
     env: EnvSpec
@@ -948,6 +955,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         ),
         weights_transport=values["weights"]["transport"],
         weights_host=values["weights"]["host"],
+        weights_device_memory=values["weights"]["device_memory"],
         agent_tls=values["cluster"]["agent_tls"],
         observability=ObservabilitySpec(**values["observability"]),
         env=EnvSpec.from_table(values["env"]),

@@ -12,7 +12,9 @@ It drives the job as a user does, through the ``rlctl`` CLI in a subprocess (``l
 ``status``, ``inject-fault``, ``report``, ``events``), with ``RLCTL_HOME`` in a temporary folder.
 Figures: ETTR, each step's weight-sync seconds (the slowest rollout's pull of that version), the
 lanes the pulls took (the ``lane``/``lanes`` of ``WeightsHeld`` records; ``"unknown"`` where the
-records carry none), each fault's detection and recovery seconds, the run's seconds.
+records carry none) and where they landed (``memory``: GPU memory where ``[weights] device_memory``
+has the trainer keep a copy there and UCX carries it), each fault's detection and recovery seconds,
+the run's seconds.
 ``CPU_TWIN`` is the same part with the tiny Qwen3 on CPU (``tests/gpu/test_gpucheck.py``).
 """
 
@@ -54,6 +56,7 @@ class LocalJobShape:
     phase_timeout_s: float
     loading_timeout_s: float
     limit_s: float
+    device_memory: str = "auto"  # [weights] device_memory: the CPU twin turns pulls into device memory on
 
 
 GPU_SHAPE = LocalJobShape(model_size="0.5b", device="cuda", steps=10, batch_prompts=4, group_size=4, max_new_tokens=32,
@@ -63,7 +66,7 @@ GPU_SHAPE = LocalJobShape(model_size="0.5b", device="cuda", steps=10, batch_prom
 # steps leave room for both injections, each seen by a poll.
 CPU_TWIN = LocalJobShape(model_size="tiny", device="cpu", steps=14, batch_prompts=2, group_size=2, max_new_tokens=8,
                          trainer_crash_step=1, rollout_crash_step=3, checkpoint_every=4, phase_timeout_s=30.0,
-                         loading_timeout_s=120.0, limit_s=240.0)
+                         loading_timeout_s=120.0, limit_s=240.0, device_memory="on")
 
 JOB_FILE = """
 [job]
@@ -115,6 +118,9 @@ short_max_tokens = {short_max_tokens}
 overprovision = 0.5
 long_batch = {batch_prompts}
 
+[weights]
+device_memory = "{device_memory}"
+
 [workload]
 device = "{device}"
 engine = "torch"
@@ -135,7 +141,7 @@ def write_job_file(folder: Path, shape: LocalJobShape, model: Path, train: Path)
         steps=shape.steps, checkpoint_every=shape.checkpoint_every, phase=shape.phase_timeout_s,
         loading=shape.loading_timeout_s, batch_prompts=shape.batch_prompts, group_size=shape.group_size,
         max_new_tokens=shape.max_new_tokens, short_max_tokens=shape.max_new_tokens // 2, worker_batch=shape.batch_prompts * shape.group_size, device=shape.device,
-        model=model, train=train))
+        device_memory=shape.device_memory, model=model, train=train))
     return path
 
 
@@ -199,9 +205,10 @@ def _inject_when_due(cli: Cli, job: str, snapshot: dict[str, Any], shape: LocalJ
 
 def weight_sync_by_step(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per weights version: the slowest rollout pull's seconds, and the lanes the pulls took
-    (``"unknown"`` for records without lane fields)."""
+    (``"unknown"`` for records without lane fields); where the pulls landed (host or device memory)."""
     seconds: dict[int, float] = {}
     lanes: dict[int, set[str]] = {}
+    memory: set[str] = set()
     for record in records:
         data = record["data"]
         if "seconds" not in data or int(data["version"]) <= 0:
@@ -210,10 +217,12 @@ def weight_sync_by_step(records: list[dict[str, Any]]) -> dict[str, Any]:
         seconds[version] = max(seconds.get(version, 0.0), float(data["seconds"]))
         named = data.get("lanes") or ([data["lane"]] if data.get("lane") else ["unknown"])
         lanes.setdefault(version, set()).update(str(lane) for lane in named)
+        memory.add(str(data.get("memory") or "unknown"))
     versions = sorted(seconds)
     return {"weight_sync_s": {str(v): round(seconds[v], 3) for v in versions},
             "lanes": {str(v): sorted(lanes[v]) for v in versions},
-            "lanes_seen": sorted(set().union(*lanes.values())) if lanes else ["unknown"]}
+            "lanes_seen": sorted(set().union(*lanes.values())) if lanes else ["unknown"],
+            "memory_seen": sorted(memory) or ["unknown"]}
 
 
 def run_local_job(shape: LocalJobShape, workdir: Path, log: Callable[[str], None] = lambda _: None,
@@ -255,7 +264,7 @@ def run_local_job(shape: LocalJobShape, workdir: Path, log: Callable[[str], None
         "model_made_s": round(made_s, 1), "run_s": round(time.monotonic() - started, 1),
     }
     log(f"local_job: {figures['state']}, ETTR {figures['ettr']:.1%}, weight sync s by step {figures['weight_sync_s']}, "
-        f"lanes {figures['lanes_seen']}")
+        f"lanes {figures['lanes_seen']}, pulled into {figures['memory_seen']} memory")
     return figures
 
 

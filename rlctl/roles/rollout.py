@@ -50,15 +50,15 @@ def fetch_holders(sources: list[dict[str, Any]], pool: Any = None) -> Any:
 
 def pull_record(bundle: Any) -> dict[str, Any]:
     """What ``weights.held`` tells the controller of a pull beyond bytes and seconds: the lane class
-    and lanes it took, its GB/s, whether the holders were on this node, and the faster lane it
-    could have taken (``rlctl.weights.lanes``)."""
+    and lanes it took, its GB/s, whether the holders were on this node, where it landed (host or
+    device memory), and the faster lane it could have taken (``rlctl.weights.lanes``)."""
     from rlctl.weights.lanes import faster_lane
 
     pull = bundle.pull
     if pull is None:
         return {}
     record = {"lane": pull.lane, "lanes": list(pull.lanes), "gbps": pull.gbps, "same_node": pull.same_node,
-              "path": pull.transport}
+              "path": pull.transport, "memory": "host" if hasattr(bundle, "buffer") else "device"}
     faster = faster_lane(pull)
     if faster is not None:
         record["faster_lane"] = faster
@@ -119,6 +119,8 @@ class Rollout:
         self.server.start()
         self.held_version = -1
         self.held_bundle: Any = None  # the weights as received (served on; a sleeping engine wakes from them)
+        self.device_pulls = True  # off once a pull into device memory failed its check
+        self.device_pool: Any = None  # the GPU buffers pulls into device memory land in (made at the first)
         # Colocated with trainer ranks on the same GPUs: the engine sleeps whenever it has nothing to generate.
         self.colocated = bool(settings.get("colocated", False))
         self.tokens_generated = 0
@@ -143,7 +145,7 @@ class Rollout:
     def sync_weights(self, version: int, sources: list[dict[str, Any]]) -> None:
         """Pull ``version`` from live holders (striped across several full holders when there are,
         ``fetch_holders``); a holder that fails is reported and the controller asked again."""
-        from rlctl.weights import WeightError
+        from rlctl.weights import Bundle, WeightError
 
         started = time.monotonic()
         failed: dict[str, Any] | None = None
@@ -162,7 +164,7 @@ class Rollout:
                     time.sleep(0.2)
             self.w.phase("weight-sync", self.step)
             try:
-                bundle = fetch_holders(sources, self.server.pool)
+                bundle = self.pull(sources)
                 break
             except WeightError as exc:
                 failed, error, sources = getattr(exc, "failed", sources[0]), str(exc), []
@@ -178,9 +180,33 @@ class Rollout:
             raise RuntimeError(f"asked for weights v{version}, holder sent v{got}")
         self.held_bundle = bundle
         self.load_held(got)
-        descriptor = self.server.publish_bundle(bundle)  # serve on exactly the bytes received, no copy
+        # Serve on exactly the bytes received, no copy (from GPU memory where they landed there).
+        descriptor = (self.server.publish_bundle(bundle) if isinstance(bundle, Bundle)
+                      else self.server.publish_device_bundle(bundle))
         self.w.notify("weights.held", version=got, source=descriptor, bytes=int(bundle.manifest.nbytes),
                       seconds=round(time.monotonic() - started, 6), holders=len(sources), **pull_record(bundle))
+
+    def pull(self, sources: list[dict[str, Any]]) -> Any:
+        """One version from ``sources``: into GPU memory when the first holder keeps a copy there and
+        this rollout keeps weights there (``[weights] device_memory``), else through host memory
+        (``fetch_holders``). A device pull whose bytes fail their check turns device pulls off
+        for this rollout (the lane is broken here), and the same pull goes through host memory."""
+        from rlctl.weights import WeightIntegrityError, fetch_device_bundle_sync, offers_device_copy
+        from rlctl.weights.device_bundle import DeviceBufferPool, keep_in_device_memory
+
+        first = sources[0]
+        if (offers_device_copy(first) and self.device_pulls and not getattr(self.engine, "pulls_itself", False)
+                and keep_in_device_memory(str(self.settings.get("weights_device_memory", "auto")), self._device,
+                                          self.server.transport, int(first["nbytes"]))):
+            if self.device_pool is None:
+                self.device_pool = DeviceBufferPool(self._device)
+            try:
+                return fetch_device_bundle_sync(first, self.device_pool, timeout=fetch_timeout(first))
+            except WeightIntegrityError as exc:
+                self.device_pulls = False
+                print(f"rlctl rollout: a pull into device memory failed its check ({exc}); pulling through host "
+                      "memory from now on", file=sys.stderr, flush=True)
+        return fetch_holders(sources, self.server.pool)
 
     def help_score(self, items: list[dict[str, Any]]) -> None:
         """Score samples for the reward role while there is nothing to generate (the controller
@@ -270,12 +296,15 @@ class Rollout:
     def load_held(self, version: int) -> None:
         """Load the held bundle into the engine (waking it if it sleeps) as ``version``. An engine
         whose workers run in processes of their own pulls it from this rollout's own server."""
-        from rlctl.weights import unflatten
+        from rlctl.weights import Bundle, unflatten
 
-        if getattr(self.engine, "pulls_itself", False):
-            self.engine.load_from_source(self.server.publish_bundle(self.held_bundle), version)
+        held = self.held_bundle
+        if not isinstance(held, Bundle):  # pulled into device memory: loaded device to device
+            self.engine.load_state_dict(held.tensors(), version)
+        elif getattr(self.engine, "pulls_itself", False):
+            self.engine.load_from_source(self.server.publish_bundle(held), version)
         else:
-            self.engine.load_state_dict(unflatten(self.held_bundle.manifest, self.held_bundle.buffer), version)
+            self.engine.load_state_dict(unflatten(held.manifest, held.buffer), version)
         self.held_version = version
 
     def apply_layout(self, layout: dict[str, Any]) -> None:

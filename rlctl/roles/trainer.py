@@ -312,7 +312,8 @@ class TrainerRole:
             descriptor = self.group_source(self.server.publish(self.version, self.trainer.shard_for_publish()))
         else:
             weights = self.trainer.weights_to_publish()  # staged by the server: no host copy here
-            descriptor = self.server.publish(self.version, weights) if self.server is not None else None
+            descriptor = (self.server.publish(self.version, weights, device_copy=self.keeps_device_copy(weights))
+                          if self.server is not None else None)
         state_source = self.offer_state() if self.replicate_state else None
         if descriptor is None or not self.leader:
             return
@@ -322,6 +323,17 @@ class TrainerRole:
         if metrics is not None:
             args["metrics"] = {"mean_reward": metrics["reward_mean"], "round": self.round_kind, **metrics}
         self.w.request("trainer.publish", **args)
+
+    def keeps_device_copy(self, weights: dict[str, Any]) -> bool:
+        """Whether the version is also kept in GPU memory for rollouts to pull device to device
+        (``[weights] device_memory``; ``rlctl.weights.device_bundle.keep_in_device_memory``)."""
+        from rlctl.weights.device_bundle import device_of, keep_in_device_memory
+
+        if not weights or self.server is None:
+            return False
+        nbytes = sum(int(t.numel()) * int(t.element_size()) for t in weights.values())
+        return keep_in_device_memory(str(self.settings.get("weights_device_memory", "auto")), device_of(weights),
+                                     self.server.transport, nbytes)
 
     def group_source(self, mine: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0 gets one sharded source naming what every rank serves of this version (the ranks

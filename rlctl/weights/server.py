@@ -116,13 +116,14 @@ class WeightServer:
         self._checksum_algorithm = checksum_algorithm
         self._holder: Holder | None = None
         self._endpoint_fields: dict[str, Any] = {}
-        self._bundles: tuple[Bundle, ...] = ()
+        self._bundles: tuple[Bundle | None, ...] = ()  # None: served from its copy in device memory only
         self._device_bundles: tuple[DeviceBundle | None, ...] = ()
         self.pool = pool if pool is not None else HostBufferPool()
         self._device_pools: dict[str, DeviceBufferPool] = {}
 
     def current_bundle(self, index: int = 0) -> Bundle | None:
-        """The bundle served right now at ``index`` (None before the first publish, or past the last part)."""
+        """The bundle served right now at ``index`` in host memory (None before the first publish,
+        past the last part, or for a version held in device memory only)."""
         return self._bundles[index] if 0 <= index < len(self._bundles) else None
 
     def current_device_bundle(self, index: int = 0) -> DeviceBundle | None:
@@ -130,8 +131,13 @@ class WeightServer:
         return self._device_bundles[index] if 0 <= index < len(self._device_bundles) else None
 
     def served(self, index: int, memory: str = "host") -> Servable | None:
-        """What a joiner asking for ``memory`` (``host`` or ``device``) at ``index`` is sent."""
-        return self.current_device_bundle(index) if memory == "device" else self.current_bundle(index)
+        """What a joiner asking for ``memory`` (``host`` or ``device``) at ``index`` is sent. A
+        version held in device memory only is sent from there to a joiner asking for host memory
+        too (UCX copies device to host on the way; the bytes, and so the checksum, are the same)."""
+        on_device = self.current_device_bundle(index)
+        if memory == "device":
+            return on_device
+        return self.current_bundle(index) or on_device
 
     def device_pool(self, device: str) -> DeviceBufferPool:
         """The device buffers this server keeps its copies in on ``device``."""
@@ -180,12 +186,23 @@ class WeightServer:
         assert descriptor is not None
         return descriptor
 
+    async def publish_device_bundle(self, on_device: DeviceBundle) -> dict[str, Any]:
+        """Serve a version held in device memory only (what a joiner pulled there: a rollout serves
+        on exactly the bytes it received), to joiners asking for either memory; its descriptor."""
+        if self.transport not in DEVICE_MEMORY_TRANSPORTS:
+            raise ValueError(f"a version in device memory is served over {' or '.join(DEVICE_MEMORY_TRANSPORTS)}, "
+                             f"not over this server's {self.transport!r}")
+        self._serve((None,), (on_device,))
+        descriptor = self.descriptor()
+        assert descriptor is not None
+        return descriptor
+
     async def publish_parts(self, bundles: Sequence[Bundle]) -> list[dict[str, Any]]:
         """Serve every bundle of ``bundles`` at once (not copied), each at its index; their descriptors in order."""
         self._serve(tuple(bundles))
         return [self._describe(index) for index in range(len(bundles))]
 
-    def _serve(self, bundles: tuple[Bundle, ...], on_device: tuple[DeviceBundle | None, ...] = ()) -> None:
+    def _serve(self, bundles: tuple[Bundle | None, ...], on_device: tuple[DeviceBundle | None, ...] = ()) -> None:
         if self._holder is None:
             raise RuntimeError("WeightServer.start() must be awaited before publishing")
         self._bundles = bundles
@@ -205,8 +222,10 @@ class WeightServer:
         return self._describe(0) if len(self._bundles) == 1 else None
 
     def _describe(self, index: int) -> dict[str, Any]:
-        manifest = self._bundles[index].manifest
         on_device = self.current_device_bundle(index)
+        held = self._bundles[index] or on_device
+        assert held is not None
+        manifest = held.manifest
         return {**self.endpoint, **({"index": index} if len(self._bundles) > 1 else {}), "version": manifest.version,
                 "nbytes": manifest.nbytes, "checksum": manifest.checksum,
                 **({"device": on_device.device, "device_fingerprint": on_device.fingerprint} if on_device else {})}
@@ -267,6 +286,10 @@ class WeightServerThread:
     def publish_bundle(self, bundle: Bundle, on_device: DeviceBundle | None = None) -> dict[str, Any]:
         """See `WeightServer.publish_bundle`."""
         return self._call(self.server.publish_bundle(bundle, on_device))
+
+    def publish_device_bundle(self, on_device: DeviceBundle) -> dict[str, Any]:
+        """See `WeightServer.publish_device_bundle`."""
+        return self._call(self.server.publish_device_bundle(on_device))
 
     def publish_parts(self, bundles: Sequence[Bundle]) -> list[dict[str, Any]]:
         """See `WeightServer.publish_parts`."""

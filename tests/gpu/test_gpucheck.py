@@ -7,6 +7,7 @@ that prove rlctl's GPU paths must pass. The other tests check the parts' pure lo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -179,6 +180,8 @@ def test_the_local_job_part_runs_a_whole_job_through_two_crashes_on_cpu(tmp_path
     assert figures["faults"]["rollout_crash"]["verdict"] == "worker-crash"
     assert 0 < figures["ettr"] < 1 and len(figures["weight_sync_s"]) >= CPU_TWIN.steps - 2
     assert all(seconds > 0 for seconds in figures["weight_sync_s"].values()) and figures["lanes_seen"]
+    if importlib.util.find_spec("ucxx") is not None:  # [weights] device_memory = "on": the GPU path's CPU twin
+        assert figures["memory_seen"] == ["device"], figures
 
 
 def test_the_local_job_parts_figures_and_goals() -> None:
@@ -192,6 +195,8 @@ def test_the_local_job_parts_figures_and_goals() -> None:
     sync = weight_sync_by_step(records)
     assert sync["weight_sync_s"] == {"1": 0.7, "2": 0.5}
     assert sync["lanes"] == {"1": ["sm", "tcp/lo"], "2": ["unknown"]} and sync["lanes_seen"] == ["sm", "tcp/lo", "unknown"]
+    assert sync["memory_seen"] == ["unknown"]
+    assert weight_sync_by_step([{"data": {"version": 1, "seconds": 0.1, "memory": "device"}}])["memory_seen"] == ["device"]
     good = {"state": "succeeded", "steps": 10, "steps_done": 10, "trajectories_lost": 0, "limit_s": 300.0,
             "timed_out": False, "faults": {"trainer_crash": {"recovered_at": 1.0}, "rollout_crash": {"recovered_at": None}}}
     assert missed_goals(good) == []

@@ -78,6 +78,9 @@ def test_a_device_copy_is_refused_over_tcp_and_a_source_without_one_is_not_pulle
     with WeightServerThread(transport="tcp", checksum_algorithm=None) as server:
         with pytest.raises(ValueError, match="not over this server's 'tcp'"):
             server.publish(1, weights_procs.make_state(1), device_copy=True)
+        state = weights_procs.make_state(1)
+        with pytest.raises(ValueError, match="not over this server's 'tcp'"):
+            server.publish_device_bundle(flatten_on_device(flatten(state, 1).manifest, state, DeviceBufferPool("cpu")))
         descriptor = server.publish(1, {"w": np.ones(4, dtype=np.float32)})
     assert "device_fingerprint" not in descriptor
     with pytest.raises(TransportUnavailableError, match="offers no copy in device memory"):
@@ -121,3 +124,4 @@ def test_a_joiner_pulls_the_holders_device_copy_into_its_own_device_memory_and_c
         assert records[name] == {"ok": False, "error": "WeightIntegrityError", "message": records[name]["message"]}
         assert "fingerprint" in records[name]["message"], records[name]
     assert records["host"]["ok"] and records["host"]["same"]  # joiners without the lane pull the host bundle
+    assert records["served-on"] == {"host_same": True, "checksum": True, "fingerprint": True, "host_bundle": False}

@@ -282,7 +282,7 @@ def device_joiner_main(sources: dict[str, dict[str, Any]], seed: int, out: mp.Qu
     os.environ["UCX_TLS"] = "sm,tcp,self"
     import torch
 
-    from rlctl.weights import fetch_bundle_sync, fetch_device_bundle_sync, unflatten
+    from rlctl.weights import WeightServerThread, fetch_bundle_sync, fetch_device_bundle_sync, unflatten
     from rlctl.weights.device_bundle import DeviceBufferPool
 
     expected = make_state(seed)
@@ -307,4 +307,13 @@ def device_joiner_main(sources: dict[str, dict[str, Any]], seed: int, out: mp.Qu
     first = next(iter(sources.values()))
     host = fetch_bundle_sync(first, timeout=30.0)
     records["host"] = {"ok": True, "same": same(unflatten(host.manifest, host.buffer)), "torch": torch.__version__}
+    # Served on from device memory only (a rollout that pulled there): joiners asking for either memory get it.
+    held = fetch_device_bundle_sync(first, pool, timeout=30.0)
+    with WeightServerThread(transport="ucx") as server:
+        served = server.publish_device_bundle(held)
+        again = fetch_bundle_sync(served, timeout=30.0)
+        records["served-on"] = {"host_same": same(unflatten(again.manifest, again.buffer)),
+                                "checksum": served["checksum"] == first["checksum"],
+                                "fingerprint": served["device_fingerprint"] == first["device_fingerprint"],
+                                "host_bundle": server.server.current_bundle() is not None}
     out.put(records)

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from rlctl.roles.common import RoleSettings
 from rlctl.roles.rollout import CHUNK_TOKENS, Rollout
 from rlctl.workload.engine import SamplingConfig, TorchEngine
 from rlctl.workload.task import make_dataset
@@ -208,3 +211,51 @@ def test_a_rollout_whose_weight_source_died_waits_by_polling_not_in_weight_sync(
     assert worker.phases == ["weight-sync", "waiting-for-weights", "weight-sync"]
     assert [op for op, _ in worker.requests] == ["weights.source"] * 3 + ["weights.held"]
     assert worker.requests[0][1]["failed_source"]["port"] == dead_port
+
+
+def test_a_rollout_pulls_into_device_memory_where_asked_and_goes_back_to_host_memory_once_a_check_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``[weights] device_memory``: a source offering a device copy is pulled into device memory;
+    a device pull that fails its check turns device pulls off for this rollout and the same pull
+    goes through host memory; a source without a device copy, or ``off``, always goes through host."""
+    from types import SimpleNamespace
+
+    from rlctl.roles import rollout as rollout_module
+    from rlctl.weights import WeightIntegrityError
+
+    calls: list[str] = []
+    outcomes: list[Any] = ["device bundle", WeightIntegrityError("fingerprint fl64:... , the source promised ...")]
+
+    def device_pull(source: dict[str, Any], pool: Any, timeout: float) -> Any:
+        calls.append("device")
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def host_pull(sources: list[dict[str, Any]], pool: Any = None) -> Any:
+        calls.append("host")
+        return "host bundle"
+
+    monkeypatch.setattr("rlctl.weights.fetch_device_bundle_sync", device_pull)
+    monkeypatch.setattr(rollout_module, "fetch_holders", host_pull)
+    offering = {"transport": "ucx", "host": "127.0.0.1", "port": 1, "version": 2, "nbytes": 64, "checksum": "x",
+                "device": "cpu", "device_fingerprint": "fl64:64:0:0"}
+    plain = {k: v for k, v in offering.items() if not k.startswith("device")}
+
+    def rollout(mode: str) -> Any:
+        made = Rollout.__new__(Rollout)
+        made.settings = RoleSettings(raw={"weights_device_memory": mode}, checkpoint_dir=Path("."),
+                                     weights_transport="ucx", weights_host="127.0.0.1", standby=False)
+        made._device, made.engine, made.device_pulls, made.device_pool = "cpu", None, True, None
+        made.server = SimpleNamespace(transport="ucx", pool=None)  # type: ignore[assignment]
+        return made
+
+    on = rollout("on")
+    assert on.pull([offering]) == "device bundle" and calls == ["device"]
+    assert on.pull([offering]) == "host bundle" and calls == ["device", "device", "host"] and not on.device_pulls
+    assert on.pull([offering]) == "host bundle" and calls[-1] == "host" and len(calls) == 4  # not tried again
+    calls.clear()
+    assert rollout("on").pull([plain]) == "host bundle" and calls == ["host"]
+    assert rollout("off").pull([offering]) == "host bundle" and calls == ["host", "host"]
+    assert rollout("auto").pull([offering]) == "host bundle" and calls[-1] == "host"  # auto: CUDA devices only

@@ -41,6 +41,7 @@ class WeightsHeldData(EventPayload):
     lanes: list[str] | None = None  # a pull: the lanes the transport reported
     gbps: float | None = None  # a pull: its rate
     same_node: bool | None = None  # a pull: the holder was on the puller's node
+    memory: str | None = None  # a pull: where it landed, "host" or "device" (GPU memory: [weights] device_memory)
 
 
 @dataclass(frozen=True)
