@@ -27,6 +27,9 @@ TIMED_UNIT = "timed"
 # something happens; the folders not named here are split by module.
 TIMED_FOLDERS = frozenset({"integration", "chaos", "lab", "gpu", "agent", "weights", "controller", "observe",
                            "backends"})
+# The folders whose modules are units of their own (pure computation, or quick CLI calls with no
+# time bound). A new folder of tests goes in one of the two sets (tests/static/test_work_units.py).
+MODULE_FOLDERS = frozenset({"cli", "core", "sim", "static", "workload", "vllm_engine"})
 
 try:
     from hypothesis import settings
