@@ -8,7 +8,10 @@ measurement instead of the cost model's assumptions. Two sources:
   last byte verified: end to end less the load onto the GPU), else ``ucx_cuda``'s fetch; the
   staging rate from ``weights_stage`` (GPU -> host and host -> GPU through the job's code), else
   ``ucx_cuda``'s device-to-host copy and pageable host-to-device load (rlctl's path before pinned
-  staging). A part that failed still counts: its figures are what the hardware did;
+  staging). Where every shape was also pulled device to device (``device_pull``: what a job
+  there does with ``[weights] device_memory = "auto"``), those pulls are the line and no host
+  copy is on a pull's critical path (staging rate 0). A part that failed still counts: its
+  figures are what the hardware did;
 - a job's own pulls (its journal's ``WeightsHeld`` records with ``bytes`` and ``seconds``, read
   by ``rlctl.sim.calibrate``).
 
@@ -68,7 +71,7 @@ class MeasuredWeights:
         rate, overhead = self.line()
         contention = max(1.0, self.pullers / (self.senders * weights.sender_efficiency))
         measured = replace(weights, bandwidth_bytes_per_s=rate * contention, overhead_s=overhead)
-        if self.stage_bytes_per_s is not None:
+        if self.stage_bytes_per_s is not None:  # 0: pulls device to device, no host copy on their path
             measured = replace(measured, stage_bytes_per_s=self.stage_bytes_per_s)
         return measured
 
@@ -77,7 +80,7 @@ class MeasuredWeights:
         return {"source": self.source, "hardware": self.hardware,
                 "pulls": [{"bytes": p.nbytes, "seconds": round(p.seconds, 6), "figure": p.figure} for p in self.pulls],
                 "pull_gbps": round(rate / GB, 3), "overhead_s": round(overhead, 4),
-                "stage_gbps": round(self.stage_bytes_per_s / GB, 3) if self.stage_bytes_per_s else None,
+                "stage_gbps": round(self.stage_bytes_per_s / GB, 3) if self.stage_bytes_per_s is not None else None,
                 "stage_figure": self.stage_figure, "senders": self.senders, "pullers": self.pullers}
 
 
@@ -117,11 +120,13 @@ def from_gpucheck(path: Path) -> MeasuredWeights:
     if not isinstance(parts, dict):
         raise WeightRatesError(f"{path}: not a GPU-check report (no 'parts'; expected the JSON of "
                                "`python -m rlctl.gpucheck`)")
-    pulls = _pull_local(parts) or _ucx_fetch(parts)
+    on_device = _pull_local(parts, device=True)
+    pulls = on_device or _pull_local(parts) or _ucx_fetch(parts)
     if not pulls:
         raise WeightRatesError(f"{path}: no weight pull measured (expected the figures of the parts weights_pull_local "
                                "or ucx_cuda; were they skipped?)")
-    stage, stage_figure = _stage(parts)
+    stage, stage_figure = ((0.0, "weights_pull_local.device_pull: pulled into GPU memory, no host copy on the path")
+                           if on_device else _stage(parts))
     return MeasuredWeights(source=str(path), hardware=_hardware(report.get("environment", {})), pulls=tuple(pulls),
                            stage_bytes_per_s=stage, stage_figure=stage_figure)
 
@@ -135,16 +140,23 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
-def _pull_local(parts: dict[str, Any]) -> list[PullSample]:
+def _pull_local(parts: dict[str, Any], device: bool = False) -> list[PullSample]:
+    """The pulls of ``weights_pull_local``: through host memory, or (``device``) each shape's
+    ``device_pull``, only where every shape has one."""
     shapes = _measured(parts, "weights_pull_local").get("shapes")
     samples = []
     for name, shape in (shapes or {}).items():
-        nbytes, end_to_end, load = (_number(shape.get(key)) for key in ("bytes", "end_to_end_s", "load_gbps"))
+        figures = shape.get("device_pull") if device else shape
+        if not isinstance(figures, dict):
+            return []
+        nbytes = _number(shape.get("bytes"))
+        end_to_end, load = (_number(figures.get(key)) for key in ("end_to_end_s", "load_gbps"))
         if nbytes is None or end_to_end is None:
             continue
         pulled = end_to_end - (nbytes / (load * GB) if load else 0.0)
+        where = f"weights_pull_local.shapes.{name}{'.device_pull' if device else ''}"
         if pulled > 0:
-            samples.append(PullSample(nbytes, pulled, f"weights_pull_local.shapes.{name}: end_to_end_s less the load"))
+            samples.append(PullSample(nbytes, pulled, f"{where}: end_to_end_s less the load"))
     return samples
 
 

@@ -61,6 +61,28 @@ def test_the_weights_parts_win_over_ucx_cuda_and_two_sizes_fit_the_overhead(tmp_
     assert "H100" in figures["hardware"]
 
 
+def test_pulls_device_to_device_are_the_line_where_every_shape_has_one_and_put_no_host_copy_on_the_path(
+        tmp_path: Path) -> None:
+    shapes = {"0.5b": {"bytes": 1e9, "end_to_end_s": 0.55, "load_gbps": 50.0,
+                       "device_pull": {"end_to_end_s": 0.012, "load_gbps": 1000.0}},  # 0.011 s pulled
+              "8b": {"bytes": 16e9, "end_to_end_s": 1.62, "load_gbps": 50.0,
+                     "device_pull": {"end_to_end_s": 0.136, "load_gbps": 1000.0}}}  # 0.12 s pulled
+    stage = {"status": "ok", "stage_gbps": 48.0, "load_gbps": 45.0}
+    figures = from_gpucheck(report_with(tmp_path, {"weights_pull_local": {"status": "ok", "shapes": shapes},
+                                                   "weights_stage": stage})).as_dict()
+    assert [p["figure"].split(":")[0] for p in figures["pulls"]] == ["weights_pull_local.shapes.0.5b.device_pull",
+                                                                     "weights_pull_local.shapes.8b.device_pull"]
+    assert figures["pull_gbps"] == pytest.approx(15e9 / 0.109e9, rel=1e-3)
+    assert figures["stage_gbps"] == 0.0 and "no host copy" in figures["stage_figure"]
+    applied = from_gpucheck(report_with(tmp_path, {"weights_pull_local": {"status": "ok", "shapes": shapes}})).applied(
+        CostModel().weights)
+    assert applied.stage_bytes_per_s == 0.0 and applied.staging_s(16e9) == 0.0
+    del shapes["8b"]["device_pull"]  # one shape without: the host pulls are the line, as before
+    figures = from_gpucheck(report_with(tmp_path, {"weights_pull_local": {"status": "ok", "shapes": shapes},
+                                                   "weights_stage": stage})).as_dict()
+    assert figures["pulls"][0]["figure"].startswith("weights_pull_local.shapes.0.5b:") and figures["stage_gbps"] == 45.0
+
+
 @pytest.mark.parametrize("parts, needle", [
     ({"ucx_cuda": {"status": "skipped", "reason": "ucxx not importable"}}, "were they skipped"),
     ({"weights_pull_local": {"status": "ok", "shapes": {"8b": {"bytes": 16e9}}}}, "no weight pull measured")])
