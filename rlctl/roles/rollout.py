@@ -188,15 +188,16 @@ class Rollout:
 
     def pull(self, sources: list[dict[str, Any]]) -> Any:
         """One version from ``sources``: into GPU memory when the first holder keeps a copy there and
-        this rollout keeps weights there (``[weights] device_memory``), else through host memory
-        (``fetch_holders``). A device pull whose bytes fail their check turns device pulls off
+        this rollout keeps weights there (``[weights] device_memory``; never a colocated rollout,
+        whose engine sleeps to free the GPU), else through host memory (``fetch_holders``). A device pull whose bytes fail their check turns device pulls off
         for this rollout (the lane is broken here), and the same pull goes through host memory."""
         from rlctl.weights import WeightIntegrityError, fetch_device_bundle_sync, offers_device_copy
         from rlctl.weights.device_bundle import DeviceBufferPool, keep_in_device_memory
 
         first = sources[0]
-        if (offers_device_copy(first) and self.device_pulls and not getattr(self.engine, "pulls_itself", False)
-                and keep_in_device_memory(str(self.settings.get("weights_device_memory", "auto")), self._device,
+        # A colocated engine sleeps to give the trainer its GPU memory: a version held there would not.
+        if (offers_device_copy(first) and self.device_pulls and not self.colocated
+                and not getattr(self.engine, "pulls_itself", False) and keep_in_device_memory(str(self.settings.get("weights_device_memory", "auto")), self._device,
                                           self.server.transport, int(first["nbytes"]))):
             if self.device_pool is None:
                 self.device_pool = DeviceBufferPool(self._device)

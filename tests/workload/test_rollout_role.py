@@ -247,7 +247,7 @@ def test_a_rollout_pulls_into_device_memory_where_asked_and_goes_back_to_host_me
         made = Rollout.__new__(Rollout)
         made.settings = RoleSettings(raw={"weights_device_memory": mode}, checkpoint_dir=Path("."),
                                      weights_transport="ucx", weights_host="127.0.0.1", standby=False)
-        made._device, made.engine, made.device_pulls, made.device_pool = "cpu", None, True, None
+        made._device, made.engine, made.device_pulls, made.device_pool, made.colocated = "cpu", None, True, None, False
         made.server = SimpleNamespace(transport="ucx", pool=None)  # type: ignore[assignment]
         return made
 
@@ -259,3 +259,6 @@ def test_a_rollout_pulls_into_device_memory_where_asked_and_goes_back_to_host_me
     assert rollout("on").pull([plain]) == "host bundle" and calls == ["host"]
     assert rollout("off").pull([offering]) == "host bundle" and calls == ["host", "host"]
     assert rollout("auto").pull([offering]) == "host bundle" and calls[-1] == "host"  # auto: CUDA devices only
+    colocated = rollout("on")
+    colocated.colocated = True  # its engine sleeps to free the GPU for the trainer: nothing held there
+    assert colocated.pull([offering]) == "host bundle" and calls[-1] == "host" and len(calls) == 4
