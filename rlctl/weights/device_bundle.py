@@ -13,12 +13,14 @@ it, device to device.
   busy while a bundle on them is alive, exactly as host buffers are.
 * ``flatten_on_device``: the device copy of a state at a manifest's layout (one copy per tensor on
   the device; the gaps zeroed so the bytes equal the host bundle's).
-* ``fingerprint``: a check of the bytes computed where they are (no copy to the host): two sums
-  mod 2**64 of the buffer's little-endian 32-bit words, plain and weighted by position (Fletcher's
-  construction), with the byte count. It catches a truncated, shifted, stale or corrupted
-  transfer; it is not a cryptographic hash (the job's token is what keeps strangers out). The
-  holder computes it once per version and puts it in the source descriptor; the joiner recomputes
-  it on what landed, before anything is loaded.
+* ``fingerprint``: a check of the bytes computed where they are (no copy to the host), in one
+  memory-bound pass: the buffer as little-endian 64-bit words (zero-padded), summed per block of
+  32 KiB; then the block sums added plain and weighted by the block's position (Fletcher's
+  construction over blocks), mod 2**64, with the byte count. It catches a truncated, shifted,
+  stale or corrupted transfer and blocks out of place; two words swapped inside one block it does
+  not, nor is it a cryptographic hash (the job's token is what keeps strangers out). The holder
+  computes it once per version and puts it in the source descriptor; the joiner recomputes it on
+  what landed, before anything is loaded.
 
 On a machine without a GPU every piece runs with ``device="cpu"`` (the CPU twin the tests run);
 torch is imported only by callers that hold torch tensors.
@@ -40,8 +42,8 @@ if TYPE_CHECKING:
 
 DEVICE_MEMORY_MODES = ("auto", "on", "off")
 HEADROOM = 1.1  # auto keeps a device copy only where this many times its size is free on the GPU
-FINGERPRINT_FORMAT = "fl64"
-FINGERPRINT_CHUNK_WORDS = 1 << 22  # 16 MiB of data per step: three int64 temporaries of 32 MiB
+FINGERPRINT_FORMAT = "bs64"
+FINGERPRINT_BLOCK_WORDS = 4096  # 32 KiB blocks: 512 Ki block sums for 16 GB
 WORD_MASK = (1 << 64) - 1
 
 
@@ -148,26 +150,24 @@ def flatten_on_device(manifest: Manifest, state: Mapping[str, Any], pool: Device
 
 
 def fingerprint(flat: Any) -> str:
-    """The fingerprint of a 1-D uint8 tensor, computed on its device (see the module docstring)."""
+    """The fingerprint of a 1-D uint8 tensor, computed on its device (see the module docstring):
+    one pass over the bytes as 64-bit words, summed per block of ``FINGERPRINT_BLOCK_WORDS``, then
+    the block sums summed plain and weighted by the block's position, mod 2**64."""
     torch = _torch()
     nbytes = int(flat.numel())
-    whole = nbytes // 4 * 4
-    plain = torch.zeros((), dtype=torch.int64, device=flat.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
-    words = flat[:whole].view(torch.int32) if whole else flat.new_empty(0).view(torch.int32)
-    positions = torch.arange(1, min(FINGERPRINT_CHUNK_WORDS, max(words.numel(), 1)) + 1, dtype=torch.int64,
-                             device=flat.device)
-    for start in range(0, words.numel(), FINGERPRINT_CHUNK_WORDS):
-        chunk = words[start:start + FINGERPRINT_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
-        plain += chunk.sum()
-        weighted += (chunk * positions[:chunk.numel()]).sum() + start * chunk.sum()
-    if whole < nbytes:
-        tail = torch.zeros(4, dtype=torch.uint8, device=flat.device)
-        tail[:nbytes - whole] = flat[whole:]
-        word = tail.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        plain += word.sum()
-        weighted += word.sum() * (words.numel() + 1)
-    return f"{FINGERPRINT_FORMAT}:{nbytes}:{int(plain.item()) & WORD_MASK:016x}:{int(weighted.item()) & WORD_MASK:016x}"
+    block_bytes = 8 * FINGERPRINT_BLOCK_WORDS
+    whole = nbytes // block_bytes * block_bytes
+    sums = [flat[:whole].view(torch.int64).view(-1, FINGERPRINT_BLOCK_WORDS).sum(dim=1)] if whole else []
+    if whole < nbytes:  # the last block, zero-padded (a copy of at most one block)
+        last = torch.zeros(block_bytes, dtype=torch.uint8, device=flat.device)
+        last[:nbytes - whole] = flat[whole:]
+        sums.append(last.view(torch.int64).sum().reshape(1))
+    if not sums:
+        return f"{FINGERPRINT_FORMAT}:0:{0:016x}:{0:016x}"
+    blocks = torch.cat(sums)
+    positions = torch.arange(1, blocks.numel() + 1, dtype=torch.int64, device=flat.device)
+    plain, weighted = int(blocks.sum().item()), int((blocks * positions).sum().item())
+    return f"{FINGERPRINT_FORMAT}:{nbytes}:{plain & WORD_MASK:016x}:{weighted & WORD_MASK:016x}"
 
 
 def check_fingerprint(flat: Any, expected: str, what: str) -> str:

@@ -26,33 +26,43 @@ needs_ucxx = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason
 WAIT_S = 90.0
 
 
-def _reference_fingerprint(data: bytes) -> str:
-    """The definition, in plain Python: Fletcher's two sums of little-endian 32-bit words mod 2**64."""
-    padded = data + b"\0" * (-len(data) % 4)
-    words = [int.from_bytes(padded[i:i + 4], "little") for i in range(0, len(padded), 4)]
-    plain = sum(words) % 2**64
-    weighted = sum((i + 1) * w for i, w in enumerate(words)) % 2**64
-    return f"fl64:{len(data)}:{plain:016x}:{weighted:016x}"
+def _reference_fingerprint(data: bytes, block_words: int = 4096) -> str:
+    """The definition, in plain Python: the bytes as zero-padded little-endian 64-bit words, summed
+    per block, and the block sums added plain and weighted by position (from 1), mod 2**64."""
+    block = 8 * block_words
+    padded = data + b"\0" * (-len(data) % block)
+    sums = [sum(int.from_bytes(padded[at + i:at + i + 8], "little", signed=True) for i in range(0, block, 8))
+            for at in range(0, len(padded), block)]
+    plain = sum(sums) % 2**64
+    weighted = sum((b + 1) * total for b, total in enumerate(sums)) % 2**64
+    return f"bs64:{len(data)}:{plain:016x}:{weighted:016x}"
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 3, 4, 7, 4096, 40_003])
-def test_the_fingerprint_is_its_definition_in_one_step_or_many(nbytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 4096, 40_003, 3 * 32768, 3 * 32768 + 5])
+def test_the_fingerprint_is_its_definition_with_whole_and_partial_blocks(nbytes: int,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
-    expected = _reference_fingerprint(bytes(data.numpy()))
-    assert fingerprint(data) == expected
-    monkeypatch.setattr("rlctl.weights.device_bundle.FINGERPRINT_CHUNK_WORDS", 5)
-    assert fingerprint(data) == expected
+    assert fingerprint(data) == _reference_fingerprint(bytes(data.numpy()))
+    monkeypatch.setattr("rlctl.weights.device_bundle.FINGERPRINT_BLOCK_WORDS", 3)
+    assert fingerprint(data) == _reference_fingerprint(bytes(data.numpy()), block_words=3)
 
 
-def test_the_fingerprint_catches_a_flipped_bit_swapped_words_and_a_shorter_buffer() -> None:
+def test_the_fingerprint_sums_wrap_mod_two_to_the_64() -> None:
+    data = torch.full((5 * 32768,), 0xFF, dtype=torch.uint8)  # every word -1: block sums far from zero
+    data[::8] = 0x7F
+    assert fingerprint(data) == _reference_fingerprint(bytes(data.numpy()))
+
+
+def test_the_fingerprint_catches_a_flipped_bit_shifted_bytes_a_shorter_buffer_and_blocks_out_of_place() -> None:
     data = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     base = fingerprint(data)
     flipped = data.clone()
     flipped[1000] ^= 0x04
-    swapped = data.clone()
-    swapped[0:4], swapped[4:8] = data[4:8].clone(), data[0:4].clone()
-    assert torch.equal(data[0:4], data[4:8]) or fingerprint(swapped) != base
-    assert fingerprint(flipped) != base and fingerprint(data[:-1]) != base
+    moved = torch.cat([data[3:], data[:3]])  # the bytes shifted
+    blocks = torch.randint(0, 256, (4 * 32768,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    swapped = torch.cat([blocks[32768:65536], blocks[:32768], blocks[65536:]])
+    assert fingerprint(flipped) != base and fingerprint(data[:-1]) != base and fingerprint(moved) != base
+    assert fingerprint(swapped) != fingerprint(blocks)
     with pytest.raises(WeightIntegrityError, match="promised"):
         check_fingerprint(flipped, base, "version 3")
 
@@ -100,7 +110,7 @@ def test_a_joiner_pulls_the_holders_device_copy_into_its_own_device_memory_and_c
     ucx_holder, ucx_stop, source = _serve("ucx")
     corrupt_holder, corrupt_stop, corrupt_source = _serve("ucx", "corrupt-device")
     try:
-        assert source["device"] == "cpu" and source["device_fingerprint"].startswith("fl64:")
+        assert source["device"] == "cpu" and source["device_fingerprint"].startswith("bs64:")
         listener_only = {k: v for k, v in source.items() if k != "sm_port"}
         promised_otherwise = {**source, "device_fingerprint": _reference_fingerprint(b"other")}
         queue = CTX.Queue()

@@ -224,7 +224,7 @@ def test_a_rollout_pulls_into_device_memory_where_asked_and_goes_back_to_host_me
     from rlctl.weights import WeightIntegrityError
 
     calls: list[str] = []
-    outcomes: list[Any] = ["device bundle", WeightIntegrityError("fingerprint fl64:... , the source promised ...")]
+    outcomes: list[Any] = ["device bundle", WeightIntegrityError("fingerprint bs64:... , the source promised ...")]
 
     def device_pull(source: dict[str, Any], pool: Any, timeout: float) -> Any:
         calls.append("device")
@@ -240,7 +240,7 @@ def test_a_rollout_pulls_into_device_memory_where_asked_and_goes_back_to_host_me
     monkeypatch.setattr("rlctl.weights.fetch_device_bundle_sync", device_pull)
     monkeypatch.setattr(rollout_module, "fetch_holders", host_pull)
     offering = {"transport": "ucx", "host": "127.0.0.1", "port": 1, "version": 2, "nbytes": 64, "checksum": "x",
-                "device": "cpu", "device_fingerprint": "fl64:64:0:0"}
+                "device": "cpu", "device_fingerprint": "bs64:64:0:0"}
     plain = {k: v for k, v in offering.items() if not k.startswith("device")}
 
     def rollout(mode: str) -> Any:
