@@ -160,6 +160,10 @@ async def fetch_device_bundle(source: dict[str, Any], pool: DeviceBufferPool, ti
     nbytes = int(source["nbytes"])
     if not 0 <= nbytes <= max_nbytes:
         raise WeightTransferError(f"the source announces {nbytes} bytes, outside [0, {max_nbytes}]")
+    if pool.device.startswith("cuda"):
+        from rlctl.weights.transport_ucx import UcxRuntime
+
+        await UcxRuntime.get().bind_cuda(pool.device)
     with pool.reserve(nbytes) as buffer:
         landing = buffer.view(nbytes)
         received = await receive({**source, "memory": "device"}, timeout, max_nbytes, landing)

@@ -28,6 +28,7 @@ torch is imported only by callers that hold torch tensors.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -195,6 +196,7 @@ def keep_in_device_memory(mode: str, device: str | None, transport: str, nbytes:
     return _ucx_carries_cuda_memory() and _free_bytes(device) >= HEADROOM * nbytes
 
 
+@functools.cache
 def _ucx_carries_cuda_memory() -> bool:
     from rlctl.weights.transport_ucx import cuda_memory_capability
 

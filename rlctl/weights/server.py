@@ -85,6 +85,14 @@ def _make_holder(transport: str, server: WeightServer, host: str, port: int, max
     raise TransportUnavailableError(f"no holder for transport {transport!r}")
 
 
+async def _bind_cuda(device: str) -> None:
+    """The UCX thread's CUDA context for a copy served from ``device`` (``UcxRuntime.bind_cuda``)."""
+    if device.startswith("cuda"):
+        from rlctl.weights.transport_ucx import UcxRuntime
+
+        await UcxRuntime.get().bind_cuda(device)
+
+
 class WeightServer:
     """Serves the latest published weights version to any joiner, over one transport.
 
@@ -181,6 +189,8 @@ class WeightServer:
         memory when given (the same manifest), and return its descriptor."""
         if on_device is not None and on_device.manifest != bundle.manifest:
             raise ValueError("the copy in device memory is not of the bundle published with it")
+        if on_device is not None:
+            await _bind_cuda(on_device.device)
         self._serve((bundle,), (on_device,))
         descriptor = self.descriptor()
         assert descriptor is not None
@@ -192,6 +202,7 @@ class WeightServer:
         if self.transport not in DEVICE_MEMORY_TRANSPORTS:
             raise ValueError(f"a version in device memory is served over {' or '.join(DEVICE_MEMORY_TRANSPORTS)}, "
                              f"not over this server's {self.transport!r}")
+        await _bind_cuda(on_device.device)
         self._serve((None,), (on_device,))
         descriptor = self.descriptor()
         assert descriptor is not None

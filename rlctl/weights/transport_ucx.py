@@ -129,6 +129,7 @@ class UcxRuntime:
         self._thread = threading.Thread(target=self.loop.run_forever, name="rlctl-ucx", daemon=True)
         self._thread.start()
         self.progress: RearmingProgress | None = None
+        self.cuda_devices: set[str] = set()  # devices whose CUDA context is current on the UCX thread
         self.worker_address: bytes = self.run_sync(self._init_ucx())
 
     @classmethod
@@ -146,6 +147,24 @@ class UcxRuntime:
             log.warning("ucxx was already initialised in this process; rlctl.weights shares that context")
         self.progress = RearmingProgress.install(self.loop)
         return bytes(self.ucxx.get_worker_address())
+
+    async def bind_cuda(self, device: str) -> None:
+        """Make ``device``'s CUDA context current on the UCX thread, once, before UCX sends from or
+        receives into memory there: UCX looks CUDA memory up, and maps it for ``cuda_ipc``, on the
+        thread that progresses it (ucxx's own progress thread does the same for device 0). A host
+        device is nothing to bind."""
+        if not device.startswith("cuda") or device in self.cuda_devices:
+            return
+        import torch
+
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index  # "cuda": the caller's current device
+
+        async def bind() -> None:
+            torch.cuda.set_device(index)
+
+        await self.run(bind())
+        self.cuda_devices.add(device)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
