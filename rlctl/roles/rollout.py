@@ -52,13 +52,14 @@ def pull_record(bundle: Any) -> dict[str, Any]:
     """What ``weights.held`` tells the controller of a pull beyond bytes and seconds: the lane class
     and lanes it took, its GB/s, whether the holders were on this node, where it landed (host or
     device memory), and the faster lane it could have taken (``rlctl.weights.lanes``)."""
+    from rlctl.weights.device_bundle import DeviceBundle
     from rlctl.weights.lanes import faster_lane
 
     pull = bundle.pull
     if pull is None:
         return {}
     record = {"lane": pull.lane, "lanes": list(pull.lanes), "gbps": pull.gbps, "same_node": pull.same_node,
-              "path": pull.transport, "memory": "host" if hasattr(bundle, "buffer") else "device"}
+              "path": pull.transport, "memory": "device" if isinstance(bundle, DeviceBundle) else "host"}
     faster = faster_lane(pull)
     if faster is not None:
         record["faster_lane"] = faster
@@ -187,18 +188,15 @@ class Rollout:
                       seconds=round(time.monotonic() - started, 6), holders=len(sources), **pull_record(bundle))
 
     def pull(self, sources: list[dict[str, Any]]) -> Any:
-        """One version from ``sources``: into GPU memory when the first holder keeps a copy there and
-        this rollout keeps weights there (``[weights] device_memory``; never a colocated rollout,
-        whose engine sleeps to free the GPU), else through host memory (``fetch_holders``). A device pull whose bytes fail their check turns device pulls off
-        for this rollout (the lane is broken here), and the same pull goes through host memory."""
-        from rlctl.weights import WeightIntegrityError, fetch_device_bundle_sync, offers_device_copy
-        from rlctl.weights.device_bundle import DeviceBufferPool, keep_in_device_memory
+        """One version from ``sources``: into GPU memory where ``pulls_into_device`` says so, else
+        through host memory (``fetch_holders``). A device pull whose bytes fail their check turns
+        device pulls off for this rollout (the lane is broken here), and the same pull goes through
+        host memory."""
+        from rlctl.weights import WeightIntegrityError, fetch_device_bundle_sync
+        from rlctl.weights.device_bundle import DeviceBufferPool
 
         first = sources[0]
-        # A colocated engine sleeps to give the trainer its GPU memory: a version held there would not.
-        if (offers_device_copy(first) and self.device_pulls and not self.colocated
-                and not getattr(self.engine, "pulls_itself", False) and keep_in_device_memory(str(self.settings.get("weights_device_memory", "auto")), self._device,
-                                          self.server.transport, int(first["nbytes"]))):
+        if self.pulls_into_device(first):
             if self.device_pool is None:
                 self.device_pool = DeviceBufferPool(self._device)
             try:
@@ -208,6 +206,20 @@ class Rollout:
                 print(f"rlctl rollout: a pull into device memory failed its check ({exc}); pulling through host "
                       "memory from now on", file=sys.stderr, flush=True)
         return fetch_holders(sources, self.server.pool)
+
+    def pulls_into_device(self, source: dict[str, Any]) -> bool:
+        """Whether the version ``source`` names is pulled into GPU memory: the holder keeps a copy
+        there, and this rollout keeps weights there (``[weights] device_memory``). Never for an
+        engine that pulls by itself, nor for a colocated rollout: its engine sleeps to give the
+        trainer its GPU memory, which a version held there would not."""
+        from rlctl.weights import offers_device_copy
+        from rlctl.weights.device_memory import keep_in_device_memory
+
+        if not (offers_device_copy(source) and self.device_pulls and not self.colocated
+                and not getattr(self.engine, "pulls_itself", False)):
+            return False
+        mode = str(self.settings.get("weights_device_memory", "auto"))
+        return keep_in_device_memory(mode, self._device, self.server.transport, int(source["nbytes"]))
 
     def help_score(self, items: list[dict[str, Any]]) -> None:
         """Score samples for the reward role while there is nothing to generate (the controller

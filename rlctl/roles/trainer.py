@@ -326,8 +326,9 @@ class TrainerRole:
 
     def keeps_device_copy(self, weights: dict[str, Any]) -> bool:
         """Whether the version is also kept in GPU memory for rollouts to pull device to device
-        (``[weights] device_memory``; ``rlctl.weights.device_bundle.keep_in_device_memory``)."""
-        from rlctl.weights.device_bundle import device_of, keep_in_device_memory
+        (``[weights] device_memory``; ``rlctl.weights.device_memory.keep_in_device_memory``)."""
+        from rlctl.weights.device_bundle import device_of
+        from rlctl.weights.device_memory import keep_in_device_memory
 
         if not weights or self.server is None:
             return False

@@ -28,7 +28,6 @@ torch is imported only by callers that hold torch tensors.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,8 +40,6 @@ if TYPE_CHECKING:
     from rlctl.weights.bundle import Manifest
     from rlctl.weights.lanes import PullStats
 
-DEVICE_MEMORY_MODES = ("auto", "on", "off")
-HEADROOM = 1.1  # auto keeps a device copy only where this many times its size is free on the GPU
 FINGERPRINT_FORMAT = "bs64"
 FINGERPRINT_BLOCK_WORDS = 4096  # 32 KiB blocks: 512 Ki block sums for 16 GB
 WORD_MASK = (1 << 64) - 1
@@ -178,35 +175,6 @@ def check_fingerprint(flat: Any, expected: str, what: str) -> str:
         raise WeightIntegrityError(f"{what}: the bytes in device memory have fingerprint {got}, the source "
                                    f"promised {expected}")
     return got
-
-
-def keep_in_device_memory(mode: str, device: str | None, transport: str, nbytes: int) -> bool:
-    """Whether a role keeps a weights version in device memory (a trainer publishing it, a rollout
-    pulling it): ``off`` never; ``on`` wherever the transport is UCX (on a CPU device too: the
-    CPU twin of the GPU path); ``auto`` on a CUDA device whose UCX carries CUDA memory itself,
-    with room for the copy (``HEADROOM`` times its size free)."""
-    if mode not in DEVICE_MEMORY_MODES:
-        raise ValueError(f"[weights] device_memory is one of {DEVICE_MEMORY_MODES}, not {mode!r}")
-    if mode == "off" or device is None or transport not in ("ucx", "ucx-sm"):
-        return False
-    if mode == "on":
-        return True
-    if not device.startswith("cuda"):
-        return False
-    return _ucx_carries_cuda_memory() and _free_bytes(device) >= HEADROOM * nbytes
-
-
-@functools.cache
-def _ucx_carries_cuda_memory() -> bool:
-    from rlctl.weights.transport_ucx import cuda_memory_capability
-
-    capability = cuda_memory_capability()
-    return bool(capability["cuda_support"]) and bool(capability["cuda_transports"])
-
-
-def _free_bytes(device: str) -> int:
-    torch = _torch()
-    return int(torch.cuda.mem_get_info(torch.device(device))[0])
 
 
 def ucx_buffer(tensor: Any) -> Any:

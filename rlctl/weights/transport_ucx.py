@@ -92,7 +92,7 @@ def cuda_memory_capability() -> dict[str, Any]:
     """What this process's UCX can do with CUDA memory: whether ucxx was built with CUDA support
     and which of UCX's CUDA transports are active (``cuda_copy``: host<->device staging inside UCX;
     ``cuda_ipc``: device-to-device between processes on a node; ``gdr_copy``): what pulls into
-    device memory stand behind (``device_bundle.keep_in_device_memory``)."""
+    device memory stand behind (``device_memory.keep_in_device_memory``)."""
     runtime = UcxRuntime.get()
 
     async def ask() -> dict[str, Any]:
