@@ -36,6 +36,7 @@ from typing import Any
 
 from rlctl.gpucheck.outcome import CheckFailed, Figures
 from rlctl.gpucheck.torch_parts import require_cuda
+from rlctl.weights.device_memory import carries_cuda_memory
 
 STAGE_GOAL_GBPS = 40.0
 LOAD_GOAL_GBPS = 40.0
@@ -252,6 +253,9 @@ def pull_figures(torch: Any, bench: PullBench) -> Figures:
     from rlctl.weights import WeightServerThread
 
     transport = _transport()
+    capability = _cuda_capability(transport)
+    # A device copy where UCX can send from that memory: on a GPU, UCX carrying CUDA memory.
+    device_copy = transport == "ucx" and (bench.device == "cpu" or carries_cuda_memory(capability))
     shapes: dict[str, Any] = {}
     for name, shape in bench.shapes.items():
         specs = shape.tensors()
@@ -261,7 +265,7 @@ def pull_figures(torch: Any, bench: PullBench) -> Figures:
         with WeightServerThread(transport, host="127.0.0.1") as server:
             _sync(torch, bench.device)
             started = time.perf_counter()
-            descriptor = server.publish(1, state, device_copy=transport == "ucx")
+            descriptor = server.publish(1, state, device_copy=device_copy)
             publish_s = time.perf_counter() - started
             del state  # the joiner makes its own copy to compare with; free the GPU for it
             if bench.device.startswith("cuda"):
@@ -281,7 +285,7 @@ def pull_figures(torch: Any, bench: PullBench) -> Figures:
         figures["publish_gbps"] = _gbps(int(descriptor["nbytes"]), publish_s)
         shapes[name] = figures
     result: Figures = {"device": bench.device, "transport": transport, "shapes": shapes,
-                       "ucx_cuda_memory": _cuda_capability(transport),
+                       "ucx_cuda_memory": capability,
                        "goals": {"end_to_end_gbps_min": PULL_GOAL_GBPS, "cuda_ipc_gbps_min": IPC_GOAL_GBPS}}
     result["missed_goals"] = pull_missed(result)
     return result
@@ -385,7 +389,7 @@ def pull_missed(figures: Figures) -> list[str]:
                 missed.append(f"{what}: the pull named no lane")
             if pull["end_to_end_gbps"] < goal:
                 missed.append(f"{what}: {pull['end_to_end_gbps']} GB/s end to end over {pull['lane']} < {goal}")
-    if figures["device"].startswith("cuda") and figures["ucx_cuda_memory"].get("cuda_support"):
+    if figures["device"].startswith("cuda") and carries_cuda_memory(figures["ucx_cuda_memory"]):
         for name, shape in figures["shapes"].items():
             if "device_pull" not in shape:
                 missed.append(f"{name}: UCX here carries GPU memory but no device-memory pull ran")

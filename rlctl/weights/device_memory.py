@@ -9,6 +9,7 @@ bundle itself and its transfer are ``rlctl.weights.device_bundle``.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 DEVICE_MEMORY_MODES = ("auto", "on", "off")
 HEADROOM = 1.1  # auto keeps a device copy only where this many times its size is free on the GPU
@@ -30,12 +31,17 @@ def keep_in_device_memory(mode: str, device: str | None, transport: str, nbytes:
     return _ucx_carries_cuda_memory() and _free_bytes(device) >= HEADROOM * nbytes
 
 
+def carries_cuda_memory(capability: dict[str, Any]) -> bool:
+    """Whether a UCX whose capability is ``capability`` (``transport_ucx.cuda_memory_capability``)
+    sends from and receives into CUDA memory: built with CUDA, a CUDA transport active."""
+    return bool(capability.get("cuda_support")) and bool(capability.get("cuda_transports"))
+
+
 @functools.cache
 def _ucx_carries_cuda_memory() -> bool:
     from rlctl.weights.transport_ucx import cuda_memory_capability
 
-    capability = cuda_memory_capability()
-    return bool(capability["cuda_support"]) and bool(capability["cuda_transports"])
+    return carries_cuda_memory(cuda_memory_capability())
 
 
 def _free_bytes(device: str) -> int:

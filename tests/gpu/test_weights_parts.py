@@ -65,7 +65,7 @@ def _stage_meeting_goals() -> dict[str, Any]:
 def _pull_meeting_goals(lane: str = "sm", gbps: float = 20.0) -> dict[str, Any]:
     shape = {"bit_exact": True, "lane": lane, "lanes": ["cma/memory"], "end_to_end_gbps": gbps, "mismatched": []}
     on_device = {**shape, "lane": "cuda_ipc", "lanes": ["cuda_ipc/cuda"], "end_to_end_gbps": 150.0}
-    return {"device": "cuda", "ucx_cuda_memory": {"cuda_support": True},
+    return {"device": "cuda", "ucx_cuda_memory": {"cuda_support": True, "cuda_transports": ["cuda_copy", "cuda_ipc"]},
             "shapes": {"0.5b": {**shape, "device_pull": dict(on_device)}, "8b": {**shape, "device_pull": dict(on_device)}}}
 
 

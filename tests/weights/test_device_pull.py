@@ -135,3 +135,26 @@ def test_a_joiner_pulls_the_holders_device_copy_into_its_own_device_memory_and_c
         assert "fingerprint" in records[name]["message"], records[name]
     assert records["host"]["ok"] and records["host"]["same"]  # joiners without the lane pull the host bundle
     assert records["served-on"] == {"host_same": True, "checksum": True, "fingerprint": True, "host_bundle": False}
+
+
+def test_the_device_memory_decision_by_mode_device_transport_capability_and_room(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlctl.weights import device_memory
+    from rlctl.weights.device_memory import carries_cuda_memory, keep_in_device_memory
+
+    assert keep_in_device_memory("on", "cpu", "ucx", 10) and keep_in_device_memory("on", "cuda:0", "ucx-sm", 10)
+    assert not keep_in_device_memory("on", "cpu", "tcp", 10)  # rlctl's tcp sends host bytes only
+    assert not keep_in_device_memory("on", None, "ucx", 10)  # a state without torch tensors
+    assert not keep_in_device_memory("off", "cuda:0", "ucx", 10)
+    assert not keep_in_device_memory("auto", "cpu", "ucx", 10)  # auto: CUDA devices only
+    with pytest.raises(ValueError, match="device_memory is one of"):
+        keep_in_device_memory("always", "cpu", "ucx", 10)
+    monkeypatch.setattr(device_memory, "_ucx_carries_cuda_memory", lambda: True)
+    monkeypatch.setattr(device_memory, "_free_bytes", lambda device: 1_100)
+    assert keep_in_device_memory("auto", "cuda:0", "ucx", 1_000)
+    assert not keep_in_device_memory("auto", "cuda:0", "ucx", 1_001)  # no room for the copy and its headroom
+    monkeypatch.setattr(device_memory, "_ucx_carries_cuda_memory", lambda: False)
+    assert not keep_in_device_memory("auto", "cuda:0", "ucx", 10)
+    assert carries_cuda_memory({"cuda_support": True, "cuda_transports": ["cuda_ipc"]})
+    assert not carries_cuda_memory({"cuda_support": True, "cuda_transports": []})
+    assert not carries_cuda_memory({"cuda_support": False, "cuda_transports": ["cuda_copy"]})
