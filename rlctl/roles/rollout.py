@@ -321,7 +321,7 @@ class Rollout:
         self.held_version = version
 
     def apply_layout(self, layout: dict[str, Any]) -> None:
-        """Elastic rollout: ``park`` (free the engine's memory, keep the held weights), or rebuild the
+        """Elastic rollout: ``park`` (free the engine's memory, keep the held weights in host memory), or rebuild the
         engine at ``tensor_parallel`` over ``gpus`` (the node's GPU indices) and load the held
         weights into it: the local holder, nothing crosses the network. Reports the time it took."""
         started = time.monotonic()
@@ -330,6 +330,7 @@ class Rollout:
         if layout["action"] == "park":
             if self.engine is not None:
                 self.engine.sleep()
+            self.hold_in_host_memory()
             self.parked = True
         else:
             degree = int(layout["tensor_parallel"])
@@ -346,6 +347,32 @@ class Rollout:
                 self.load_held(self.held_version)
         self.w.request("rollout.resized", tensor_parallel=degree, gpus=gpus,
                        seconds=round(time.monotonic() - started, 6))
+
+    def hold_in_host_memory(self) -> None:
+        """A version held in GPU memory moves to host memory (a parked rollout gives its GPUs to its
+        group's leader): staged into the server's host buffers with the checksum it came with,
+        served from there (the same bytes; the controller is told the new source), and the device
+        buffers given back to the driver."""
+        from rlctl.weights import Bundle, flatten
+        from rlctl.weights.bundle import checksum_algorithm_of
+
+        held = self.held_bundle
+        if held is None or isinstance(held, Bundle):
+            return
+        version, expected, on_cuda = held.manifest.version, held.manifest.checksum, held.flat.is_cuda
+        host = flatten(held.tensors(), version, checksum_algorithm_of(expected), pool=self.server.pool)
+        if host.manifest.checksum != expected:
+            raise RuntimeError(f"weights v{version} changed on their way to host memory ({expected} -> "
+                               f"{host.manifest.checksum})")
+        self.held_bundle = host
+        descriptor = self.server.publish_bundle(host)
+        self.device_pool = None
+        del held
+        if on_cuda:
+            import torch
+
+            torch.cuda.empty_cache()
+        self.w.notify("weights.held", version=version, source=descriptor)
 
     def release_engine(self) -> None:
         """Colocated: free the engine's memory for the trainer beside it (``sleeping``)."""

@@ -262,3 +262,35 @@ def test_a_rollout_pulls_into_device_memory_where_asked_and_goes_back_to_host_me
     colocated = rollout("on")
     colocated.colocated = True  # its engine sleeps to free the GPU for the trainer: nothing held there
     assert colocated.pull([offering]) == "host bundle" and calls[-1] == "host" and len(calls) == 4
+
+
+def test_a_parked_rollout_moves_a_version_held_in_device_memory_to_host_memory_and_serves_it_from_there() -> None:
+    """Elastic: a parked rollout gives its GPUs to its group's leader, so a version it pulled into
+    device memory goes to its host buffers, bit for bit with the same checksum, and the controller
+    learns the new source."""
+    import torch
+
+    from rlctl.weights import Bundle, WeightServerThread, fetch_bundle_sync, flatten, unflatten
+    from rlctl.weights.device_bundle import DeviceBufferPool, flatten_on_device
+
+    weights = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3, dtype=torch.bfloat16),
+               "c": torch.tensor([True, False])}
+    published = flatten(weights, 7)
+    worker = SourceWorker([])
+    rollout = Rollout.__new__(Rollout)
+    rollout.w, rollout.step, rollout.engine = worker, 7, None  # type: ignore[assignment]
+    rollout.device_pool = DeviceBufferPool("cpu")
+    rollout.held_bundle, rollout.held_version = flatten_on_device(published.manifest, weights, rollout.device_pool), 7
+    with WeightServerThread("tcp", host="127.0.0.1") as server:
+        rollout.server = server
+        rollout.apply_layout({"action": "park", "tensor_parallel": 0, "gpus": []})
+        assert rollout.parked and isinstance(rollout.held_bundle, Bundle) and rollout.device_pool is None
+        assert rollout.held_bundle.manifest == published.manifest
+        (op, held), (resized, _) = worker.requests
+        assert (op, held["version"], resized) == ("weights.held", 7, "rollout.resized")
+        assert "device_fingerprint" not in held["source"] and held["source"]["checksum"] == published.manifest.checksum
+        again = fetch_bundle_sync(held["source"], timeout=10.0)
+        for name, tensor in unflatten(again.manifest, again.buffer).items():
+            assert torch.equal(tensor, weights[name])
+    rollout.apply_layout({"action": "park", "tensor_parallel": 0, "gpus": []})  # already in host memory: nothing more
+    assert [op for op, _ in worker.requests] == ["weights.held", "rollout.resized", "rollout.resized"]
