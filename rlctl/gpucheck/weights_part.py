@@ -28,6 +28,7 @@ reported but not asserted.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import queue
 import time
@@ -37,6 +38,7 @@ from typing import Any
 from rlctl.gpucheck.outcome import CheckFailed, Figures
 from rlctl.gpucheck.torch_parts import require_cuda
 from rlctl.weights.device_memory import carries_cuda_memory
+from rlctl.workload.param_layout import DecoderShape
 
 STAGE_GOAL_GBPS = 40.0
 LOAD_GOAL_GBPS = 40.0
@@ -46,55 +48,33 @@ JOINER_TIMEOUT_S = 300.0
 STATE_SEED = 31
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A decoder-only model's tensor shapes (the names a Qwen checkpoint uses)."""
+def _shape(model_type: str, architecture: str, layers: int, hidden: int, intermediate: int, heads: int,
+           kv_heads: int, head_dim: int, vocab: int, tied: bool) -> DecoderShape:
+    """The decoder a config.json with these sizes describes (the names transformers builds)."""
+    shape = DecoderShape.from_config({
+        "model_type": model_type, "architectures": [architecture], "num_hidden_layers": layers, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "vocab_size": vocab, "tie_word_embeddings": tied})
+    assert not isinstance(shape, str), shape
+    return shape
 
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
 
-    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab, self.hidden))]
-        for layer in range(self.layers):
-            prefix = f"model.layers.{layer}."
-            specs += [(prefix + "self_attn.q_proj.weight", (q, self.hidden)),
-                      (prefix + "self_attn.k_proj.weight", (kv, self.hidden)),
-                      (prefix + "self_attn.v_proj.weight", (kv, self.hidden)),
-                      (prefix + "self_attn.o_proj.weight", (self.hidden, q)),
-                      (prefix + "mlp.gate_proj.weight", (self.intermediate, self.hidden)),
-                      (prefix + "mlp.up_proj.weight", (self.intermediate, self.hidden)),
-                      (prefix + "mlp.down_proj.weight", (self.hidden, self.intermediate)),
-                      (prefix + "input_layernorm.weight", (self.hidden,)),
-                      (prefix + "post_attention_layernorm.weight", (self.hidden,))]
-        specs.append(("model.norm.weight", (self.hidden,)))
-        if not self.tied:
-            specs.append(("lm_head.weight", (self.vocab, self.hidden)))
-        return specs
+def state_specs(shape: DecoderShape) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of the model's state dict, as published (a tied model has no ``lm_head.weight``)."""
+    return [(name, dims) for name, dims in shape.parameters().items() if not (shape.tied and name == "lm_head.weight")]
 
-    def nbytes(self, itemsize: int = 2) -> int:
-        total = 0
-        for _, dims in self.tensors():
-            count = 1
-            for dim in dims:
-                count *= dim
-            total += count * itemsize
-        return total
+
+def state_nbytes(shape: DecoderShape, itemsize: int = 2) -> int:
+    return sum(math.prod(dims) for _, dims in state_specs(shape)) * itemsize
 
 
 SHAPES = {
-    "0.5b": Shape(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, head_dim=64, vocab=151936, tied=True),
-    "8b": Shape(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936, tied=False),
+    "0.5b": _shape("qwen2", "Qwen2ForCausalLM", 24, 896, 4864, 14, 2, 64, 151936, tied=True),
+    "8b": _shape("qwen3", "Qwen3ForCausalLM", 36, 4096, 12288, 32, 8, 128, 151936, tied=False),
 }
 CPU_SHAPES = {
-    "0.5b-mini": Shape(layers=2, hidden=64, intermediate=160, heads=2, kv_heads=1, head_dim=32, vocab=1024, tied=True),
-    "8b-mini": Shape(layers=3, hidden=128, intermediate=384, heads=4, kv_heads=2, head_dim=32, vocab=2048, tied=False),
+    "0.5b-mini": _shape("qwen2", "Qwen2ForCausalLM", 2, 64, 160, 2, 1, 32, 1024, tied=True),
+    "8b-mini": _shape("qwen3", "Qwen3ForCausalLM", 3, 128, 384, 4, 2, 32, 2048, tied=False),
 }
 
 
@@ -121,7 +101,7 @@ class PullBench:
     joiner process on this node."""
 
     device: str
-    shapes: dict[str, Shape] = field(default_factory=lambda: dict(SHAPES))
+    shapes: dict[str, DecoderShape] = field(default_factory=lambda: dict(SHAPES))
     assert_goals: bool = True
 
 
@@ -258,7 +238,7 @@ def pull_figures(torch: Any, bench: PullBench) -> Figures:
     device_copy = transport == "ucx" and (bench.device == "cpu" or carries_cuda_memory(capability))
     shapes: dict[str, Any] = {}
     for name, shape in bench.shapes.items():
-        specs = shape.tensors()
+        specs = state_specs(shape)
         state = random_state(torch, specs, bench.device, STATE_SEED)
         context = multiprocessing.get_context("spawn")
         results, done = context.Queue(), context.Event()

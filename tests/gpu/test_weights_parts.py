@@ -38,12 +38,12 @@ def test_the_stage_part_publishes_into_two_reused_buffers_loads_back_bit_exact_a
 def test_the_pull_part_pulls_both_shapes_in_another_process_bit_exact_and_names_the_lane() -> None:
     import torch
 
-    from rlctl.gpucheck.weights_part import CPU_PULL, pull_figures, pull_missed
+    from rlctl.gpucheck.weights_part import CPU_PULL, pull_figures, pull_missed, state_nbytes
 
     figures = pull_figures(torch, CPU_PULL)
     assert set(figures["shapes"]) == set(CPU_PULL.shapes)
     for name, shape in figures["shapes"].items():
-        assert shape["bit_exact"] and shape["bytes"] == CPU_PULL.shapes[name].nbytes(), (name, shape)
+        assert shape["bit_exact"] and shape["bytes"] == state_nbytes(CPU_PULL.shapes[name]), (name, shape)
         assert shape["lane"] in LANE_CLASSES and shape["lanes"], shape
         assert shape["path"] in ("tcp", "ucx", "ucx-sm") and shape["end_to_end_gbps"] > 0 and shape["transfer_gbps"] > 0
         if figures["transport"] == "ucx":  # the holder kept a device copy: pulled into device memory (here: the CPU)
@@ -90,3 +90,23 @@ def test_a_weights_figure_short_of_its_goal_fails_the_part_and_keeps_the_figures
         result = run_part("weights", lambda figures=figures, rule=rule: _asserted(figures, rule(figures)))
         assert result["status"] == "failed" and words in result["error"], result["error"]
         assert {k: v for k, v in result.items() if k in figures} == figures  # the figures stay in the report
+
+
+def test_the_pull_parts_model_states_are_the_real_models_tensors_and_sizes() -> None:
+    """The states the part publishes have the tensors transformers builds for Qwen2.5-0.5B and
+    Qwen3-8B (``param_layout``), and as many bytes as the sizing plan counts for them."""
+    from rlctl.core.sizing import ModelShape
+    from rlctl.gpucheck.weights_part import SHAPES, state_nbytes, state_specs
+
+    configs = {"0.5b": {"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "intermediate_size": 4864,
+                        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                        "tie_word_embeddings": True},
+               "8b": {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,
+                      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                      "tie_word_embeddings": False}}
+    for name, config in configs.items():
+        assert state_nbytes(SHAPES[name]) == 2 * ModelShape.from_hf_config(config).params, name
+    names = dict(state_specs(SHAPES["0.5b"]))
+    assert "lm_head.weight" not in names and names["model.layers.0.self_attn.k_proj.bias"] == (128,)
+    assert dict(state_specs(SHAPES["8b"]))["model.layers.35.self_attn.q_norm.weight"] == (128,)
+    assert round(state_nbytes(SHAPES["0.5b"]) / 1e9, 2) == 0.99 and round(state_nbytes(SHAPES["8b"]) / 1e9, 1) == 16.4
