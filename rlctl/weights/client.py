@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlctl.weights.bundle import Buffer, Bundle, Manifest, unflatten, verify
-from rlctl.weights.device_bundle import DeviceBufferPool, DeviceBundle, check_fingerprint
+from rlctl.weights.device_bundle import DEVICE_MEMORY_TRANSPORTS, DeviceBufferPool, DeviceBundle, check_fingerprint
 from rlctl.weights.errors import TransportUnavailableError, WeightIntegrityError, WeightTransferError
 from rlctl.weights.lanes import PullStats, Route, same_node
 from rlctl.weights.staging import HostBufferPool
@@ -122,13 +122,20 @@ async def fetch_bundle(source: dict[str, Any], timeout: float = 60.0, max_nbytes
     if pool is None or out is not None:
         return await _fetch_into(source, timeout, max_nbytes, out)
     check_descriptor(source)
-    if not 0 <= source["nbytes"] <= max_nbytes:
-        raise WeightTransferError(f"the source announces {source['nbytes']} bytes, outside [0, {max_nbytes}]")
-    with pool.reserve(int(source["nbytes"])) as host:
-        bundle = await _fetch_into(source, timeout, max_nbytes, host.view(int(source["nbytes"])))
+    nbytes = _announced_nbytes(source, max_nbytes)
+    with pool.reserve(nbytes) as host:
+        bundle = await _fetch_into(source, timeout, max_nbytes, host.view(nbytes))
         if bundle.buffer.ctypes.data == host.array.ctypes.data:
             host.hold(bundle)
         return bundle
+
+
+def _announced_nbytes(source: dict[str, Any], max_nbytes: int) -> int:
+    """The size ``source`` announces, before a buffer of it is reserved; refused beyond ``max_nbytes``."""
+    nbytes = int(source["nbytes"])
+    if not 0 <= nbytes <= max_nbytes:
+        raise WeightTransferError(f"the source announces {nbytes} bytes, outside [0, {max_nbytes}]")
+    return nbytes
 
 
 async def _fetch_into(source: dict[str, Any], timeout: float, max_nbytes: int, out: Buffer | None) -> Bundle:
@@ -140,7 +147,7 @@ async def _fetch_into(source: dict[str, Any], timeout: float, max_nbytes: int, o
 def offers_device_copy(source: dict[str, Any]) -> bool:
     """Whether the holder of ``source`` keeps the version in device memory for joiners to pull."""
     return (isinstance(source.get("device_fingerprint"), str) and isinstance(source.get("device"), str)
-            and source.get("transport") in ("ucx", "ucx-sm"))
+            and source.get("transport") in DEVICE_MEMORY_TRANSPORTS)
 
 
 async def fetch_device_bundle(source: dict[str, Any], pool: DeviceBufferPool, timeout: float = 60.0,
@@ -157,18 +164,16 @@ async def fetch_device_bundle(source: dict[str, Any], pool: DeviceBufferPool, ti
     if not offers_device_copy(source):
         raise TransportUnavailableError(f"the holder at {source['host']}:{source['port']} offers no copy in device "
                                         "memory")
-    nbytes = int(source["nbytes"])
-    if not 0 <= nbytes <= max_nbytes:
-        raise WeightTransferError(f"the source announces {nbytes} bytes, outside [0, {max_nbytes}]")
-    if pool.device.startswith("cuda"):
-        from rlctl.weights.transport_ucx import UcxRuntime
+    nbytes = _announced_nbytes(source, max_nbytes)
+    from rlctl.weights.transport_ucx import bind_cuda
 
-        await UcxRuntime.get().bind_cuda(pool.device)
+    await bind_cuda(pool.device)
     with pool.reserve(nbytes) as buffer:
         landing = buffer.view(nbytes)
         received = await receive({**source, "memory": "device"}, timeout, max_nbytes, landing)
         if received.buffer is not landing:
-            raise WeightTransferError(f"the holder sent {received.manifest.nbytes} bytes, the source announced {nbytes}")
+            raise WeightTransferError(f"the holder sent {received.manifest.nbytes} bytes, "
+                                      f"the source announced {nbytes}")
         manifest = received.manifest
         if manifest.version != source["version"] or manifest.checksum != source["checksum"]:
             raise WeightIntegrityError(f"the holder sent version {manifest.version} (checksum {manifest.checksum}), "

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from rlctl.weights.bundle import Manifest
     from rlctl.weights.lanes import PullStats
 
+DEVICE_MEMORY_TRANSPORTS = ("ucx", "ucx-sm")  # UCX sends from device memory; rlctl's tcp sends host bytes only
 FINGERPRINT_FORMAT = "bs64"
 FINGERPRINT_BLOCK_WORDS = 4096  # 32 KiB blocks: 512 Ki block sums for 16 GB
 WORD_MASK = (1 << 64) - 1
@@ -168,13 +169,12 @@ def fingerprint(flat: Any) -> str:
     return f"{FINGERPRINT_FORMAT}:{nbytes}:{plain & WORD_MASK:016x}:{weighted & WORD_MASK:016x}"
 
 
-def check_fingerprint(flat: Any, expected: str, what: str) -> str:
-    """``flat``'s fingerprint; raises ``WeightIntegrityError`` naming ``what`` when it is not ``expected``."""
+def check_fingerprint(flat: Any, expected: str, what: str) -> None:
+    """Raise ``WeightIntegrityError`` naming ``what`` unless ``flat``'s fingerprint is ``expected``."""
     got = fingerprint(flat)
     if got != expected:
         raise WeightIntegrityError(f"{what}: the bytes in device memory have fingerprint {got}, the source "
                                    f"promised {expected}")
-    return got
 
 
 def ucx_buffer(tensor: Any) -> Any:

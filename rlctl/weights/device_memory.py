@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from rlctl.weights.device_bundle import DEVICE_MEMORY_TRANSPORTS
+
 DEVICE_MEMORY_MODES = ("auto", "on", "off")
 HEADROOM = 1.1  # auto keeps a device copy only where this many times its size is free on the GPU
 
@@ -22,7 +24,7 @@ def keep_in_device_memory(mode: str, device: str | None, transport: str, nbytes:
     with room for the copy (``HEADROOM`` times its size free)."""
     if mode not in DEVICE_MEMORY_MODES:
         raise ValueError(f"[weights] device_memory is one of {DEVICE_MEMORY_MODES}, not {mode!r}")
-    if mode == "off" or device is None or transport not in ("ucx", "ucx-sm"):
+    if mode == "off" or device is None or transport not in DEVICE_MEMORY_TRANSPORTS:
         return False
     if mode == "on":
         return True

@@ -36,14 +36,19 @@ from typing import Any, Literal, Protocol, Self
 from rlctl.weights.admission import AdmissionCounts
 from rlctl.weights.auth import job_token
 from rlctl.weights.bundle import Bundle, flatten
-from rlctl.weights.device_bundle import DeviceBufferPool, DeviceBundle, device_of, flatten_on_device
+from rlctl.weights.device_bundle import (
+    DEVICE_MEMORY_TRANSPORTS,
+    DeviceBufferPool,
+    DeviceBundle,
+    device_of,
+    flatten_on_device,
+)
 from rlctl.weights.errors import TransportUnavailableError
 from rlctl.weights.lanes import local_node_id
 from rlctl.weights.staging import HostBufferPool
 from rlctl.weights.transport_tcp import DEFAULT_HOLDER_IO_TIMEOUT_S, Servable, TcpHolder
 
 TRANSPORTS = ("tcp", "ucx", "ucx-sm")
-DEVICE_MEMORY_TRANSPORTS = ("ucx", "ucx-sm")  # UCX sends from device memory; rlctl's tcp sends host bytes only
 DEFAULT_HOST = "127.0.0.1"
 THREAD_CALL_TIMEOUT_S = 600.0
 
@@ -83,14 +88,6 @@ def _make_holder(transport: str, server: WeightServer, host: str, port: int, max
     if transport == "ucx-sm":
         return UcxSmHolder(server.served, host, port, max_concurrent, io_timeout, token=token)
     raise TransportUnavailableError(f"no holder for transport {transport!r}")
-
-
-async def _bind_cuda(device: str) -> None:
-    """The UCX thread's CUDA context for a copy served from ``device`` (``UcxRuntime.bind_cuda``)."""
-    if device.startswith("cuda"):
-        from rlctl.weights.transport_ucx import UcxRuntime
-
-        await UcxRuntime.get().bind_cuda(device)
 
 
 class WeightServer:
@@ -175,10 +172,13 @@ class WeightServer:
             on_device = await asyncio.to_thread(flatten_on_device, bundle.manifest, state, self.device_pool(device))
         return await self.publish_bundle(bundle, on_device)
 
-    def _device_for_copy(self, state: Mapping[str, Any]) -> str:
+    def _require_device_transport(self) -> None:
         if self.transport not in DEVICE_MEMORY_TRANSPORTS:
-            raise ValueError(f"a copy in device memory is served over {' or '.join(DEVICE_MEMORY_TRANSPORTS)}, "
+            raise ValueError(f"a version in device memory is served over {' or '.join(DEVICE_MEMORY_TRANSPORTS)}, "
                              f"not over this server's {self.transport!r}")
+
+    def _device_for_copy(self, state: Mapping[str, Any]) -> str:
+        self._require_device_transport()
         device = device_of(state)
         if device is None:
             raise ValueError("a copy in device memory needs a state of torch tensors")
@@ -190,7 +190,9 @@ class WeightServer:
         if on_device is not None and on_device.manifest != bundle.manifest:
             raise ValueError("the copy in device memory is not of the bundle published with it")
         if on_device is not None:
-            await _bind_cuda(on_device.device)
+            from rlctl.weights.transport_ucx import bind_cuda
+
+            await bind_cuda(on_device.device)
         self._serve((bundle,), (on_device,))
         descriptor = self.descriptor()
         assert descriptor is not None
@@ -199,10 +201,10 @@ class WeightServer:
     async def publish_device_bundle(self, on_device: DeviceBundle) -> dict[str, Any]:
         """Serve a version held in device memory only (what a joiner pulled there: a rollout serves
         on exactly the bytes it received), to joiners asking for either memory; its descriptor."""
-        if self.transport not in DEVICE_MEMORY_TRANSPORTS:
-            raise ValueError(f"a version in device memory is served over {' or '.join(DEVICE_MEMORY_TRANSPORTS)}, "
-                             f"not over this server's {self.transport!r}")
-        await _bind_cuda(on_device.device)
+        self._require_device_transport()
+        from rlctl.weights.transport_ucx import bind_cuda
+
+        await bind_cuda(on_device.device)
         self._serve((None,), (on_device,))
         descriptor = self.descriptor()
         assert descriptor is not None

@@ -105,6 +105,15 @@ def cuda_memory_capability() -> dict[str, Any]:
     return runtime.run_sync(ask())
 
 
+async def bind_cuda(device: str) -> None:
+    """Before UCX sends from or receives into memory on ``device``: make a CUDA device's context
+    current on the UCX thread. UCX looks CUDA memory up, and maps it for ``cuda_ipc``, on the
+    thread that progresses it (ucxx's own progress thread does the same for device 0). A host
+    device is nothing to bind (and starts no UCX)."""
+    if device.startswith("cuda"):
+        await UcxRuntime.get().bind_cuda(device)
+
+
 def _import_ucxx() -> Any:
     try:
         import ucxx
@@ -149,11 +158,8 @@ class UcxRuntime:
         return bytes(self.ucxx.get_worker_address())
 
     async def bind_cuda(self, device: str) -> None:
-        """Make ``device``'s CUDA context current on the UCX thread, once, before UCX sends from or
-        receives into memory there: UCX looks CUDA memory up, and maps it for ``cuda_ipc``, on the
-        thread that progresses it (ucxx's own progress thread does the same for device 0). A host
-        device is nothing to bind."""
-        if not device.startswith("cuda") or device in self.cuda_devices:
+        """Make the CUDA ``device``'s context current on the UCX thread, once (see ``bind_cuda``)."""
+        if device in self.cuda_devices:
             return
         import torch
 
