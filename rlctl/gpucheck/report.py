@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import platform
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -62,9 +63,50 @@ def _part(name: str) -> Callable[[], Figures]:
     return getattr(importlib.import_module(f"rlctl.gpucheck.{module}"), function)  # type: ignore[no-any-return]
 
 
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version from NVML, or None where there is no driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML, no driver: the report says None
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def _library_versions() -> dict[str, str | None]:
+    """The versions the figures depend on (None: not installed): the model library, UCX and its
+    binding, and the checksum a weight bundle carries (sha256 where xxhash is missing: slower)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from rlctl.weights.checksum import default_checksum_algorithm
+
+    found: dict[str, str | None] = {}
+    for package in ("transformers", "nvidia-ml-py", "xxhash"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    try:
+        import ucxx
+
+        found["ucxx"] = str(ucxx.__version__)
+        found["libucx"] = ".".join(str(part) for part in ucxx.get_ucx_version())
+    except Exception:  # noqa: BLE001 - no ucxx (or no libucx under it): the UCX parts skip and say why
+        found["ucxx"] = found["libucx"] = None
+    found["checksum"] = default_checksum_algorithm()
+    return found
+
+
 def environment() -> dict[str, Any]:
-    """What this machine has: python, torch and CUDA versions, GPU names (never raises)."""
-    info: dict[str, Any] = {"host": platform.node(), "python": platform.python_version()}
+    """What this machine has: python, torch and CUDA versions, the driver, GPU names, and the
+    library versions the figures depend on (never raises)."""
+    info: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(),
+                            "driver": _driver_version(), **_library_versions()}
     try:
         import torch
     except ImportError as exc:
@@ -75,14 +117,34 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def run_all(only: list[str] | None = None) -> dict[str, Any]:
-    """Run the selected parts (all by default) in order; return the report."""
+def assemble(environment_found: dict[str, Any], results: dict[str, dict[str, Any]],
+             pending: list[str]) -> dict[str, Any]:
+    """The report of the parts run so far; ``pending`` names those not run yet (empty at the end)."""
+    counts = {status: sum(1 for r in results.values() if r["status"] == status)
+              for status in ("ok", "skipped", "failed")}
+    report = {"gpucheck": REPORT_FORMAT, "environment": environment_found, "parts": results,
+              "summary": counts, "ok": counts["failed"] == 0 and not pending}
+    if pending:
+        report["pending"] = pending
+    return report
+
+
+def run_all(only: list[str] | None = None,
+            after_part: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the selected parts (all by default) in order; return the report. ``after_part`` gets the
+    report so far after every part (with ``pending`` naming the parts still to run), so a check cut
+    short by a time limit still leaves what it measured."""
     selected = only or list(PART_NAMES)
     unknown = sorted(set(selected) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown parts {unknown}; known: {list(PART_NAMES)}")
-    results = {name: run_part(name, _part(name)) for name in selected}
-    counts = {status: sum(1 for r in results.values() if r["status"] == status)
-              for status in ("ok", "skipped", "failed")}
-    return {"gpucheck": REPORT_FORMAT, "environment": environment(), "parts": results,
-            "summary": counts, "ok": counts["failed"] == 0}
+    environment_found = environment()
+    results: dict[str, dict[str, Any]] = {}
+    for index, name in enumerate(selected):
+        print(f"gpucheck: {name} ({index + 1}/{len(selected)})", file=sys.stderr, flush=True)
+        results[name] = run_part(name, _part(name))
+        print(f"gpucheck: {name} {results[name]['status']} in {results[name]['seconds']} s",
+              file=sys.stderr, flush=True)
+        if after_part is not None:
+            after_part(assemble(environment_found, results, selected[index + 1:]))
+    return assemble(environment_found, results, [])

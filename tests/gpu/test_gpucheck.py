@@ -62,15 +62,31 @@ def check_gpu_values(report: dict[str, Any]) -> None:
 
 
 @pytest.mark.gpu
-def test_run_sh_report() -> None:
-    code, report, stderr = run_gpucheck()
+def test_run_sh_report(tmp_path: Path) -> None:
+    code, report, stderr = run_gpucheck("--report", str(tmp_path / "out" / "gpucheck.json"))
     check_shape(report)
+    assert json.loads((tmp_path / "out" / "gpucheck.json").read_text()) == report
+    assert not list((tmp_path / "out").glob("*.partial"))
     if report["environment"].get("cuda_available"):
         check_gpu_values(report)
         assert code == 0, stderr[-3000:]
     else:
         assert code == 0
         assert all(p["status"] == "skipped" for p in report["parts"].values()), report["parts"]
+
+
+def test_the_report_file_is_rewritten_after_every_part() -> None:
+    from rlctl.gpucheck.report import run_all
+
+    # A check cut short by a time limit must leave what it measured: the report so far after each part.
+    snapshots: list[dict[str, Any]] = []
+    final = run_all(["nvml", "nvml_sample_cost"], after_part=snapshots.append)
+    assert [s["pending"] for s in snapshots[:1]] == [["nvml_sample_cost"]] and "pending" not in snapshots[1]
+    assert not snapshots[0]["ok"] and snapshots[1] == final and list(final["parts"]) == ["nvml", "nvml_sample_cost"]
+    environment = final["environment"]
+    assert environment["checksum"].endswith("-t64m") and environment["transformers"]
+    assert set(environment) >= {"driver", "ucxx", "libucx", "xxhash", "torch", "cuda_available"}
+
 
 
 def test_run_part_statuses() -> None:
