@@ -219,7 +219,8 @@ class Rollout:
                 and not getattr(self.engine, "pulls_itself", False)):
             return False
         mode = str(self.settings.get("weights_device_memory", "auto"))
-        return keep_in_device_memory(mode, self._device, self.server.transport, int(source["nbytes"]))
+        return keep_in_device_memory(mode, self._device, self.server.transport, int(source["nbytes"]),
+                                     self.device_pool)
 
     def help_score(self, items: list[dict[str, Any]]) -> None:
         """Score samples for the reward role while there is nothing to generate (the controller

@@ -333,8 +333,10 @@ class TrainerRole:
         if not weights or self.server is None:
             return False
         nbytes = sum(int(t.numel()) * int(t.element_size()) for t in weights.values())
-        return keep_in_device_memory(str(self.settings.get("weights_device_memory", "auto")), device_of(weights),
-                                     self.server.transport, nbytes)
+        device = device_of(weights)
+        pool = self.server.server.device_pool(device) if device is not None else None
+        return keep_in_device_memory(str(self.settings.get("weights_device_memory", "auto")), device,
+                                     self.server.transport, nbytes, pool)
 
     def group_source(self, mine: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0 gets one sharded source naming what every rank serves of this version (the ranks

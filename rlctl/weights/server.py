@@ -125,6 +125,7 @@ class WeightServer:
         self._device_bundles: tuple[DeviceBundle | None, ...] = ()
         self.pool = pool if pool is not None else HostBufferPool()
         self._device_pools: dict[str, DeviceBufferPool] = {}
+        self._device_pools_lock = threading.Lock()  # the publishing role and the server's loop both ask
 
     def current_bundle(self, index: int = 0) -> Bundle | None:
         """The bundle served right now at ``index`` in host memory (None before the first publish,
@@ -146,10 +147,11 @@ class WeightServer:
 
     def device_pool(self, device: str) -> DeviceBufferPool:
         """The device buffers this server keeps its copies in on ``device``."""
-        pool = self._device_pools.get(device)
-        if pool is None:
-            pool = self._device_pools[device] = DeviceBufferPool(device)
-        return pool
+        with self._device_pools_lock:
+            pool = self._device_pools.get(device)
+            if pool is None:
+                pool = self._device_pools[device] = DeviceBufferPool(device)
+            return pool
 
     async def start(self) -> None:
         """Bind and start serving (joiners get a refusal until the first publish)."""

@@ -179,6 +179,11 @@ class BufferPool(Generic[PooledT]):
         with self._lock:
             return tuple(self._buffers)
 
+    def has_free(self, nbytes: int) -> bool:
+        """Whether ``reserve(nbytes)`` would reuse a buffer this pool holds, allocating nothing."""
+        with self._lock:
+            return any(not b.busy and b.capacity >= nbytes for b in self._buffers)
+
     @contextlib.contextmanager
     def reserve(self, nbytes: int) -> Iterator[PooledT]:
         """A free buffer of at least ``nbytes``, busy until the block ends (``hold`` it to keep it busy)."""

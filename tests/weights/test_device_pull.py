@@ -140,7 +140,8 @@ def test_a_joiner_pulls_the_holders_device_copy_into_its_own_device_memory_and_c
 def test_the_device_memory_decision_by_mode_device_transport_capability_and_room(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from rlctl.weights import device_memory
-    from rlctl.weights.device_memory import carries_cuda_memory, keep_in_device_memory
+    from rlctl.weights.device_memory import GpuMemory, carries_cuda_memory, keep_in_device_memory, room_for_copy
+    from rlctl.weights.staging import HostBufferPool
 
     assert keep_in_device_memory("on", "cpu", "ucx", 10) and keep_in_device_memory("on", "cuda:0", "ucx-sm", 10)
     assert not keep_in_device_memory("on", "cpu", "tcp", 10)  # rlctl's tcp sends host bytes only
@@ -150,9 +151,21 @@ def test_the_device_memory_decision_by_mode_device_transport_capability_and_room
     with pytest.raises(ValueError, match="device_memory is one of"):
         keep_in_device_memory("always", "cpu", "ucx", 10)
     monkeypatch.setattr(device_memory, "_ucx_carries_cuda_memory", lambda: True)
-    monkeypatch.setattr(device_memory, "_free_bytes", lambda device: 1_100)
+    memory = GpuMemory(free=1_100, reserved=0, peak_allocated=0)
+    monkeypatch.setattr(device_memory, "_gpu_memory", lambda device: memory)
     assert keep_in_device_memory("auto", "cuda:0", "ucx", 1_000)
     assert not keep_in_device_memory("auto", "cuda:0", "ucx", 1_001)  # no room for the copy and its headroom
+    # The process's own peak counts: cached blocks a step needs again are not room, idle ones are.
+    memory = GpuMemory(free=600, reserved=2_000, peak_allocated=1_500)
+    assert room_for_copy(memory) == 1_100 and keep_in_device_memory("auto", "cuda:0", "ucx", 1_000)
+    memory = GpuMemory(free=1_100, reserved=500, peak_allocated=2_000)  # the peak needs 1,500 more than is held
+    assert room_for_copy(memory) == -400 and not keep_in_device_memory("auto", "cuda:0", "ucx", 10)
+    # A free buffer of the role's own pool takes the copy without new memory: no room needed.
+    pool = HostBufferPool(pin=False)
+    with pool.reserve(1_000):
+        assert not keep_in_device_memory("auto", "cuda:0", "ucx", 1_000, pool)  # busy: not reusable
+    assert keep_in_device_memory("auto", "cuda:0", "ucx", 1_000, pool)
+    assert not keep_in_device_memory("auto", "cuda:0", "ucx", 4_000_000, pool)  # too small for this version
     monkeypatch.setattr(device_memory, "_ucx_carries_cuda_memory", lambda: False)
     assert not keep_in_device_memory("auto", "cuda:0", "ucx", 10)
     assert carries_cuda_memory({"cuda_support": True, "cuda_transports": ["cuda_ipc"]})

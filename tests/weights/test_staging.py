@@ -32,12 +32,15 @@ def _same(rebuilt: dict[str, object], state: dict[str, object]) -> bool:
 
 def test_a_pool_reuses_its_buffers_and_never_overwrites_one_a_live_bundle_is_on() -> None:
     pool = HostBufferPool(pin=False)
+    assert not pool.has_free(1)
     first = flatten(_state(1), 1, pool=pool)
     second = flatten(_state(2), 2, pool=pool)  # the first is still served: a second buffer
     assert first.buffer.ctypes.data != second.buffer.ctypes.data and pool.allocations == 2
+    assert not pool.has_free(1)  # both busy
     address = first.buffer.ctypes.data
     del first
     gc.collect()
+    assert pool.has_free(first_bytes := second.manifest.nbytes) and not pool.has_free(10 * first_bytes + 2**20)
     third = flatten(_state(3), 3, pool=pool)  # the first buffer is free again: reused, not reallocated
     assert third.buffer.ctypes.data == address and pool.allocations == 2
     assert _same(unflatten(second.manifest, second.buffer), _state(2))
