@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from rlctl.gpucheck.torch_parts import require_cuda
 CLI_TIMEOUT_S = 60.0
 POLL_S = 1.0
 TERMINAL_STATES = ("succeeded", "failed", "stopped")
+KEPT_PREFIX = "rlctl-gpucheck-job-"  # a failed run's files stay in such a folder under the temp dir
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,7 @@ def run_local_job(shape: LocalJobShape, workdir: Path, log: Callable[[str], None
             time.sleep(POLL_S)
         report = cli.json("report", job)
         pulls = cli.lines("events", job, "--type", "WeightsHeld")
+        exits = cli.lines("events", job, "--type", "WorkerExited")
     finally:
         cli.run("stop", job, check=False)
     faults = {f["fault_id"]: f for f in report.get("faults", [])}
@@ -261,11 +264,24 @@ def run_local_job(shape: LocalJobShape, workdir: Path, log: Callable[[str], None
         **weight_sync_by_step(pulls),
         "faults": {name: _fault_figures(faults.get(fid)) for name, fid in
                    (("trainer_crash", plan.trainer_fault), ("rollout_crash", plan.rollout_fault))},
+        "worker_errors": worker_errors(exits),
         "model_made_s": round(made_s, 1), "run_s": round(time.monotonic() - started, 1),
     }
     log(f"local_job: {figures['state']}, ETTR {figures['ettr']:.1%}, weight sync s by step {figures['weight_sync_s']}, "
         f"lanes {figures['lanes_seen']}, pulled into {figures['memory_seen']} memory")
     return figures
+
+
+def worker_errors(exits: list[dict[str, Any]], most: int = 8) -> list[dict[str, Any]]:
+    """The workers that ended logging an error (the injected crashes leave none): the first
+    ``most``, each with the tail of its last error, so a failed run on a lent GPU says why."""
+    errors = []
+    for record in exits:
+        data = record["data"]
+        if data.get("error"):
+            errors.append({"slot": data.get("slot"), "exit_code": data.get("exit_code"), "signal": data.get("signal"),
+                           "error": str(data["error"])[-400:]})
+    return errors[:most]
 
 
 def _fault_figures(fault: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -293,9 +309,13 @@ def local_job(shape: LocalJobShape = GPU_SHAPE) -> Figures:
     """The part: ``shape`` run through both crashes; fails on a missed goal, figures kept."""
     if shape.device == "cuda":
         require_cuda()
-    with tempfile.TemporaryDirectory(prefix="rlctl-gpucheck-job-") as tmp:
-        figures = run_local_job(shape, Path(tmp), log=lambda line: print(line, file=sys.stderr, flush=True))
+    workdir = Path(tempfile.mkdtemp(prefix=KEPT_PREFIX))
+    try:
+        figures = run_local_job(shape, workdir, log=lambda line: print(line, file=sys.stderr, flush=True))
+    except Exception as exc:
+        raise CheckFailed(f"{type(exc).__name__}: {exc} (the job's files are kept in {workdir})") from exc
     problems = missed_goals(figures)
-    if problems:
-        raise CheckFailed("; ".join(problems), figures)
+    if problems:  # the job's logs stay for the cause
+        raise CheckFailed("; ".join(problems), {**figures, "workdir_kept": str(workdir)})
+    shutil.rmtree(workdir, ignore_errors=True)
     return figures

@@ -19,6 +19,10 @@ What they prove (issue 31, items 1, 2 and 6), through the code a job runs, not a
   (``publish(..., device_copy=True)``) and the joiner pulls that copy into GPU memory of its own
   (``fetch_device_bundle``: UCX carries GPU memory itself, ``cuda_ipc`` on one node) and loads
   from it device to device: the same goals, >= ``IPC_GOAL_GBPS`` where the lane is ``cuda_ipc``.
+  The rates are goals for a state of ``RATED_MIN_BYTES`` or more (the 8B shape: issue 31 puts the
+  20 GB/s as "16 GB in <= 0.8 s"). On the 1 GB shape they are reported, not asserted: 100 GB/s
+  there is 10 ms for the whole pull, of which the fixed costs (the request's round trip, parsing
+  a 290-tensor manifest, an event loop, opening the IPC handle) take several.
 
 A figure short of its goal fails the part, with every figure in the report. The CPU twins
 (``CPU_STAGE``, ``CPU_PULL``, run by ``tests/gpu/test_weights_parts.py``) run the same code with
@@ -44,6 +48,7 @@ STAGE_GOAL_GBPS = 40.0
 LOAD_GOAL_GBPS = 40.0
 PULL_GOAL_GBPS = 20.0
 IPC_GOAL_GBPS = 100.0
+RATED_MIN_BYTES = 8 * 10**9  # the rate goals apply to states at least this large
 JOINER_TIMEOUT_S = 300.0
 STATE_SEED = 31
 
@@ -266,7 +271,8 @@ def pull_figures(torch: Any, bench: PullBench) -> Figures:
         shapes[name] = figures
     result: Figures = {"device": bench.device, "transport": transport, "shapes": shapes,
                        "ucx_cuda_memory": capability,
-                       "goals": {"end_to_end_gbps_min": PULL_GOAL_GBPS, "cuda_ipc_gbps_min": IPC_GOAL_GBPS}}
+                       "goals": {"end_to_end_gbps_min": PULL_GOAL_GBPS, "cuda_ipc_gbps_min": IPC_GOAL_GBPS,
+                                 "rated_min_bytes": RATED_MIN_BYTES}}
     result["missed_goals"] = pull_missed(result)
     return result
 
@@ -367,7 +373,7 @@ def pull_missed(figures: Figures) -> list[str]:
                 missed.append(f"{what}: the loaded state differs from the published one ({pull['mismatched']})")
             if not pull["lane"] or not pull["lanes"]:
                 missed.append(f"{what}: the pull named no lane")
-            if pull["end_to_end_gbps"] < goal:
+            if shape["bytes"] >= RATED_MIN_BYTES and pull["end_to_end_gbps"] < goal:
                 missed.append(f"{what}: {pull['end_to_end_gbps']} GB/s end to end over {pull['lane']} < {goal}")
     if figures["device"].startswith("cuda") and carries_cuda_memory(figures["ucx_cuda_memory"]):
         for name, shape in figures["shapes"].items():

@@ -65,12 +65,28 @@ def cuda_present() -> bool:
 
 
 def _cuda_register(address: int, length: int) -> None:
+    """Page-lock ``[address, address + length)`` for CUDA. The call runs on a thread of its own:
+    a refusal leaves its error as the calling thread's last CUDA error, which torch's next kernel
+    launch on that thread would raise as its own (torch's binding does not clear it)."""
     torch = _torch()
     if torch is None:
         raise RuntimeError("torch is not loaded")
-    code = int(torch.cuda.cudart().cudaHostRegister(address, length, 0))  # 0: cudaHostRegisterDefault
-    if code != 0:
-        raise RuntimeError(f"cudaHostRegister of {length} bytes failed with cudaError {code}")
+    codes: list[int] = []
+    failures: list[BaseException] = []
+
+    def register() -> None:
+        try:
+            codes.append(int(torch.cuda.cudart().cudaHostRegister(address, length, 0)))  # 0: cudaHostRegisterDefault
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            failures.append(exc)
+
+    registrar = threading.Thread(target=register, name="rlctl-pin")
+    registrar.start()
+    registrar.join()
+    if failures:
+        raise failures[0]
+    if codes[0] != 0:
+        raise RuntimeError(f"cudaHostRegister of {length} bytes failed with cudaError {codes[0]}")
 
 
 def _cuda_unregister(address: int) -> None:

@@ -167,7 +167,10 @@ class UcxRuntime:
         index = torch.cuda.current_device() if index is None else index  # "cuda": the caller's current device
 
         async def bind() -> None:
+            # set_device alone makes no context current where the thread's device is already this
+            # one (a fresh thread's is 0): a runtime call that needs the context binds it.
             torch.cuda.set_device(index)
+            torch.cuda.synchronize(index)
 
         await self.run(bind())
         self.cuda_devices.add(device)

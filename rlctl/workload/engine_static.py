@@ -21,6 +21,7 @@ the tests compare token for token with the eager path.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,14 +212,22 @@ class StaticDecoder:
             s.step.fill_(1)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        # A collection during the capture could free a dropped engine's graph, and freeing CUDA
+        # memory while a stream captures voids the capture (torch >= 2.9 no longer collects when
+        # a capture starts). thread_local: another thread's unsafe CUDA calls (a weight fetch) do
+        # not raise here; a device-wide synchronize from another thread would still void it.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            # thread_local: CUDA work of other threads (a weight fetch) must not void this capture.
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 self._step()
         except RuntimeError as exc:
             self.graphed, self.capture_error = False, f"{type(exc).__name__}: {exc}"
             warnings.warn(f"CUDA graph capture failed, decoding without graphs: {self.capture_error}", stacklevel=2)
             return
+        finally:
+            if collecting:
+                gc.enable()
         self.graph = graph
 
 

@@ -24,6 +24,10 @@ started=$SECONDS
 bash tests/gpu/run.sh --report "$OUT/gpucheck.json" "$@" > "$OUT/gpucheck.stdout" 2> "$OUT/gpucheck.log"
 code=$?
 echo "device: the check ended with status $code after $((SECONDS - started)) s" >&2
+# A failed local_job keeps its job's files (rlctl-gpucheck-job-*): bring their logs back.
+for kept in "${TMPDIR:-/tmp}"/rlctl-gpucheck-job-*; do
+  [ -d "$kept" ] && (cd "$kept" && find . -name '*.log' -print0 | tar --null -czf "$OUT/$(basename "$kept")-logs.tar.gz" -T -)
+done
 if [ -n "${TAIL_STEPS:-}" ]; then
   PYTHONPATH="$ROOT:$ROOT/agents${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" bench/tail_batching.py --device cuda \
     --seed 0 --steps "$TAIL_STEPS" > "$OUT/tail-${TAIL_STEPS}steps.txt" 2>&1 \

@@ -196,12 +196,13 @@ def test_the_local_job_part_runs_a_whole_job_through_two_crashes_on_cpu(tmp_path
     assert figures["faults"]["rollout_crash"]["verdict"] == "worker-crash"
     assert 0 < figures["ettr"] < 1 and len(figures["weight_sync_s"]) >= CPU_TWIN.steps - 2
     assert all(seconds > 0 for seconds in figures["weight_sync_s"].values()) and figures["lanes_seen"]
+    assert figures["worker_errors"] == [], figures["worker_errors"]  # the crashes are injected, not logged errors
     if importlib.util.find_spec("ucxx") is not None:  # [weights] device_memory = "on": the GPU path's CPU twin
         assert figures["memory_seen"] == ["device"], figures
 
 
 def test_the_local_job_parts_figures_and_goals() -> None:
-    from rlctl.gpucheck.local_job_part import missed_goals, weight_sync_by_step
+    from rlctl.gpucheck.local_job_part import missed_goals, weight_sync_by_step, worker_errors
 
     records = [{"type": "WeightsHeld", "data": {"version": 1, "seconds": 0.4, "lanes": ["tcp/lo"]}},
                {"type": "WeightsHeld", "data": {"version": 1, "seconds": 0.7, "lane": "sm"}},
@@ -213,6 +214,11 @@ def test_the_local_job_parts_figures_and_goals() -> None:
     assert sync["lanes"] == {"1": ["sm", "tcp/lo"], "2": ["unknown"]} and sync["lanes_seen"] == ["sm", "tcp/lo", "unknown"]
     assert sync["memory_seen"] == ["unknown"]
     assert weight_sync_by_step([{"data": {"version": 1, "seconds": 0.1, "memory": "device"}}])["memory_seen"] == ["device"]
+    exits = [{"data": {"slot": "rollout-0", "wid": "w1", "exit_code": None, "signal": "SIGKILL"}},
+             {"data": {"slot": "trainer-0", "wid": "w2", "exit_code": 1, "signal": None,
+                       "error": "x" * 500 + "torch.OutOfMemoryError: CUDA out of memory"}}]
+    assert worker_errors(exits) == [{"slot": "trainer-0", "exit_code": 1, "signal": None,
+                                     "error": ("x" * 500 + "torch.OutOfMemoryError: CUDA out of memory")[-400:]}]
     good = {"state": "succeeded", "steps": 10, "steps_done": 10, "trajectories_lost": 0, "limit_s": 300.0,
             "timed_out": False, "faults": {"trainer_crash": {"recovered_at": 1.0}, "rollout_crash": {"recovered_at": None}}}
     assert missed_goals(good) == []
@@ -273,6 +279,8 @@ def _decode_figures_meeting_goals() -> dict[str, Any]:
     return {"fast_path": "graph",
             "decode_ms_per_step": {"graph": {str(b): DECODE_STEP_GOAL_MS for b in DECODE_BATCHES},
                                    "eager": {str(b): 3.5 for b in DECODE_BATCHES}},
+            "decode_path_by_batch": {"graph": {str(b): "graph" for b in DECODE_BATCHES},
+                                     "eager": {str(b): "eager" for b in DECODE_BATCHES}},
             "tokens_per_s": {shape: {"speedup_vs_cpu": SPEEDUP_GOAL} for shape in ("default", "large")},
             "agreement": {"identical_rows": AGREEMENT_GOAL}}
 
@@ -287,7 +295,10 @@ def test_a_decode_figure_short_of_its_goal_fails_the_part() -> None:
     slow_step["decode_ms_per_step"]["graph"]["128"] = 1.2
     slow_rollout["tokens_per_s"]["large"]["speedup_vs_cpu"] = 2.9
     different["agreement"]["identical_rows"] = 0.5
-    for figures, words in ((slow_step, "batch 128: 1.2 ms"), (slow_rollout, "large: 2.9x"), (different, "50%")):
+    not_captured = _decode_figures_meeting_goals()  # fast enough, but a capture failed: its cause is the finding
+    not_captured["decode_path_by_batch"]["graph"]["8"] = "static: RuntimeError: operation not permitted"
+    for figures, words in ((slow_step, "batch 128: 1.2 ms"), (slow_rollout, "large: 2.9x"), (different, "50%"),
+                           (not_captured, "batch 8 ran on the static: RuntimeError: operation not permitted path")):
         result = run_part("torch_decode", lambda figures=figures: assert_goals(figures))
         assert result["status"] == "failed" and words in result["error"], result["error"]
         assert result["decode_ms_per_step"] == figures["decode_ms_per_step"]  # the figures stay in the report
@@ -304,6 +315,7 @@ def test_the_decode_part_compares_the_static_and_eager_paths_on_cpu() -> None:
     assert figures["agreement"]["identical_rows"] == 1.0  # on CPU the two paths sample the same tokens
     steps = figures["decode_ms_per_step"]
     assert set(steps) == {"static", "eager"} and all(set(costs) == {"1", "4"} for costs in steps.values())
+    assert figures["decode_path_by_batch"] == {"static": {"1": "static", "4": "static"}, "eager": {"1": "eager", "4": "eager"}}
     assert all(ms > 0 for costs in steps.values() for ms in costs.values())
     for rates in figures["tokens_per_s"].values():
         assert [rates[path]["decode_path"] for path in ("cpu", "static", "eager")] == ["eager", "static", "eager"]

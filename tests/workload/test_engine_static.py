@@ -6,9 +6,10 @@ buckets, and the decode switch with its fall back to eager."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -247,11 +248,14 @@ class _Recorder(TorchDispatchMode):
 class _CpuCapture:
     """``torch.cuda.graph`` on CPU: records into a ``_CpuGraph`` while the block runs."""
 
+    collecting_during_capture: ClassVar[list[bool]] = []  # gc.isenabled() at each capture's start
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _check_call(REAL_CUDA["graph"].__init__, self, *args, **kwargs)
         self.recorder = _Recorder(args[0])
 
     def __enter__(self) -> None:
+        _CpuCapture.collecting_during_capture.append(gc.isenabled())
         self.recorder.__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -301,6 +305,9 @@ def test_the_graph_path_replayed_on_cpu_samples_the_eager_paths_tokens(monkeypat
         assert graphed.last_stats.decode_path == "graph" and graphed.last_stats.row_lengths == eager.last_stats.row_lengths
     assert all(decoder.graph is not None and decoder.graph.ops for decoder in graphed._decoders.values())
     assert graphed.generate(requests, 40) == eager.generate(requests, 40)  # a graph replayed in a later call
+    # No collection during a capture (it could free another engine's graph and void this one), and on again after.
+    assert _CpuCapture.collecting_during_capture and not any(_CpuCapture.collecting_during_capture)
+    assert gc.isenabled()
 
 
 def test_the_cpu_graph_replays_host_reads_as_they_were_at_capture(monkeypatch: pytest.MonkeyPatch) -> None:
