@@ -251,11 +251,18 @@ def partition(node: str, *, state_dir: Path = c.DEFAULT_STATE_DIR) -> None:
 
 
 def heal(node: str, *, state_dir: Path = c.DEFAULT_STATE_DIR) -> None:
-    """Undo :func:`partition` and :func:`slow_link` for ``node``."""
+    """Undo :func:`partition` and :func:`slow_link` for ``node``. A node that was cut off has its
+    slurmd register again (with every other: ``scontrol reconfigure``): slurmctld then settles at
+    once what it could not tell the node meanwhile. Left alone, a kill it sent into the partition
+    (an allocation cancelled there) is resent only on slurmctld's own cycle, 1 to 48 s after the
+    heal in the lab, with the allocation COMPLETING meanwhile."""
     cfg = _cfg(state_dir)
     _check_node(cfg, node)
+    was_cut = not _link_up(node)
     network.clear_delay(node)
     network.set_link(node, up=True)
+    if was_cut and pid_alive(lab_slurm.slurmd_pidfile(cfg, node)):
+        lab_slurm.register_nodes_again(cfg)
 
 
 def slow_link(node: str, delay_ms: int, *, state_dir: Path = c.DEFAULT_STATE_DIR) -> str:

@@ -175,6 +175,11 @@ def wait_all_idle(cfg: c.LabConfig, timeout_s: float = 90.0) -> None:
     raise LabError(f"nodes not idle after {timeout_s:.0f}s: {bad}; see {cfg.path('log')}")
 
 
+def register_nodes_again(cfg: c.LabConfig) -> None:
+    """``scontrol reconfigure``: every slurmd registers again, with the jobs it still runs."""
+    run(["scontrol", "reconfigure"], check=False, env=slurm_env(cfg), timeout=30)
+
+
 def resume_node(cfg: c.LabConfig, node: str) -> None:
     """``scontrol update state=resume`` (clears DOWN/DRAIN after a repaired fault)."""
     run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False, env=slurm_env(cfg))
