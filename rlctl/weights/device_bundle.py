@@ -124,6 +124,17 @@ def device_of(state: Mapping[str, Any]) -> str | None:
     return None
 
 
+def settle_producer_stream(state: Mapping[str, Any]) -> None:
+    """Wait, in the calling thread, for the CUDA work its current stream has queued on ``state``'s
+    device. The copies of a publish run on another thread, whose current stream is that device's
+    default one: they would not wait for a state its producer wrote on a stream of its own."""
+    device = device_of(state)
+    if device is None or not device.startswith("cuda"):
+        return
+    torch = _torch()
+    torch.cuda.current_stream(torch.device(device)).synchronize()
+
+
 def flatten_on_device(manifest: Manifest, state: Mapping[str, Any], pool: DeviceBufferPool) -> DeviceBundle:
     """Copy ``state`` into a buffer of ``pool`` at ``manifest``'s layout (the host bundle made from
     the same state), on the pool's device. The buffer stays busy while the bundle lives."""

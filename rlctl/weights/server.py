@@ -42,6 +42,7 @@ from rlctl.weights.device_bundle import (
     DeviceBundle,
     device_of,
     flatten_on_device,
+    settle_producer_stream,
 )
 from rlctl.weights.errors import TransportUnavailableError
 from rlctl.weights.lanes import local_node_id
@@ -295,7 +296,9 @@ class WeightServerThread:
         self._call(self.server.start())
 
     def publish(self, version: int, state: Mapping[str, Any], device_copy: bool = False) -> dict[str, Any]:
-        """See `WeightServer.publish`."""
+        """See `WeightServer.publish`. The caller's CUDA stream is settled first: the copies run on
+        another thread (``settle_producer_stream``)."""
+        settle_producer_stream(state)
         return self._call(self.server.publish(version, state, device_copy))
 
     def publish_bundle(self, bundle: Bundle, on_device: DeviceBundle | None = None) -> dict[str, Any]:

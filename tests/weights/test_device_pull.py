@@ -171,3 +171,31 @@ def test_the_device_memory_decision_by_mode_device_transport_capability_and_room
     assert carries_cuda_memory({"cuda_support": True, "cuda_transports": ["cuda_ipc"]})
     assert not carries_cuda_memory({"cuda_support": True, "cuda_transports": []})
     assert not carries_cuda_memory({"cuda_support": False, "cuda_transports": ["cuda_copy"]})
+
+
+def test_a_publish_first_settles_the_callers_cuda_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from rlctl.weights.device_bundle import settle_producer_stream
+
+    # The copies run on the server's threads, whose current stream is the default one: a state
+    # its producer wrote on a stream of its own is waited for in the producer's thread first.
+    settled: list[object] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            settled.append(self)
+
+    class CudaTensor:  # what the decision reads of a CUDA tensor, on a machine without one
+        device = torch.device("cuda", 1)
+
+        def is_contiguous(self) -> bool:
+            return True
+
+    asked: list[object] = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: asked.append(device) or Stream())
+    settle_producer_stream({"w": torch.zeros(2)})  # host tensors: nothing to wait for
+    settle_producer_stream({})
+    assert not settled
+    settle_producer_stream({"w": CudaTensor()})
+    assert len(settled) == 1 and asked == [torch.device("cuda", 1)]
