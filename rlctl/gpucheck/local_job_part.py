@@ -38,6 +38,7 @@ from rlctl.gpucheck.torch_parts import require_cuda
 CLI_TIMEOUT_S = 60.0
 POLL_S = 1.0
 TERMINAL_STATES = ("succeeded", "failed", "stopped")
+STOPPING_SIGNALS = ("SIGTERM", "SIGKILL")  # rlctl's own: a stop, a takeover, an injected crash
 KEPT_PREFIX = "rlctl-gpucheck-job-"  # a failed run's files stay in such a folder under the temp dir
 
 
@@ -273,14 +274,16 @@ def run_local_job(shape: LocalJobShape, workdir: Path, log: Callable[[str], None
 
 
 def worker_errors(exits: list[dict[str, Any]], most: int = 8) -> list[dict[str, Any]]:
-    """The workers that ended logging an error (the injected crashes leave none): the first
-    ``most``, each with the tail of its last error, so a failed run on a lent GPU says why."""
+    """The workers that failed by themselves (a non-zero exit, or a signal rlctl does not send:
+    SIGABRT, SIGSEGV...): the first ``most``, each with the tail of the last error it logged, so a
+    failed run on a lent GPU says why (a CUDA out-of-memory exits 1, an NCCL abort is SIGABRT)."""
     errors = []
     for record in exits:
         data = record["data"]
-        if data.get("error"):
-            errors.append({"slot": data.get("slot"), "exit_code": data.get("exit_code"), "signal": data.get("signal"),
-                           "error": str(data["error"])[-400:]})
+        code, signal = data.get("exit_code"), data.get("signal")
+        if (code is not None and code != 0) or (signal is not None and signal not in STOPPING_SIGNALS):
+            errors.append({"slot": data.get("slot"), "exit_code": code, "signal": signal,
+                           "error": str(data.get("error") or "")[-400:]})
     return errors[:most]
 
 

@@ -1,5 +1,5 @@
 """How the suite is split between two xdist workers (``tests/conftest.py``): every test folder is
-placed on purpose, and timed tests never leave the one timed unit."""
+placed on purpose, and whole jobs never leave the one timed unit."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def test_every_folder_of_tests_is_either_timed_or_split_by_module() -> None:
 
 def test_timed_tests_share_one_unit_and_the_others_go_by_module() -> None:
     assert work_unit_of("tests/chaos/test_fault_kinds.py::test_fault_kinds[stream]") == TIMED_UNIT
-    assert work_unit_of("tests/weights/test_device_pull.py::test_a_joiner_pulls") == TIMED_UNIT
+    assert work_unit_of("tests/gpu/test_gpucheck.py::test_the_local_job_part") == TIMED_UNIT
+    assert work_unit_of("tests/weights/test_device_pull.py::test_a_joiner_pulls") == "tests/weights/test_device_pull.py"
     assert work_unit_of("tests/integration/test_local_job.py::test_launch_status_kill_resume_stop") == TIMED_UNIT
     assert work_unit_of("tests/core/test_policy.py::test_x[a::b]") == "tests/core/test_policy.py"
     assert work_unit_of("tests/sim/test_bursts.py") == "tests/sim/test_bursts.py"
