@@ -334,7 +334,7 @@ class TrainerRole:
             return False
         nbytes = sum(int(t.numel()) * int(t.element_size()) for t in weights.values())
         device = device_of(weights)
-        pool = self.server.server.device_pool(device) if device is not None else None
+        pool = self.server.device_pool(device) if device is not None else None
         return keep_in_device_memory(str(self.settings.get("weights_device_memory", "auto")), device,
                                      self.server.transport, nbytes, pool)
 

@@ -16,7 +16,7 @@ from rlctl.weights.device_bundle import DEVICE_MEMORY_TRANSPORTS
 from rlctl.weights.staging import BufferPool
 
 DEVICE_MEMORY_MODES = ("auto", "on", "off")
-HEADROOM = 1.1  # auto keeps a device copy only where this many times its size is free on the GPU
+HEADROOM = 1.1  # auto keeps a new device copy only where this many times its size is room (room_for_copy)
 
 
 def keep_in_device_memory(mode: str, device: str | None, transport: str, nbytes: int,

@@ -286,6 +286,10 @@ class WeightServerThread:
         """The host buffers this server stages into (a joiner fetches into it to serve what it got)."""
         return self.server.pool
 
+    def device_pool(self, device: str) -> DeviceBufferPool:
+        """See `WeightServer.device_pool`."""
+        return self.server.device_pool(device)
+
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(THREAD_CALL_TIMEOUT_S)
 

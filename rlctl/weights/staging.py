@@ -33,6 +33,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -71,22 +72,10 @@ def _cuda_register(address: int, length: int) -> None:
     torch = _torch()
     if torch is None:
         raise RuntimeError("torch is not loaded")
-    codes: list[int] = []
-    failures: list[BaseException] = []
-
-    def register() -> None:
-        try:
-            codes.append(int(torch.cuda.cudart().cudaHostRegister(address, length, 0)))  # 0: cudaHostRegisterDefault
-        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
-            failures.append(exc)
-
-    registrar = threading.Thread(target=register, name="rlctl-pin")
-    registrar.start()
-    registrar.join()
-    if failures:
-        raise failures[0]
-    if codes[0] != 0:
-        raise RuntimeError(f"cudaHostRegister of {length} bytes failed with cudaError {codes[0]}")
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlctl-pin") as registrar:
+        code = registrar.submit(lambda: int(torch.cuda.cudart().cudaHostRegister(address, length, 0))).result()
+    if code != 0:  # 0: cudaSuccess (flags 0: cudaHostRegisterDefault)
+        raise RuntimeError(f"cudaHostRegister of {length} bytes failed with cudaError {code}")
 
 
 def _cuda_unregister(address: int) -> None:

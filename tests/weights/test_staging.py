@@ -126,3 +126,23 @@ def test_a_state_on_two_devices_is_refused_naming_the_tensor_and_nothing_is_stag
     with pytest.raises(ValueError, match="tensor 'w' is on the meta device"):
         check_one_device({"w": torch.zeros(2, device="meta")})
     assert pool.allocations == 0
+
+
+def test_the_pinning_call_runs_on_a_thread_of_its_own_and_its_refusal_is_raised_to_the_caller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    # A refused cudaHostRegister leaves its error as its thread's last CUDA error, which torch's
+    # next kernel launch there would raise: the call must not run on the staging thread.
+    threads: list[str] = []
+
+    class Runtime:
+        @staticmethod
+        def cudaHostRegister(address: int, length: int, flags: int) -> int:
+            threads.append(threading.current_thread().name)
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime)
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 4096 bytes failed with cudaError 2"):
+        staging._cuda_register(1234, 4096)
+    assert len(threads) == 1 and threads[0] != threading.current_thread().name and threads[0].startswith("rlctl-pin")
