@@ -1,15 +1,19 @@
-"""Same-node pull benchmark: through host memory against device to device, in one run.
+"""Same-node pull benchmark: over UCX shared memory, out of the holder's memory file, and device to device, in one run.
 
-Role: measure what a rollout pays to pull and load a version from a holder on its node, the two
-ways ``[weights] device_memory`` chooses between (issue 31, items 1 and 2), for the same holder
-and the same tensors, alternating repeat by repeat so that machine noise hits both alike:
+Role: measure what a rollout pays to pull and load a version from a holder on its node, each way
+rlctl has (issue 31, items 1 and 2), for the same holder and the same tensors, alternating repeat
+by repeat so that machine noise hits them alike:
 
-* ``host`` (the baseline): ``fetch_bundle`` into a pooled host buffer (the same-node ``ucx-sm``
-  path), the tree checksum verified, then ``load_into`` the model's tensors;
+* ``host`` (the baseline): ``fetch_bundle`` into a pooled host buffer over the holder's transport
+  (the same-node ``ucx-sm`` path: one UCX stream), the tree checksum verified, then ``load_into``
+  the model's tensors;
+* ``shm``: the same ``fetch_bundle`` out of the holder's memory file (``transport_shm``: copied
+  and hashed leaf by leaf on several threads), then ``load_into``;
 * ``device``: ``fetch_device_bundle`` of the holder's copy in device memory into a pooled device
   buffer, its fingerprint checked on the device, then ``load_into`` from views of it.
 
-The holder is another process (``WeightServerThread("ucx")``, ``publish(..., device_copy=True)``).
+The holder is another process (``WeightServerThread("ucx", shared_memory=True)``,
+``publish(..., device_copy=True)``).
 On a CPU the "device" is host memory: the two differ by the check (tree checksum on several
 threads against the fingerprint's torch reductions) and by where UCX reads from; on a GPU the
 device pull moves GPU memory itself (``cuda_ipc``) where the host pull crosses PCIe twice.
@@ -35,6 +39,7 @@ from weights_stage import machine, make_state, parse_size
 
 UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCXPY_PROGRESS_MODE": "blocking", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 TENSORS = 16
+WAYS = ("host", "shm", "device")
 
 
 def log(message: str) -> None:
@@ -47,7 +52,7 @@ def holder_main(nbytes: int, device: str, out: Any, stop: Any) -> None:
 
     from rlctl.weights import WeightServerThread
 
-    with WeightServerThread("ucx", host="127.0.0.1") as server:
+    with WeightServerThread("ucx", host="127.0.0.1", shared_memory=True) as server:
         out.put(server.publish(1, make_state(torch, nbytes, device, TENSORS), device_copy=True))
         stop.wait(3600)
 
@@ -61,8 +66,9 @@ def pull_once(torch: Any, way: str, source: dict[str, Any], pools: dict[str, Any
     if device == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
-    if way == "host":
-        bundle: Any = fetch_bundle_sync(source, timeout=600, pool=pools["host"])
+    if way in ("host", "shm"):
+        through = source if way == "shm" else {k: v for k, v in source.items() if k != "shm_socket"}
+        bundle: Any = fetch_bundle_sync(through, timeout=600, pool=pools["host"])
         pulled = time.perf_counter()
         views = unflatten(bundle.manifest, bundle.buffer)
     else:
@@ -115,23 +121,26 @@ def main() -> int:
         state = make_state(torch, nbytes, args.device, TENSORS)
         targets = {name: torch.empty_like(t) for name, t in state.items()}
         pools = {"host": HostBufferPool(), "device": DeviceBufferPool(args.device)}
-        runs: dict[str, list[dict[str, Any]]] = {"host": [], "device": []}
+        runs: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
         for repeat in range(args.repeats + 1):  # the first round allocates the pools: not counted
-            for way in ("host", "device"):
+            for way in WAYS:
+                for target in targets.values():
+                    target.zero_()
                 run = pull_once(torch, way, source, pools, targets, args.device)
                 if not all(torch.equal(targets[name], t) for name, t in state.items()):
                     raise SystemExit(f"the {way} pull did not load the published state bit for bit")
                 if repeat:
                     runs[way].append(run)
-            log(f"repeat {repeat}: host {runs['host'][-1]['seconds'] if repeat else '-'} s, "
-                f"device {runs['device'][-1]['seconds'] if repeat else '-'} s")
+            log(f"repeat {repeat}: " + ", ".join(f"{way} {runs[way][-1]['seconds'] if repeat else '-'} s" for way in WAYS))
     finally:
         stop.set()
         holder.join(30)
-    host, device = summary(runs["host"], int(source["nbytes"])), summary(runs["device"], int(source["nbytes"]))
-    print(json.dumps({"bench": "device_pull", "bytes": int(source["nbytes"]), "device": args.device,
-                      "ucx_tls": args.ucx_tls, "host": host, "device_to_device": device,
+    nbytes = int(source["nbytes"])
+    host, shm, device = (summary(runs[way], nbytes) for way in WAYS)
+    print(json.dumps({"bench": "device_pull", "bytes": nbytes, "device": args.device,
+                      "ucx_tls": args.ucx_tls, "host": host, "shared_memory": shm, "device_to_device": device,
                       "speedup": round(host["end_to_end_s"] / device["end_to_end_s"], 3),
+                      "shared_memory_speedup": round(host["end_to_end_s"] / shm["end_to_end_s"], 3),
                       "machine": machine(args.device, torch)}))
     return 0
 

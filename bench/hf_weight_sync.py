@@ -9,9 +9,11 @@ trainer's publish path); this process is the rollout: it holds a loaded ``HFPoli
   disk_warm_s        ``from_pretrained`` of the checkpoint folder, every weight touched (the map is
                      lazy), files in the page cache;
   disk_cold_s        the same after the files were dropped from the page cache (posix_fadvise);
-ratio = disk / p2p (goal: >= 3). Medians of ``--repeats``. fp32 weights, CPU, loopback.
+ratio = disk / p2p (goal: >= 3). Medians of ``--repeats``. fp32 weights, CPU, loopback. ``shm`` is
+a ``tcp`` holder made with ``shared_memory=True`` (what a job's roles run): this process, on its
+node, copies the version out of the holder's memory file (``rlctl.weights.transport_shm``).
 
-    python bench/hf_weight_sync.py [--size 0.5b] [--transports ucx tcp] [--repeats 3]
+    python bench/hf_weight_sync.py [--size 0.5b] [--transports ucx ucx-sm tcp shm] [--repeats 3]
 
 Prints one line per figure, then one JSON object on the last line.
 """
@@ -36,7 +38,8 @@ CTX = mp.get_context("spawn")
 
 
 # The holder runs one transport per process; this process (the joiner) allows both paths.
-UCX_TLS = {"ucx": "tcp,self", "ucx-sm": "sm,self", "tcp": "tcp,self", "joiner": "tcp,sm,self"}
+UCX_TLS = {"ucx": "tcp,self", "ucx-sm": "sm,self", "tcp": "tcp,self", "shm": "tcp,self", "joiner": "tcp,sm,self"}
+PATHS = ("ucx", "ucx-sm", "tcp", "shm")
 
 
 def set_ucx_env(transport: str = "tcp") -> None:
@@ -55,7 +58,8 @@ def holder(folder: str, transport: str, descriptors: Any, done: Any) -> None:
 
     policy = load_hf_policy(folder)
     state = {name: t.detach().contiguous() for name, t in policy.state_dict().items()}
-    with WeightServerThread(transport=transport) as server:
+    shared = transport == "shm"
+    with WeightServerThread(transport="tcp" if shared else transport, shared_memory=shared) as server:
         started = time.perf_counter()
         descriptor = server.publish(1, state)
         descriptors.put((descriptor, time.perf_counter() - started))
@@ -76,7 +80,7 @@ def drop_from_page_cache(folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="0.5b")
-    parser.add_argument("--transports", nargs="+", default=["ucx", "ucx-sm", "tcp"])
+    parser.add_argument("--transports", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     set_ucx_env("joiner")
@@ -109,7 +113,10 @@ def main() -> None:
                     bundle = fetch_bundle_sync(descriptor, timeout=600)
                     rollout.load_state_dict(unflatten(bundle.manifest, bundle.buffer))
                     times.append(time.perf_counter() - started)
+                    taken = bundle.pull.transport if bundle.pull is not None else "unknown"
                     del bundle
+                if (transport == "shm") != (taken == "shm"):
+                    raise SystemExit(f"the {transport} holder was pulled from over {taken}")
             finally:
                 done.put("stop")
                 process.join(60)

@@ -70,6 +70,7 @@ class WorkerLauncher:
             "colocated": spec.colocated and slot.role in ("trainer", "rollout"),
             "start_parked": slot.role == "rollout" and not slot.standby and self._group_runs_wide(slot),
             "weights_device_memory": spec.weights_device_memory,
+            "weights_shared_memory": spec.weights_shared_memory,
         }
         ucx_defaults = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_PROGRESS_MODE": "blocking"}
         if self.on_this_machine:

@@ -54,10 +54,11 @@ class LaneTotals:
 def slower_lane_reason(lane: str, faster_lane: str, same_node: bool, gbps: float) -> str:
     """Why a pull's lane is a warning, in words an operator can act on."""
     where = "on one node" if same_node else "across nodes"
-    remedy = ("UCX shared memory: weights transport ucx (or ucx-sm) with sm in UCX_TLS" if faster_lane == "sm"
-              else "RDMA: weights transport ucx with a UCX that has this node's RDMA devices" if faster_lane == "rdma"
-              else f"lane {faster_lane}")
-    return f"a weight pull {where} went over {lane} at {gbps:.2f} GB/s while {remedy} is faster"
+    remedy = ("shared memory is faster ([weights] shared_memory = true, or weights transport ucx with sm in "
+              "UCX_TLS)" if faster_lane == "sm"
+              else "RDMA is faster (weights transport ucx with a UCX that has this node's RDMA devices)"
+              if faster_lane == "rdma" else f"lane {faster_lane} is faster")
+    return f"a weight pull {where} went over {lane} at {gbps:.2f} GB/s while {remedy}"
 
 
 @dataclass(frozen=True)

@@ -391,6 +391,10 @@ JOB_SCHEMA: dict[str, Field] = {
                 "pull into GPU memory and load from there. `auto`: on CUDA where UCX carries CUDA memory and the "
                 "copy fits; `on`: wherever the transport is UCX (on CPU too); `off`: through host memory always.",
                 "auto", choices=("auto", "on", "off")),
+            "shared_memory": Field(
+                "bool", "Joiners on a holder's node copy the version out of the holder's memory (a memory file "
+                "handed over a Unix socket, copied and checksummed on several threads) instead of over the "
+                "transport. Off: every pull goes over `transport`.", True),
         },
     ),
     "model": Field(
@@ -690,6 +694,7 @@ class JobSpec:
     weights_transport: str
     weights_host: str
     weights_device_memory: str
+    weights_shared_memory: bool
     agent_tls: str
     observability: ObservabilitySpec
     env: EnvSpec
@@ -956,6 +961,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         weights_transport=values["weights"]["transport"],
         weights_host=values["weights"]["host"],
         weights_device_memory=values["weights"]["device_memory"],
+        weights_shared_memory=values["weights"]["shared_memory"],
         agent_tls=values["cluster"]["agent_tls"],
         observability=ObservabilitySpec(**values["observability"]),
         env=EnvSpec.from_table(values["env"]),

@@ -14,8 +14,10 @@ What they prove (issue 31, items 1, 2 and 6), through the code a job runs, not a
   shape (``SHAPES``: Qwen2.5-0.5B, 1 GB, and Qwen3-8B, 16 GB); a joiner in another process on this
   node pulls it (its host buffer allocated and pinned beforehand, as a rollout's pool is after its
   first pull), verifies it, loads it onto the GPU and compares it with the same random state made
-  there. Goal: bit-exact, the lane named, and end to end (pull start to loaded on the GPU) >=
-  ``PULL_GOAL_GBPS``. Over ``ucx`` the holder also keeps the version in device memory
+  there. The holder hands the joiner its memory file (``shared_memory=True``, as a job's roles
+  do: ``rlctl.weights.transport_shm``); the same pull over the holder's transport follows as the
+  baseline (``transport_pull``, bit-exactness asserted, its rate reported). Goal: bit-exact, the
+  lane named, and end to end (pull start to loaded on the GPU) >= ``PULL_GOAL_GBPS``. Over ``ucx`` the holder also keeps the version in device memory
   (``publish(..., device_copy=True)``) and the joiner pulls that copy into GPU memory of its own
   (``fetch_device_bundle``: UCX carries GPU memory itself, ``cuda_ipc`` on one node) and loads
   from it device to device: the same goals, >= ``IPC_GOAL_GBPS`` where the lane is ``cuda_ipc``.
@@ -247,7 +249,7 @@ def pull_figures(torch: Any, bench: PullBench) -> Figures:
         state = random_state(torch, specs, bench.device, STATE_SEED)
         context = multiprocessing.get_context("spawn")
         results, done = context.Queue(), context.Event()
-        with WeightServerThread(transport, host="127.0.0.1") as server:
+        with WeightServerThread(transport, host="127.0.0.1", shared_memory=True) as server:
             _sync(torch, bench.device)
             started = time.perf_counter()
             descriptor = server.publish(1, state, device_copy=device_copy)
@@ -317,12 +319,19 @@ def _join(descriptor: dict[str, Any], specs: list[tuple[str, tuple[int, ...]]], 
     targets = {name: torch.empty(dims, dtype=torch.bfloat16, device=device) for name, dims in specs}
     expected = random_state(torch, specs, device, STATE_SEED)
 
-    def host_pull() -> tuple[Any, dict[str, Any]]:
-        bundle = fetch_bundle_sync(descriptor, timeout=JOINER_TIMEOUT_S, pool=pool)
-        return bundle, unflatten(bundle.manifest, bundle.buffer)
+    def host_pull(source: dict[str, Any]) -> Any:
+        def pull() -> tuple[Any, dict[str, Any]]:
+            bundle = fetch_bundle_sync(source, timeout=JOINER_TIMEOUT_S, pool=pool)
+            return bundle, unflatten(bundle.manifest, bundle.buffer)
+        return pull
 
-    figures = _timed_pull(torch, host_pull, targets, expected, device)
+    figures = _timed_pull(torch, host_pull(descriptor), targets, expected, device)
     figures.update(bytes=nbytes, tensors=len(specs), pinned=pool.buffers[0].pinned)
+    if "shm_socket" in descriptor:  # the baseline, reported: the same pull over the holder's transport
+        for target in targets.values():
+            target.zero_()
+        without = {key: value for key, value in descriptor.items() if key != "shm_socket"}
+        figures["transport_pull"] = _timed_pull(torch, host_pull(without), targets, expected, device)
     if offers_device_copy(descriptor):
         from rlctl.weights import fetch_device_bundle_sync
         from rlctl.weights.device_bundle import DeviceBufferPool
@@ -375,6 +384,10 @@ def pull_missed(figures: Figures) -> list[str]:
                 missed.append(f"{what}: the pull named no lane")
             if shape["bytes"] >= RATED_MIN_BYTES and pull["end_to_end_gbps"] < goal:
                 missed.append(f"{what}: {pull['end_to_end_gbps']} GB/s end to end over {pull['lane']} < {goal}")
+        baseline = shape.get("transport_pull")
+        if baseline is not None and not baseline["bit_exact"]:
+            missed.append(f"{name} over the transport: the loaded state differs from the published one "
+                          f"({baseline['mismatched']})")
     if figures["device"].startswith("cuda") and carries_cuda_memory(figures["ucx_cuda_memory"]):
         for name, shape in figures["shapes"].items():
             if "device_pull" not in shape:

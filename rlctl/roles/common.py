@@ -35,6 +35,12 @@ class RoleSettings:
     def get(self, key: str, default: Any) -> Any:
         return self.raw.get(key, default)
 
+    @property
+    def weights_shared_memory(self) -> bool:
+        """``[weights] shared_memory``: this worker's weight servers hand versions to joiners on its
+        node in shared memory."""
+        return bool(self.get("weights_shared_memory", True))
+
 
 def setup_torch(settings: RoleSettings) -> str:
     """One intra-op thread per worker (many workers share few cores); returns the device to use."""

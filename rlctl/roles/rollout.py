@@ -116,7 +116,8 @@ class Rollout:
         # onto (the wide leader holds them); it starts parked and builds its engine when resized.
         self.parked = bool(settings.get("start_parked", False))
         self.engine: Any = None if self.parked else self._make_engine(sampling_config(settings), self._device)
-        self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
+        self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host,
+                                         shared_memory=settings.weights_shared_memory)
         self.server.start()
         self.held_version = -1
         self.held_bundle: Any = None  # the weights as received (served on; a sleeping engine wakes from them)

@@ -39,9 +39,10 @@ class TrainerStateReplica:
 
     FETCH_TIMEOUT_S = 60.0
 
-    def __init__(self, transport: str, host: str) -> None:
+    def __init__(self, transport: str, host: str, shared_memory: bool = False) -> None:
         self.transport = transport
         self.host = host
+        self.shared_memory = shared_memory  # its server hands parts to joiners on its node in shared memory
         self.step = -1
         self.source: dict[str, Any] | None = None  # what this standby serves: a sharded source, one part per rank
         self._parts: list[Bundle] = []
@@ -141,7 +142,7 @@ class TrainerStateReplica:
 
         if self._server is None:
             self._server = WeightServerThread(self.transport, host=self.host, max_concurrent=max(16, parts),
-                                              pool=self._receiving(parts))
+                                              pool=self._receiving(parts), shared_memory=self.shared_memory)
             self._server.start()
         return self._server
 
@@ -183,7 +184,7 @@ def main() -> int:
     settings = RoleSettings.from_env()
     trainer = TrainerRole(w, settings)
     rollout = Rollout(w, settings)
-    replica = TrainerStateReplica(settings.weights_transport, settings.weights_host)
+    replica = TrainerStateReplica(settings.weights_transport, settings.weights_host, settings.weights_shared_memory)
     while True:
         w.phase("standby")
         reply = w.request("standby.wait", **replica.report()) or {}

@@ -75,7 +75,8 @@ class TrainerRole:
         self.leader = self.trainer.dist.rank == 0
         self.server: WeightServerThread | None = None  # the weights (or this rank's shard) rollouts pull
         if self.leader or self.trainer.sharded:
-            self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host)
+            self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host,
+                                             shared_memory=settings.weights_shared_memory)
             self.server.start()
         self.version = 0
         self.round_kind = ""  # the kind of round the last fetched batch came from (short, long, sync)
@@ -363,7 +364,8 @@ class TrainerRole:
         from rlctl.weights import WeightServerThread
 
         if self.state_server is None:
-            self.state_server = WeightServerThread(self.settings.weights_transport, host=self.settings.weights_host)
+            self.state_server = WeightServerThread(self.settings.weights_transport, host=self.settings.weights_host,
+                                                   shared_memory=self.settings.weights_shared_memory)
             self.state_server.start()
         return self.state_server
 

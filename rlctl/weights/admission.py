@@ -24,7 +24,7 @@ import asyncio
 import logging
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from rlctl.weights import framing
 from rlctl.weights.auth import REFUSED, TOKEN_BYTES, authorized, job_token
@@ -62,6 +62,10 @@ class AdmissionCounts:
     waiting: int = 0  # peers that have not sent their hello (or first UCX request) yet
     before_handshake_closed: int = 0  # UCX listener only: connections shut down before UCX's handshake ended
     before_handshake_waiting: int = 0  # UCX listener only: connections still in UCX's handshake
+
+    def __add__(self, other: AdmissionCounts) -> AdmissionCounts:
+        """The counts of two holders of one server (its transport's and its shared-memory one)."""
+        return AdmissionCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 class RefusalLog:

@@ -303,11 +303,13 @@ def _itemsize(dtype: str, kind: str) -> int:
 
 
 def verify(manifest: Manifest, buffer: Buffer, expected_version: int | None = None,
-           expected_checksum: str | None = None) -> None:
+           expected_checksum: str | None = None, landed_checksum: str | None = None) -> None:
     """Check a received bundle against what its source descriptor announced.
 
     Raises `WeightIntegrityError` when the version, size or checksum differs. Blocking and
-    CPU-bound (hashes the whole buffer, a tree checksum's leaves on several threads).
+    CPU-bound (hashes the whole buffer, a tree checksum's leaves on several threads), unless
+    ``landed_checksum`` is given: the checksum, by the manifest's algorithm, that the receiver
+    computed of ``buffer`` as the bytes landed in it (``transport_shm``), taken instead.
     """
     if expected_version is not None and manifest.version != expected_version:
         raise WeightVersionMovedError(expected_version, manifest.version)
@@ -316,7 +318,11 @@ def verify(manifest: Manifest, buffer: Buffer, expected_version: int | None = No
                                    f"holder's manifest says {manifest.checksum}")
     if buffer.nbytes != manifest.nbytes:
         raise WeightIntegrityError(f"size mismatch: received {buffer.nbytes} bytes, manifest says {manifest.nbytes}")
-    actual = compute_checksum(buffer, checksum_algorithm_of(manifest.checksum))
+    algorithm = checksum_algorithm_of(manifest.checksum)
+    if landed_checksum is not None and checksum_algorithm_of(landed_checksum) == algorithm:
+        actual = landed_checksum
+    else:
+        actual = compute_checksum(buffer, algorithm)
     if actual != manifest.checksum:
         raise WeightIntegrityError(f"checksum mismatch for v{manifest.version}: received bytes hash to {actual}, "
                                    f"expected {manifest.checksum}")

@@ -19,13 +19,15 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import numpy as np
 
 from rlctl.weights.errors import WeightIntegrityError
 
 LEAF_BYTES = 64 * 2**20
+COPY_PIECE_BYTES = 2**20  # ``copy_leaves``: a piece copied then hashed while it is in the core's cache
 TREE_SUFFIX = "-t64m"
 BASE_ALGORITHMS = ("xxh3_128", "sha256")
 MAX_HASH_THREADS = 16
@@ -113,6 +115,55 @@ def compute_checksum(buffer: Buffer, algorithm: str | None = None) -> str:
     hasher = LeafHasher(algorithm, buffer)
     hasher.staged_up_to(buffer.nbytes)
     return hasher.checksum()
+
+
+def copy_leaves(source: Buffer, dest: Buffer, algorithm: str | None = None) -> str | None:
+    """Copy ``source`` into ``dest`` (same size) leaf by leaf on the thread pool; with a tree
+    ``algorithm``, each leaf is hashed from ``dest`` as its copy lands, and the checksum of what
+    landed is returned (None otherwise: the caller hashes ``dest`` when it needs to). A leaf is
+    copied and hashed in pieces of ``COPY_PIECE_BYTES``, so the hash reads each piece from the
+    core's cache instead of memory (docs/weight-sync.md has the figures)."""
+    if source.nbytes != dest.nbytes:
+        raise ValueError(f"copying {source.nbytes} bytes into a buffer of {dest.nbytes}")
+    streaming: Callable[[], Any] | None = None
+    digest: Callable[[memoryview], bytes] | None = None
+    if algorithm is not None:
+        base, tree = _split(algorithm)
+        if tree:
+            streaming, digest = _streaming_hash(base), _digest_function(base)
+
+    def leaf(start: int) -> bytes:
+        stop = min(start + LEAF_BYTES, dest.nbytes)
+        hasher = streaming() if streaming is not None else None
+        for piece in range(start, stop, COPY_PIECE_BYTES):
+            end = min(piece + COPY_PIECE_BYTES, stop)
+            np.copyto(dest[piece:end], source[piece:end])
+            if hasher is not None:
+                hasher.update(dest[piece:end].data.cast("B"))
+        return hasher.digest() if hasher is not None else b""
+
+    leaves = [_hash_pool().submit(leaf, start) for start in range(0, dest.nbytes, LEAF_BYTES)]
+    try:
+        combined = b"".join(done.result() for done in leaves)
+    finally:  # on a failure, no copy may still write into ``dest`` or read ``source`` once this returns
+        for pending in leaves:
+            pending.cancel()
+        wait(leaves)
+    if digest is None or algorithm is None:
+        return None
+    return f"{algorithm}:{digest(memoryview(combined)).hex()}"
+
+
+def _streaming_hash(base: str) -> Callable[[], Any]:
+    """A factory of incremental hashers (``update``, ``digest``) of ``base``: the same digest as
+    ``_digest_function(base)`` of the bytes fed."""
+    if base == "sha256":
+        return hashlib.sha256
+    try:
+        import xxhash
+    except ImportError as exc:
+        raise WeightIntegrityError(f"checksum uses {base} but xxhash is not installed here") from exc
+    return xxhash.xxh3_128  # type: ignore[no-any-return]
 
 
 class LeafHasher:

@@ -15,8 +15,9 @@ checksum) before anything is returned, and tensors are zero-copy views into it.
   device: no host copy on either side. `offers_device_copy` says whether a source has one.
 
 Every fetched bundle carries `pull` (`rlctl.weights.lanes.PullStats`): the transport and the UCX
-lanes the transfer took, its lane class, bytes, seconds and GB/s. A `ucx` holder on this node
-(the same `node_id`) is pulled from over its shared-memory channel (`route`).
+lanes the transfer took, its lane class, bytes, seconds and GB/s. A holder on this node (the
+same `node_id`) is pulled from through shared memory (`route`): its memory file where it offers
+one (`transport_shm`, lane `memfd`), else a `ucx` holder's shared-memory channel (`ucx-sm`).
 
 Errors: `WeightTransferError` (holder gone, refused, timed out: try another holder),
 `WeightIntegrityError` (the bytes are not what the descriptor promised: never use them),
@@ -27,6 +28,7 @@ Errors: `WeightTransferError` (holder gone, refused, timed out: try another hold
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,9 +39,12 @@ from rlctl.weights.device_bundle import DEVICE_MEMORY_TRANSPORTS, DeviceBufferPo
 from rlctl.weights.errors import TransportUnavailableError, WeightIntegrityError, WeightTransferError
 from rlctl.weights.lanes import PullStats, Route, same_node
 from rlctl.weights.staging import HostBufferPool
+from rlctl.weights.transport_shm import SharedMemoryRefused, offers_shared_memory, shm_receive
 from rlctl.weights.transport_tcp import DEFAULT_MAX_NBYTES, tcp_receive
 
 Receiver = Callable[[dict[str, Any], float, int, Buffer | None], Awaitable[tuple[Manifest, Buffer, Route]]]
+log = logging.getLogger(__name__)
+
 DESCRIPTOR_KEYS = ("transport", "host", "port", "version", "nbytes", "checksum")
 
 
@@ -61,8 +66,17 @@ class Received:
 
 
 def route(source: dict[str, Any]) -> tuple[Receiver, dict[str, Any]]:
-    """The receiver for ``source`` and the descriptor it is called with: a ``ucx`` holder on this
-    node that offers its shared-memory channel (``sm_port``) is pulled from over ``ucx-sm``."""
+    """The receiver for ``source`` and the descriptor it is called with: a holder on this node that
+    hands versions over in shared memory (``shm_socket``) is pulled from that way
+    (``transport_shm``); otherwise ``network_route``."""
+    if offers_shared_memory(source):
+        return shm_receive, source
+    return network_route(source)
+
+
+def network_route(source: dict[str, Any]) -> tuple[Receiver, dict[str, Any]]:
+    """The receiver of ``source``'s own transport: a ``ucx`` holder on this node that offers its
+    shared-memory channel (``sm_port``) is pulled from over ``ucx-sm``."""
     transport = source["transport"]
     if transport == "tcp":
         return tcp_receive, source
@@ -75,6 +89,7 @@ def route(source: dict[str, Any]) -> tuple[Receiver, dict[str, Any]]:
             return sm_receive, {**source, "port": source["sm_port"]}
         return ucx_receive, source
     raise ValueError(f"source descriptor names an unknown transport {transport!r}")
+
 
 def check_descriptor(source: dict[str, Any]) -> None:
     """Raise `ValueError` unless `source` has the fields and types of a source descriptor."""
@@ -97,7 +112,12 @@ async def receive(source: dict[str, Any], timeout: float = 60.0, max_nbytes: int
     deadline = asyncio.get_running_loop().time() + timeout
     receiver, target = route(source)
     started = time.perf_counter()
-    manifest, buffer, taken = await receiver(target, deadline, max_nbytes, out)
+    try:
+        manifest, buffer, taken = await receiver(target, deadline, max_nbytes, out)
+    except SharedMemoryRefused as refused:
+        log.info("pulling over %s instead of shared memory: %s", source["transport"], refused)
+        receiver, target = network_route(source)
+        manifest, buffer, taken = await receiver(target, deadline, max_nbytes, out)
     return Received(manifest, buffer, taken, time.perf_counter() - started, same_node(source))
 
 
@@ -140,7 +160,8 @@ def _announced_nbytes(source: dict[str, Any], max_nbytes: int) -> int:
 
 async def _fetch_into(source: dict[str, Any], timeout: float, max_nbytes: int, out: Buffer | None) -> Bundle:
     received = await receive(source, timeout, max_nbytes, out)
-    await asyncio.to_thread(verify, received.manifest, received.buffer, source["version"], source["checksum"])
+    await asyncio.to_thread(verify, received.manifest, received.buffer, source["version"], source["checksum"],
+                            received.route.landed_checksum)
     return Bundle(manifest=received.manifest, buffer=received.buffer, pull=received.stats())
 
 

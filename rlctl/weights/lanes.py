@@ -9,13 +9,14 @@ GB/s), and the facts behind it:
   The connection manager's lane (``tcp`` with no device) carries no data and is left out.
 * ``lane_class``: those lanes as one label from a fixed set (``LANE_CLASSES``), the fastest
   that can carry the memory moved: ``self`` (same process), ``cuda_ipc`` (GPU memory only),
-  ``sm`` (posix, sysv, cma, xpmem, knem), ``rdma`` (rc, dc, ud), ``tcp``. rlctl's transfers move
-  host memory, so an endpoint's CUDA lanes (which UCX adds on a GPU node whatever the buffer)
-  do not count for them. rlctl's own ``tcp`` transport is lane ``tcp``.
+  ``sm`` (posix, sysv, cma, xpmem, knem, and ``memfd``: rlctl's own same-node path,
+  ``transport_shm``), ``rdma`` (rc, dc, ud), ``tcp``. rlctl's transfers move host memory, so an
+  endpoint's CUDA lanes (which UCX adds on a GPU node whatever the buffer) do not count for
+  them. rlctl's own ``tcp`` transport is lane ``tcp``.
 * ``local_node_id``: this machine as seen from its network namespace (hostname, boot id and the
   namespace), which a holder puts in its descriptor so that a joiner knows it is on the same node.
 * ``faster_lane``: the lane a pull could have taken: ``sm`` for a same-node pull that went over
-  tcp (UCX shared memory is there whenever ucxx is), ``rdma`` for a cross-node tcp pull on a
+  tcp (rlctl's memory files are there on Linux, UCX shared memory whenever ucxx is), ``rdma`` for a cross-node tcp pull on a
   node with RDMA devices (``/sys/class/infiniband``).
 """
 
@@ -26,6 +27,7 @@ import hashlib
 import importlib.util
 import os
 import socket
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,7 @@ from typing import Any
 
 LANE_CLASSES = ("self", "cuda_ipc", "sm", "rdma", "tcp", "other")  # fastest first
 TCP_SOCKET_LANE = "tcp/socket"  # rlctl's own tcp transport: kernel sockets, no UCX
-SHARED_MEMORY = frozenset({"posix", "sysv", "cma", "xpmem", "knem"})
+SHARED_MEMORY = frozenset({"posix", "sysv", "cma", "xpmem", "knem", "memfd"})  # memfd: rlctl's transport_shm
 MEMORY_HELPERS = frozenset({"cuda_copy", "rocm_copy", "gdr_copy"})  # copy within one process's memory types
 DEVICE_ONLY = frozenset({"cuda_ipc", "rocm_ipc"})  # carry GPU memory between processes, never host memory
 RDMA_PREFIXES = ("rc", "dc", "ud")
@@ -49,6 +51,7 @@ class Route:
     transport: str
     lanes: tuple[str, ...]
     device_memory: bool = False  # the bytes landed in GPU memory (then cuda_ipc counts)
+    landed_checksum: str | None = None  # the checksum of the bytes as they landed, where the receiver made it
 
     @property
     def lane(self) -> str:
@@ -164,11 +167,17 @@ def ucx_available() -> bool:
     return importlib.util.find_spec("ucxx") is not None
 
 
+def shared_memory_supported() -> bool:
+    """Whether this platform has what rlctl's memory-file path needs (``transport_shm``): memory
+    files and descriptor passing over Unix sockets."""
+    return sys.platform == "linux" and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+
 def faster_lane(stats: PullStats) -> str | None:
     """The lane class a pull that went over tcp could have taken on this node, or None."""
     if stats.lane != "tcp":
         return None
-    if stats.same_node and ucx_available():
+    if stats.same_node and (ucx_available() or shared_memory_supported()):
         return "sm"
     if not stats.same_node and rdma_devices():
         return "rdma"

@@ -24,6 +24,9 @@ Contract:
   descriptor it was given (`WeightIntegrityError` on mismatch), so a stale descriptor never
   yields silently wrong weights.
 * Concurrent joiners are served in parallel, at most `max_concurrent` at a time per server.
+* `shared_memory=True`: joiners on this node are also handed the served version's memory file
+  (`rlctl.weights.transport_shm`, descriptor field `shm_socket`) and copy it out on several
+  threads; joiners elsewhere, and versions not in a memory file, go over the transport.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from rlctl.weights.device_bundle import (
 from rlctl.weights.errors import TransportUnavailableError
 from rlctl.weights.lanes import local_node_id
 from rlctl.weights.staging import HostBufferPool
+from rlctl.weights.transport_shm import SharedMemoryHolder, shared_memory_supported
 from rlctl.weights.transport_tcp import DEFAULT_HOLDER_IO_TIMEOUT_S, Servable, TcpHolder
 
 TRANSPORTS = ("tcp", "ucx", "ucx-sm")
@@ -109,7 +113,8 @@ class WeightServer:
     def __init__(self, transport: str = "auto", host: str = DEFAULT_HOST, port: int = 0,
                  advertise_host: str | None = None, max_concurrent: int = 16,
                  io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, checksum_algorithm: str | None = None,
-                 token: bytes | None | Literal["env"] = "env", pool: HostBufferPool | None = None) -> None:
+                 token: bytes | None | Literal["env"] = "env", pool: HostBufferPool | None = None,
+                 shared_memory: bool = False) -> None:
         if host in ("0.0.0.0", "::", ""):
             raise ValueError(f"a weight server binds one address of the job's network, not {host!r}")
         self._token = job_token() if token == "env" else token
@@ -121,6 +126,8 @@ class WeightServer:
         self._io_timeout = io_timeout
         self._checksum_algorithm = checksum_algorithm
         self._holder: Holder | None = None
+        self._shared_memory = shared_memory
+        self._shared_holder: SharedMemoryHolder | None = None
         self._endpoint_fields: dict[str, Any] = {}
         self._bundles: tuple[Bundle | None, ...] = ()  # None: served from its copy in device memory only
         self._device_bundles: tuple[DeviceBundle | None, ...] = ()
@@ -160,7 +167,16 @@ class WeightServer:
             return
         holder = _make_holder(self.transport, self, self._host, self._port, self._max_concurrent, self._io_timeout,
                               self._token)
-        self._endpoint_fields = await holder.start()
+        fields = await holder.start()
+        if self._shared_memory and shared_memory_supported():
+            shared = SharedMemoryHolder(self.served, self._max_concurrent, self._io_timeout, self._token)
+            try:
+                fields.update(await shared.start())
+            except BaseException:
+                await holder.close()
+                raise
+            self._shared_holder = shared
+        self._endpoint_fields = fields
         self._holder = holder
 
     async def publish(self, version: int, state: Mapping[str, Any], device_copy: bool = False) -> dict[str, Any]:
@@ -227,7 +243,7 @@ class WeightServer:
     @property
     def endpoint(self) -> dict[str, Any]:
         """Where joiners reach this server: `{transport, host, port, node_id, worker_address_hex?,
-        sm_port?}` (after start)."""
+        sm_port?, shm_socket?}` (after start)."""
         if self._holder is None:
             raise RuntimeError("WeightServer is not started")
         return {"transport": self.transport, "host": self._advertise_host, "node_id": local_node_id(),
@@ -250,13 +266,19 @@ class WeightServer:
         """What this server turned away before authentication, and who waits to authenticate now."""
         if self._holder is None:
             raise RuntimeError("WeightServer is not started")
-        return self._holder.admission()
+        counts = self._holder.admission()
+        if self._shared_holder is None:
+            return counts
+        return counts + self._shared_holder.admission()
 
     async def close(self) -> None:
         """Stop accepting and abort transfers in flight. Idempotent."""
         holder, self._holder = self._holder, None
+        shared, self._shared_holder = self._shared_holder, None
         if holder is not None:
             await holder.close()
+        if shared is not None:
+            await shared.close()
         self._bundles = ()
         self._device_bundles = ()
 
@@ -271,11 +293,11 @@ class WeightServerThread:
     def __init__(self, transport: str = "auto", host: str = DEFAULT_HOST, port: int = 0,
                  advertise_host: str | None = None, max_concurrent: int = 16,
                  io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, checksum_algorithm: str | None = None,
-                 pool: HostBufferPool | None = None) -> None:
+                 pool: HostBufferPool | None = None, shared_memory: bool = False) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlctl-weight-server", daemon=True)
         self.server = WeightServer(transport, host, port, advertise_host, max_concurrent, io_timeout,
-                                   checksum_algorithm, pool=pool)
+                                   checksum_algorithm, pool=pool, shared_memory=shared_memory)
 
     @property
     def transport(self) -> str:

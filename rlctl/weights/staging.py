@@ -26,8 +26,10 @@ caller's state holds torch tensors, i.e. torch is already loaded).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
+import os
 import sys
 import threading
 import time
@@ -124,16 +126,22 @@ class PooledBuffer:
 
 
 class HostBuffer(PooledBuffer):
-    """One host allocation (pinned or pageable)."""
+    """One host allocation (pinned or pageable). ``shared_fd``: the memory file it maps, where it
+    is one (another process on this node can map the same pages: ``transport_shm``)."""
 
     def __init__(self, capacity: int, pinned: bool, memory: mmap.mmap | None, array: Buffer,
-                 unregister: Unregister | None) -> None:
+                 unregister: Unregister | None, shared_fd: int | None = None) -> None:
         super().__init__(capacity)
         self.pinned = pinned
         self._memory = memory  # the mapping the array views (kept alive with it)
         self.array = array
+        self.shared_fd = shared_fd
         if pinned and unregister is not None:
             weakref.finalize(self, unregister, int(array.ctypes.data))
+        if shared_fd is not None:
+            weakref.finalize(self, os.close, shared_fd)
+            with _shared_lock:
+                _shared_buffers.add(self)
 
     def view(self, nbytes: int) -> Buffer:
         """The first ``nbytes`` bytes as a 1-D uint8 array."""
@@ -144,11 +152,14 @@ class HostBuffer(PooledBuffer):
 
 def allocate_host(nbytes: int, pin: bool, register: Register = _cuda_register,
                   unregister: Unregister = _cuda_unregister) -> HostBuffer:
-    """A host buffer of ``nbytes`` from an anonymous mapping (page-aligned, zero-filled on first
-    touch), page-locked when ``pin``; a refused pin gives a pageable buffer and the one warning."""
+    """A host buffer of ``nbytes`` (page-aligned, zero-filled on first touch), page-locked when
+    ``pin``; a refused pin gives a pageable buffer and the one warning. On Linux it maps a memory
+    file (``memfd_create``), which a holder can hand to a joiner on its node; elsewhere, or where
+    no memory file can be made, an anonymous mapping."""
     if nbytes == 0:
         return HostBuffer(0, False, None, np.empty(0, dtype=np.uint8), None)
-    memory = mmap.mmap(-1, nbytes)
+    shared_fd = _memory_file(nbytes)
+    memory = mmap.mmap(-1 if shared_fd is None else shared_fd, nbytes)
     array = np.frombuffer(memory, dtype=np.uint8, count=nbytes)
     pinned = False
     if pin:
@@ -157,7 +168,72 @@ def allocate_host(nbytes: int, pin: bool, register: Register = _cuda_register,
             pinned = True
         except Exception as exc:  # noqa: BLE001 - any refusal (limit, OOM, driver) means: pageable
             warn_pageable_once(f"{type(exc).__name__}: {exc}")
-    return HostBuffer(nbytes, pinned, memory, array, unregister if pinned else None)
+    if shared_fd is not None and not _seal(shared_fd):  # after the pin: the pages are this mapping's already
+        os.close(shared_fd)
+        shared_fd = None
+    return HostBuffer(nbytes, pinned, memory, array, unregister if pinned else None, shared_fd)
+
+
+def _memory_file(nbytes: int) -> int | None:
+    """A memory file of ``nbytes`` (its descriptor), or None where none can be made."""
+    make = getattr(os, "memfd_create", None)
+    if make is None:
+        return None
+    try:
+        fd: int = make("rlctl-weights", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        log.debug("no memory file for a host buffer (%s): an anonymous mapping", exc)
+        return None
+    try:
+        os.ftruncate(fd, nbytes)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux >= 5.1; not in Python's fcntl module
+
+
+def _seal(fd: int) -> bool:
+    """Seal a mapped memory file so that no one handed a descriptor of it can write it, resize it
+    or unseal it: a descriptor reopened read-write through ``/proc`` gets EPERM on ``write`` and on
+    a writable mapping, while the mapping made before the seal (the holder's own) stays writable.
+    False where the kernel has no such seal: that buffer is then not handed to anyone."""
+    try:  # the F_SEAL names exist where memory files do (Linux)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except OSError as exc:
+        log.debug("memory file not sealed (%s): its buffer is not shared", exc)
+        return False
+    return True
+
+
+_shared_buffers: weakref.WeakSet[HostBuffer] = weakref.WeakSet()
+_shared_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SharedRegion:
+    """Where a host array lies in a memory file: its descriptor (owned by the buffer, not to be
+    closed) and the array's byte offset in it."""
+
+    fd: int
+    offset: int
+
+
+def shared_region(array: Buffer) -> SharedRegion | None:
+    """The memory file ``array`` lies in (a view into a live host buffer that maps one), or None."""
+    if array.nbytes == 0:
+        return None
+    start = int(array.ctypes.data)
+    with _shared_lock:
+        buffers = list(_shared_buffers)
+    for buffer in buffers:
+        base = int(buffer.array.ctypes.data)
+        if buffer.shared_fd is not None and base <= start and start + array.nbytes <= base + buffer.capacity:
+            return SharedRegion(buffer.shared_fd, start - base)
+    return None
 
 
 class BufferPool(Generic[PooledT]):

@@ -19,7 +19,7 @@ A holder made with a token (every job's) answers a hello without that token with
 reads nothing more (``rlctl.weights.auth``).
 
 `SocketServer` (the accept loop: admission, then bounded concurrency) is reused by the UCX
-shared-memory transport for its control channel.
+shared-memory transport for its control channel, and on a Unix socket by ``transport_shm``.
 """
 
 from __future__ import annotations
@@ -86,10 +86,12 @@ class SocketServer:
     """
 
     def __init__(self, handler: ConnectionHandler, host: str, port: int, max_concurrent: int, token: bytes | None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED,
+                 listen: Callable[[], socket.socket] | None = None) -> None:
         self._handler = handler
         self._host = host
         self._port = port
+        self._listen = listen or (lambda: framing.listen_socket(host, port))  # another kind: a Unix socket
         self._token = token
         self._handshake_timeout = handshake_timeout
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -105,7 +107,7 @@ class SocketServer:
         return int(self._sock.getsockname()[1])
 
     async def start(self) -> None:
-        self._sock = framing.listen_socket(self._host, self._port)
+        self._sock = self._listen()
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
 
     async def _accept_loop(self) -> None:
@@ -114,7 +116,8 @@ class SocketServer:
         while True:
             conn, peer = await loop.sock_accept(self._sock)
             conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = loop.create_task(self._run_handler(conn, str(peer)))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
@@ -223,6 +226,13 @@ def request_fields(source: dict[str, Any]) -> dict[str, Any]:
 def opening(request: dict[str, Any]) -> memoryview:
     """What a joiner sends a framed holder first, in one write: its hello, then ``request``."""
     return memoryview(admission.hello() + framing.frame_bytes(request))
+
+
+async def expect_ack(conn: socket.socket, deadline: float) -> None:
+    """Wait for the joiner's frame saying it has what it was sent (a failure it reports is raised)."""
+    ack = await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
+    if not ack.get("ok"):
+        raise WeightTransferError(f"joiner reported failure: {ack.get('error')}")
 
 
 def manifest_from_reply(reply: dict[str, Any], max_nbytes: int) -> Manifest:

@@ -61,6 +61,7 @@ from rlctl.weights.transport_tcp import (
     FetchAnswer,
     SocketServer,
     answer_fetch,
+    expect_ack,
     manifest_from_reply,
     opening,
     part_of,
@@ -653,7 +654,7 @@ class UcxSmHolder:
             await _first_failure_or_all(
                 self._runtime.run(_bounded(endpoint.send(part, tag=tag, force_tag=True), deadline,
                                            "tag-sending the weights")),
-                _expect_ack(conn, deadline))
+                expect_ack(conn, deadline))
         except BaseException:
             await self._runtime.run(self._forget(peer_address))
             raise
@@ -701,12 +702,6 @@ def _parse_sm_request(request: dict[str, Any]) -> tuple[bytes, int]:
         return bytes.fromhex(address_hex), tag
     except ValueError as exc:
         raise WeightTransferError("ucx-sm worker address is not hex") from exc
-
-
-async def _expect_ack(conn: socket.socket, deadline: float) -> None:
-    ack = await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
-    if not ack.get("ok"):
-        raise WeightTransferError(f"joiner reported failure: {ack.get('error')}")
 
 
 async def _first_failure_or_all(*awaitables: Any) -> None:

@@ -48,7 +48,7 @@ def test_pulls_are_counted_by_lane_and_a_slower_lane_is_warned_about_once_per_jo
     assert len(warnings) == 1 and model.slower_lane_warned
     warning = warnings[0].data
     assert (warning["slot"], warning["lane"], warning["faster_lane"], warning["same_node"]) == ("rollout-0", "tcp", "sm", True)
-    assert "on one node went over tcp" in warning["reason"] and "UCX shared memory" in warning["reason"]
+    assert "on one node went over tcp" in warning["reason"] and "shared memory is faster ([weights] shared_memory = true" in warning["reason"]
     held = [e.data for e in journal if e.type == EventKind.WEIGHTS_HELD]
     assert held[0]["lanes"] == ["tcp/lo"] and held[0]["path"] == "ucx-sm" and held[1]["lane"] == "other"
     assert _series(model, "rlctl_weight_sync_bytes_total") == {"tcp": 4e6, "other": 4e6, "sm": 1e6}

@@ -45,7 +45,10 @@ def test_the_pull_part_pulls_both_shapes_in_another_process_bit_exact_and_names_
     for name, shape in figures["shapes"].items():
         assert shape["bit_exact"] and shape["bytes"] == state_nbytes(CPU_PULL.shapes[name]), (name, shape)
         assert shape["lane"] in LANE_CLASSES and shape["lanes"], shape
-        assert shape["path"] in ("tcp", "ucx", "ucx-sm") and shape["end_to_end_gbps"] > 0 and shape["transfer_gbps"] > 0
+        assert shape["path"] == "shm" and shape["lanes"] == ["memfd/host"], shape  # the holder's memory file
+        assert shape["end_to_end_gbps"] > 0 and shape["transfer_gbps"] > 0
+        baseline = shape["transport_pull"]  # the same pull over the holder's transport, for comparison
+        assert baseline["bit_exact"] and baseline["path"] in ("tcp", "ucx", "ucx-sm") and baseline["lanes"], baseline
         if figures["transport"] == "ucx":  # the holder kept a device copy: pulled into device memory (here: the CPU)
             on_device = shape["device_pull"]
             assert on_device["bit_exact"] and on_device["path"] == "ucx-sm" and on_device["lane"] in LANE_CLASSES
@@ -85,11 +88,15 @@ def test_a_weights_figure_short_of_its_goal_fails_the_part_and_keeps_the_figures
     slow_device, no_device_pull = _pull_meeting_goals(), _pull_meeting_goals()
     slow_device["shapes"]["8b"]["device_pull"]["end_to_end_gbps"] = 99.0
     del no_device_pull["shapes"]["0.5b"]["device_pull"]
+    wrong_baseline = _pull_meeting_goals()
+    wrong_baseline["shapes"]["0.5b"]["transport_pull"] = {"bit_exact": False, "mismatched": ["lm_head.weight"],
+                                                          "end_to_end_gbps": 1.0}
     cases = [(slow_stage, stage_missed, "staging 39.9 GB/s < 40"), (slow_load, stage_missed, "load 12.0 GB/s < 40"),
              (not_refused, stage_missed, "was not refused"), (slow_pull, pull_missed, "8b: 19.5 GB/s end to end"),
              (ipc_pull, pull_missed, "over cuda_ipc < 100"), (unnamed, pull_missed, "8b: the pull named no lane"),
              (slow_device, pull_missed, "8b into device memory: 99.0 GB/s end to end over cuda_ipc < 100"),
-             (no_device_pull, pull_missed, "0.5b: UCX here carries GPU memory but no device-memory pull ran")]
+             (no_device_pull, pull_missed, "0.5b: UCX here carries GPU memory but no device-memory pull ran"),
+             (wrong_baseline, pull_missed, "0.5b over the transport: the loaded state differs")]
     for figures, rule, words in cases:
         result = run_part("weights", lambda figures=figures, rule=rule: _asserted(figures, rule(figures)))
         assert result["status"] == "failed" and words in result["error"], result["error"]

@@ -51,7 +51,9 @@ def test_a_faster_lane_is_named_only_for_a_tcp_pull_that_had_one(monkeypatch: py
     monkeypatch.setattr(lanes, "rdma_devices", lambda: ["mlx5_0"])
     assert faster_lane(_stats("tcp", same_node=False)) == "rdma"
     monkeypatch.setattr(lanes, "ucx_available", lambda: False)
-    assert faster_lane(_stats("tcp", same_node=True)) is None  # no UCX here: tcp is all there is
+    assert faster_lane(_stats("tcp", same_node=True)) == "sm"  # rlctl's memory files, without UCX
+    monkeypatch.setattr(lanes, "shared_memory_supported", lambda: False)
+    assert faster_lane(_stats("tcp", same_node=True)) is None  # neither here: tcp is all there is
     assert local_node_id() == local_node_id() and len(local_node_id()) == 16
 
 

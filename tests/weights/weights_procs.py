@@ -72,18 +72,19 @@ def _die_mid_transfer(transport: str) -> None:
 
 
 def holder_main(transport: str, seed: int, version: int, big_elements: int, mode: str,
-                out: mp.Queue, stop: Any) -> None:
+                out: mp.Queue, stop: Any, shared_memory: bool = False) -> None:
     """Serve `make_state(seed)` as `version` until `stop` (a pipe end) is readable; put the descriptor on `out`.
 
     mode: "normal"; "corrupt" flips one byte of the served buffer after publishing (its
-    checksum stays the published one); "die" exits mid-transfer.
+    checksum stays the published one); "die" exits mid-transfer. `shared_memory`: joiners on this
+    node are handed the version's memory file (`transport_shm`).
     """
     set_env(transport)
     from rlctl.weights import WeightServerThread, fetch_sync
 
     if mode == "die":
         _die_mid_transfer(transport)
-    with WeightServerThread(transport=transport) as server:
+    with WeightServerThread(transport=transport, shared_memory=shared_memory) as server:
         descriptor = server.publish(version, make_state(seed, big_elements))
         if mode == "corrupt":
             bundle = server.server.current_bundle()
