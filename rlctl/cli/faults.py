@@ -19,6 +19,7 @@ from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.faultparams import ARMABLE_PHASES, FAULT_KINDS, FaultParamError, validate_fault
 from rlctl.core.injections import FAULT_EVENTS, InjectionState, book_of
+from rlctl.core.states import ENDED_JOB_STATES
 
 DEFAULT_CHAOS_KINDS = "crash,hang,node-down,xid,nccl-timeout"
 
@@ -166,7 +167,7 @@ def chaos(
     last_step = None
     while deadline is None or time.monotonic() < deadline:
         snap = job_status(jobdir)
-        if snap["job"]["state"] in ("succeeded", "stopped", "failed"):
+        if snap["job"]["state"] in ENDED_JOB_STATES:
             break
         step = snap["job"]["step"]
         if step != last_step:

@@ -13,6 +13,7 @@ from rlctl.cli.common import (
     STATE_DIR_OPTION,
     client_for,
     console,
+    fail,
     job_status,
     print_json,
     resolve_job,
@@ -20,17 +21,24 @@ from rlctl.cli.common import (
 from rlctl.cli.render import nodes_table, render_status, status_line, styled
 from rlctl.controller.jobdir import JobDir, list_jobs, state_root
 from rlctl.controller.store import Journal
+from rlctl.core.states import ENDED_JOB_STATES
 
 
 def status(
     job: str = typer.Argument(None, help="Job id or unique prefix (default: the newest job)."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh live until the job ends or Ctrl-C."),
     interval: float = typer.Option(1.0, "--interval", help="Seconds between refreshes with --watch."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object; with --watch, one per refresh "
+                                                        "(a line each) until the job ends."),
     state_dir: str = STATE_DIR_OPTION,
 ) -> None:
     """Show a job: ETTR, roles, nodes, the rollout round and the latest events."""
+    if not interval > 0:
+        fail(f"--interval: expected a number of seconds above 0, got {interval:g}", code=2)
     jobdir = resolve_job(job, state_dir)
+    if json_out and watch:
+        stream_status(jobdir, interval)
+        return
     if json_out:
         print_json(job_status(jobdir))
         return
@@ -40,6 +48,20 @@ def status(
     console.print(render_status(job_status(jobdir), console.width))
 
 
+def stream_status(jobdir: JobDir, interval: float) -> None:
+    """``status --watch --json``: the status as one JSON line every ``interval`` seconds, the last
+    one the job's end (a script follows a job with one process instead of one per poll)."""
+    try:
+        while True:
+            current = job_status(jobdir)
+            print_json(current)
+            if current["job"]["state"] in ENDED_JOB_STATES:
+                return
+            time.sleep(interval)
+    except (KeyboardInterrupt, BrokenPipeError):
+        pass
+
+
 def watch_status(jobdir: JobDir, interval: float, until_done: bool) -> dict[str, Any]:
     """The live view; plain lines when stdout is not a terminal. Returns the last status."""
     current = job_status(jobdir)
@@ -47,12 +69,12 @@ def watch_status(jobdir: JobDir, interval: float, until_done: bool) -> dict[str,
         if not console.is_terminal:
             while True:
                 console.print(status_line(current), highlight=False, soft_wrap=True)
-                if current["job"]["state"] in ("succeeded", "stopped", "failed"):
+                if current["job"]["state"] in ENDED_JOB_STATES:
                     return current
                 time.sleep(max(interval, 2.0))
                 current = job_status(jobdir)
         with Live(render_status(current, console.width), console=console, refresh_per_second=4, screen=False) as live:
-            while current["job"]["state"] not in ("succeeded", "stopped", "failed"):
+            while current["job"]["state"] not in ENDED_JOB_STATES:
                 time.sleep(interval)
                 current = job_status(jobdir)
                 live.update(render_status(current, console.width))
@@ -115,7 +137,7 @@ def events(
                     console.print(f"{ev.seq:6d} {stamp} [bold]{ev.type}[/] {_brief(ev.data)}", highlight=False, soft_wrap=True)
             if not follow:
                 return
-            if job_status(jobdir)["job"]["state"] in ("succeeded", "stopped", "failed") and not client_for(jobdir).available():
+            if job_status(jobdir)["job"]["state"] in ENDED_JOB_STATES and not client_for(jobdir).available():
                 return
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -28,9 +28,9 @@ from rlctl.controller.api import STOP_TIMEOUT_RANGE_S, ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.events import EventKind
+from rlctl.core.states import ENDED_JOB_STATES
 from rlctl.core.stopsave import describe
 
-ENDED = ("succeeded", "stopped", "failed")
 RELEASE_WAIT_S = 120.0  # after the stop checkpoint: workers stopped, agents shut down, nodes released
 PLAIN_PROGRESS_EVERY_S = 10.0  # a progress line this often when stderr is not a terminal
 
@@ -65,14 +65,14 @@ def stop(
         answer = client.call("stop", **fields)["stop"]
     except ApiError as exc:
         snap = job_status(jobdir)["job"]
-        if snap["state"] in ENDED:
+        if snap["state"] in ENDED_JOB_STATES:
             _already_ended(jobdir, snap, now, json_out)
             return
         _stop_offline(jobdir, str(exc), json_out)
         return
     if not answer["already"]:
         watch.found = None  # a stop checkpoint journaled before (a stop the job was resumed from) is not this one's
-    if answer["already"] and answer["state"] in ENDED:
+    if answer["already"] and answer["state"] in ENDED_JOB_STATES:
         _already_ended(jobdir, job_status(jobdir)["job"], now, json_out)
         return
     if answer["already"] and now and not answer["saving"]:

@@ -121,6 +121,9 @@ class JobState(str, Enum):
         return self in (JobState.SUCCEEDED, JobState.STOPPED, JobState.FAILED)
 
 
+ENDED_JOB_STATES: tuple[str, ...] = tuple(state.value for state in JobState if state.terminal)
+"""The states a job ends in, as ``status`` and the journal spell them."""
+
 J = JobState
 JOB_TRANSITIONS: dict[JobState, dict[JobState, str]] = {
     J.PENDING: {J.STARTING: "the controller is allocating nodes", J.FAILED: "it could not start", J.STOPPING: "stopped"},

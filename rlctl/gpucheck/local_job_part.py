@@ -10,6 +10,10 @@ succeeds with no trajectory lost.
 
 It drives the job as a user does, through the ``rlctl`` CLI in a subprocess (``launch``,
 ``status``, ``inject-fault``, ``report``, ``events``), with ``RLCTL_HOME`` in a temporary folder.
+One ``rlctl status --watch --json`` process follows the job (a status line every
+``FOLLOW_INTERVAL_S``), so a step of the job is seen within a fraction of a second however long a
+CLI process takes to start on a loaded machine (a poll per process took 2-4 s on two busy cores,
+and the tiny model's job could end before the second crash was due).
 Figures: ETTR, each step's weight-sync seconds (the slowest rollout's pull of that version), the
 lanes the pulls took (the ``lane``/``lanes`` of ``WeightsHeld`` records; ``"unknown"`` where the
 records carry none) and where they landed (``memory``: GPU memory where ``[weights] device_memory``
@@ -20,24 +24,27 @@ the run's seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlctl.core.states import ENDED_JOB_STATES
 from rlctl.gpucheck.outcome import CheckFailed, Figures
 from rlctl.gpucheck.torch_parts import require_cuda
 
 CLI_TIMEOUT_S = 60.0
-POLL_S = 1.0
-TERMINAL_STATES = ("succeeded", "failed", "stopped")
+FOLLOW_INTERVAL_S = 0.25  # ``status --watch --json --interval``
 STOPPING_SIGNALS = ("SIGTERM", "SIGKILL")  # rlctl's own: a stop, a takeover, an injected crash
 KEPT_PREFIX = "rlctl-gpucheck-job-"  # a failed run's files stay in such a folder under the temp dir
 
@@ -65,8 +72,8 @@ class LocalJobShape:
 GPU_SHAPE = LocalJobShape(model_size="0.5b", device="cuda", steps=10, batch_prompts=4, group_size=4, max_new_tokens=32,
                           trainer_crash_step=2, rollout_crash_step=4, checkpoint_every=5, phase_timeout_s=60.0,
                           loading_timeout_s=240.0, limit_s=300.0)
-# On two CPU cores a step of the tiny model takes about a second and a `rlctl status` call 2-4 s: the
-# steps leave room for both injections, each seen by a poll.
+# On two CPU cores a step of the tiny model takes 0.3-1 s and an `rlctl inject-fault` call 1-4 s: the
+# steps leave room for both injections and their recoveries.
 CPU_TWIN = LocalJobShape(model_size="tiny", device="cpu", steps=14, batch_prompts=2, group_size=2, max_new_tokens=8,
                          trainer_crash_step=1, rollout_crash_step=3, checkpoint_every=4, phase_timeout_s=30.0,
                          loading_timeout_s=120.0, limit_s=240.0, device_memory="on")
@@ -167,6 +174,63 @@ class Cli:
     def lines(self, *args: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.run(*args, "--json").stdout.splitlines() if line.strip()]
 
+    @contextlib.contextmanager
+    def follow(self, job: str, interval_s: float) -> Iterator[StatusFollower]:
+        """``rlctl status JOB --watch --json``, read on a thread of its own; stopped on leaving."""
+        process = subprocess.Popen([sys.executable, "-m", "rlctl.cli", "status", job, "--watch", "--json",
+                                    "--interval", str(interval_s)], env=self.env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        follower = StatusFollower(process)
+        try:
+            yield follower
+        finally:
+            if process.poll() is None:
+                process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+class StatusFollower:
+    """The snapshots a ``status --watch --json`` process prints, newest first taken."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self._process = process
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name="gpucheck-status", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            if line.strip():
+                self._lines.put(line)
+        self._lines.put(None)
+
+    def newest(self, timeout_s: float) -> dict[str, Any]:
+        """The newest snapshot printed so far, waiting up to ``timeout_s`` for one; raises
+        ``CheckFailed`` when the process ended without one or printed none in that time."""
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise CheckFailed(f"`rlctl status --watch --json` printed nothing for {timeout_s:.0f} s") from None
+        while line is not None:
+            try:
+                newer = self._lines.get_nowait()
+            except queue.Empty:
+                break
+            if newer is None:
+                self._lines.put(None)  # the end, for the next call
+                break
+            line = newer
+        if line is None:
+            self._lines.put(None)
+            error = self._process.stderr.read() if self._process.stderr is not None else ""
+            raise CheckFailed(f"`rlctl status --watch --json` ended (exit {self._process.wait()}): {error.strip()[-600:]}")
+        snapshot: dict[str, Any] = json.loads(line)
+        return snapshot
+
 
 @dataclass
 class FaultPlan:
@@ -198,12 +262,23 @@ def _inject_when_due(cli: Cli, job: str, snapshot: dict[str, Any], shape: LocalJ
     if plan.trainer_fault is None and step >= shape.trainer_crash_step and _standby_ready(snapshot):
         node = _node_of(snapshot, "trainer")
         if node is not None:
-            plan.trainer_fault = cli.json("inject-fault", node, "--job", job, "--kind", "crash")["fault_id"]
+            plan.trainer_fault = _crash(cli, job, node)
     elif (plan.rollout_fault is None and plan.trainer_fault is not None and step >= shape.rollout_crash_step
           and _recovered(snapshot, plan.trainer_fault)):
         node = _node_of(snapshot, "rollout")
         if node is not None:
-            plan.rollout_fault = cli.json("inject-fault", node, "--job", job, "--kind", "crash")["fault_id"]
+            plan.rollout_fault = _crash(cli, job, node)
+
+
+def _crash(cli: Cli, job: str, node: str) -> str | None:
+    """Inject a crash into ``node``'s worker: its fault id, or None where the job ended before the
+    controller took it (``missed_goals`` then says the crash was never injected)."""
+    try:
+        return str(cli.json("inject-fault", node, "--job", job, "--kind", "crash")["fault_id"])
+    except CheckFailed:
+        if cli.json("status", job)["job"]["state"] in ENDED_JOB_STATES:
+            return None
+        raise
 
 
 def weight_sync_by_step(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,14 +318,13 @@ def run_local_job(shape: LocalJobShape, workdir: Path, log: Callable[[str], None
     launched = cli.json("launch", str(write_job_file(workdir, shape, model, train_file)))
     job = str(launched["job_id"])
     plan = FaultPlan()
-    snapshot: dict[str, Any] = {}
     try:
-        while time.monotonic() - started < shape.limit_s:
-            snapshot = cli.json("status", job)
-            if snapshot["job"]["state"] in TERMINAL_STATES:
-                break
-            _inject_when_due(cli, job, snapshot, shape, plan)
-            time.sleep(POLL_S)
+        with cli.follow(job, FOLLOW_INTERVAL_S) as follower:
+            while time.monotonic() - started < shape.limit_s:
+                snapshot = follower.newest(timeout_s=CLI_TIMEOUT_S)
+                if snapshot["job"]["state"] in ENDED_JOB_STATES:
+                    break
+                _inject_when_due(cli, job, snapshot, shape, plan)
         report = cli.json("report", job)
         pulls = cli.lines("events", job, "--type", "WeightsHeld")
         exits = cli.lines("events", job, "--type", "WorkerExited")
@@ -260,7 +334,7 @@ def run_local_job(shape: LocalJobShape, workdir: Path, log: Callable[[str], None
     figures: Figures = {
         "model_size": shape.model_size, "device": shape.device, "steps": shape.steps,
         "state": report["state"], "steps_done": report["steps"], "ettr": round(float(report["ettr"]), 4),
-        "limit_s": shape.limit_s, "timed_out": report["state"] not in TERMINAL_STATES,
+        "limit_s": shape.limit_s, "timed_out": report["state"] not in ENDED_JOB_STATES,
         "trajectories_stored": report["trajectories_stored"], "trajectories_lost": report["trajectories_lost"],
         **weight_sync_by_step(pulls),
         "faults": {name: _fault_figures(faults.get(fid)) for name, fid in

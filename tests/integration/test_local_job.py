@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.weights.lanes import LANE_CLASSES
 from tests.integration.helpers import (
+    env_for,
     kill_everything_under,
     pid_alive,
     processes_under,
@@ -88,10 +91,23 @@ def test_launch_status_kill_resume_stop(tmp_path: Path, state_dir: Path) -> None
     unknown = rlctl(state_dir, "inject-fault", "node02", "--job", job, "--kind", "meteor", check=False)
     assert unknown.returncode == 2 and "crash" in unknown.stderr
 
+    follower = subprocess.Popen([sys.executable, "-m", "rlctl.cli", "status", job, "--watch", "--json", "--interval",
+                                 "0.2"], env=env_for(state_dir), stdout=subprocess.PIPE, text=True)
+    assert follower.stdout is not None
+    followed = [json.loads(follower.stdout.readline()) for _ in range(3)]  # a line per refresh, while it runs
+    assert all(f["job"]["id"] == job and f["controller"]["live"] for f in followed)
+    assert followed[0]["job"]["elapsed_s"] < followed[-1]["job"]["elapsed_s"]
+
     result = rlctl_json(state_dir, "stop", job)
     assert result["state"] == "stopped"
+    rest, _ = follower.communicate(timeout=30)  # it ends with the job, the stopped state its last line
+    assert follower.returncode == 0 and json.loads(rest.splitlines()[-1])["job"]["state"] == "stopped"
     wait_for(lambda: not processes_under(jobdir.path), 20, "every process of the job to exit")
     final = status(state_dir, job)
     assert final["job"]["state"] == "stopped"
     assert all(n["state"] == "released" for n in final["nodes"])
+    ended = rlctl(state_dir, "status", job, "--watch", "--json").stdout.splitlines()
+    assert len(ended) == 1 and json.loads(ended[0])["job"]["state"] == "stopped"  # an ended job: one line
+    refused = rlctl(state_dir, "status", job, "--watch", "--interval", "0", check=False)
+    assert refused.returncode == 2 and "--interval" in refused.stderr
 
