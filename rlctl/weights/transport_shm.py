@@ -43,7 +43,7 @@ from rlctl.weights.bundle import Buffer, Manifest
 from rlctl.weights.checksum import checksum_algorithm_of, copy_leaves
 from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, WeightTransferError
 from rlctl.weights.lanes import Route, same_node, shared_memory_supported
-from rlctl.weights.staging import shared_region
+from rlctl.weights.staging import SharedRegion, shared_region
 from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
     DEFAULT_MAX_NBYTES,
@@ -119,16 +119,27 @@ class SharedMemoryHolder:
             return
         body = answer.body()
         region = shared_region(body) if isinstance(body, np.ndarray) else None
-        if region is None:
-            await framing.send_frame(conn, {"ok": False, "error": NOT_SHARED, "shared": False}, deadline)
+        readonly, why_not = _read_only_descriptor(region)
+        if readonly is None or region is None:
+            await framing.send_frame(conn, {"ok": False, "error": why_not, "shared": False}, deadline)
             return
-        readonly = os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
         try:
             await framing.send_frame(conn, {**answer.reply, "region_offset": region.offset}, deadline)
             await send_fd(conn, readonly, deadline)
         finally:
             os.close(readonly)
         await expect_ack(conn, deadline)  # ``answer`` keeps the version's buffer busy until here
+
+
+def _read_only_descriptor(region: SharedRegion | None) -> tuple[int | None, str]:
+    """A read-only descriptor of ``region``'s memory file (reopened through ``/proc``), or None and
+    why not (no memory file, or ``/proc`` refused: the joiner then pulls over the transport)."""
+    if region is None:
+        return None, NOT_SHARED
+    try:
+        return os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC), ""
+    except OSError as exc:
+        return None, f"no read-only descriptor of the memory file here: {exc}"
 
 
 async def shm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = DEFAULT_MAX_NBYTES,
@@ -154,7 +165,11 @@ async def shm_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
             raise SharedMemoryRefused("shared memory lands in host memory only")
         whole = (offset, length) == (0, manifest.nbytes)
         algorithm = checksum_algorithm_of(manifest.checksum) if whole else None
-        landed = await asyncio.to_thread(copy_from_file, fd, region_offset, buffer[offset:offset + length], algorithm)
+        try:
+            landed = await asyncio.to_thread(copy_from_file, fd, region_offset, buffer[offset:offset + length],
+                                             algorithm)
+        except OSError as exc:  # the file could not be mapped here (address space, a sandbox)
+            raise SharedMemoryRefused(f"the holder's memory file cannot be mapped here: {exc}") from exc
         with contextlib.suppress(WeightTransferError):  # a holder gone by now costs nothing: the copy is checked
             await framing.send_frame(sock, {"ok": True}, deadline)
         return manifest, buffer, Route("shm", (SHM_LANE,), landed_checksum=landed)

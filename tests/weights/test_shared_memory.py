@@ -249,6 +249,34 @@ def test_another_node_a_gone_socket_or_the_option_off_go_over_the_transport() ->
     assert off.pull is not None and off.pull.transport == "tcp"
 
 
+def test_a_holder_without_proc_or_a_joiner_that_cannot_map_goes_over_the_transport(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    real_open = os.open
+
+    def no_proc(path: Any, flags: int, *args: Any) -> int:
+        if str(path).startswith("/proc/self/fd/"):
+            raise PermissionError(13, "Permission denied", str(path))  # a sandbox's /proc
+        return real_open(path, flags, *args)
+
+    with _serving() as server, caplog.at_level(logging.INFO, logger="rlctl.weights.client"):
+        descriptor = server.publish(1, _state(11))
+        with monkeypatch.context() as patched:
+            patched.setattr(transport_shm.os, "open", no_proc)
+            holder_refused = fetch_bundle_sync(descriptor, timeout=20.0)
+        assert "no read-only descriptor of the memory file here" in caplog.text
+
+        def no_room(*_args: Any) -> str | None:
+            raise OSError(12, "Cannot allocate memory")
+
+        monkeypatch.setattr(transport_shm, "copy_from_file", no_room)
+        joiner_refused = fetch_bundle_sync(descriptor, timeout=20.0)
+        assert "cannot be mapped here" in caplog.text
+        after = fetch_sync(descriptor, timeout=20.0)  # the holder serves on
+    for pulled in (holder_refused, joiner_refused):
+        assert pulled.pull is not None and pulled.pull.transport == "tcp"
+    assert after[0] == 1 and _equal(after[1], _state(11))
+
+
 def test_an_async_pull_into_a_pool_holds_its_buffer_while_the_bundle_lives() -> None:
     async def pull() -> None:
         server = WeightServer("tcp", shared_memory=True)
