@@ -215,11 +215,17 @@ _shared_lock = threading.Lock()
 
 @dataclass(frozen=True)
 class SharedRegion:
-    """Where a host array lies in a memory file: its descriptor (owned by the buffer, not to be
-    closed) and the array's byte offset in it."""
+    """Where a host array lies in a memory file: the buffer that maps it (held here, so its
+    descriptor stays open while the region is used) and the array's byte offset in it."""
 
-    fd: int
+    buffer: HostBuffer
     offset: int
+
+    @property
+    def fd(self) -> int:
+        """The memory file's descriptor (the buffer's own: not to be closed)."""
+        assert self.buffer.shared_fd is not None
+        return self.buffer.shared_fd
 
 
 def shared_region(array: Buffer) -> SharedRegion | None:
@@ -232,7 +238,7 @@ def shared_region(array: Buffer) -> SharedRegion | None:
     for buffer in buffers:
         base = int(buffer.array.ctypes.data)
         if buffer.shared_fd is not None and base <= start and start + array.nbytes <= base + buffer.capacity:
-            return SharedRegion(buffer.shared_fd, start - base)
+            return SharedRegion(buffer, start - base)
     return None
 
 
