@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import typer
@@ -52,27 +53,21 @@ def stream_status(jobdir: JobDir, interval: float) -> None:
     """``status --watch --json``: the status as one JSON line every ``interval`` seconds, the last
     one the job's end (a script follows a job with one process instead of one per poll)."""
     try:
-        while True:
-            current = job_status(jobdir)
+        for current in _until_ended(jobdir, interval):
             print_json(current)
-            if current["job"]["state"] in ENDED_JOB_STATES:
-                return
-            time.sleep(interval)
     except (KeyboardInterrupt, BrokenPipeError):
         pass
 
 
 def watch_status(jobdir: JobDir, interval: float, until_done: bool) -> dict[str, Any]:
     """The live view; plain lines when stdout is not a terminal. Returns the last status."""
-    current = job_status(jobdir)
+    current: dict[str, Any] = {}
     try:
         if not console.is_terminal:
-            while True:
+            for current in _until_ended(jobdir, max(interval, 2.0)):
                 console.print(status_line(current), highlight=False, soft_wrap=True)
-                if current["job"]["state"] in ENDED_JOB_STATES:
-                    return current
-                time.sleep(max(interval, 2.0))
-                current = job_status(jobdir)
+            return current
+        current = job_status(jobdir)
         with Live(render_status(current, console.width), console=console, refresh_per_second=4, screen=False) as live:
             while current["job"]["state"] not in ENDED_JOB_STATES:
                 time.sleep(interval)
@@ -81,6 +76,16 @@ def watch_status(jobdir: JobDir, interval: float, until_done: bool) -> dict[str,
     except KeyboardInterrupt:
         pass
     return current
+
+
+def _until_ended(jobdir: JobDir, interval: float) -> Iterator[dict[str, Any]]:
+    """The job's status now, then every ``interval`` seconds, up to and including its end."""
+    while True:
+        current = job_status(jobdir)
+        yield current
+        if current["job"]["state"] in ENDED_JOB_STATES:
+            return
+        time.sleep(interval)
 
 
 def jobs(json_out: bool = typer.Option(False, "--json"), state_dir: str = STATE_DIR_OPTION) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import shutil
 import subprocess
 import sys
@@ -194,38 +193,34 @@ class Cli:
 
 
 class StatusFollower:
-    """The snapshots a ``status --watch --json`` process prints, newest first taken."""
+    """The newest snapshot a ``status --watch --json`` process has printed, read on a thread."""
 
     def __init__(self, process: subprocess.Popen[str]) -> None:
         self._process = process
-        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._changed = threading.Condition()
+        self._newest: str | None = None  # a line not taken yet
+        self._ended = False
         threading.Thread(target=self._read, name="gpucheck-status", daemon=True).start()
 
     def _read(self) -> None:
         assert self._process.stdout is not None
         for line in self._process.stdout:
             if line.strip():
-                self._lines.put(line)
-        self._lines.put(None)
+                with self._changed:
+                    self._newest = line
+                    self._changed.notify()
+        with self._changed:
+            self._ended = True
+            self._changed.notify()
 
     def newest(self, timeout_s: float) -> dict[str, Any]:
-        """The newest snapshot printed so far, waiting up to ``timeout_s`` for one; raises
-        ``CheckFailed`` when the process ended without one or printed none in that time."""
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise CheckFailed(f"`rlctl status --watch --json` printed nothing for {timeout_s:.0f} s") from None
-        while line is not None:
-            try:
-                newer = self._lines.get_nowait()
-            except queue.Empty:
-                break
-            if newer is None:
-                self._lines.put(None)  # the end, for the next call
-                break
-            line = newer
+        """The newest snapshot not taken yet, waiting up to ``timeout_s`` for one; ``CheckFailed``
+        when the process printed none in that time or ended without one."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._newest is not None or self._ended, timeout_s):
+                raise CheckFailed(f"`rlctl status --watch --json` printed nothing for {timeout_s:.0f} s")
+            line, self._newest = self._newest, None
         if line is None:
-            self._lines.put(None)
             error = self._process.stderr.read() if self._process.stderr is not None else ""
             raise CheckFailed(f"`rlctl status --watch --json` ended (exit {self._process.wait()}): {error.strip()[-600:]}")
         snapshot: dict[str, Any] = json.loads(line)

@@ -8,7 +8,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlctl.weights import WeightServerThread
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,16 @@ class RoleSettings:
         """``[weights] shared_memory``: this worker's weight servers hand versions to joiners on its
         node in shared memory."""
         return bool(self.get("weights_shared_memory", True))
+
+    def weight_server(self) -> WeightServerThread:
+        """A started ``WeightServerThread`` with the job's ``[weights]`` transport, host and
+        shared memory (imported here: the weights package is not loaded before a role needs it)."""
+        from rlctl.weights import WeightServerThread
+
+        server = WeightServerThread(self.weights_transport, host=self.weights_host,
+                                    shared_memory=self.weights_shared_memory)
+        server.start()
+        return server
 
 
 def setup_torch(settings: RoleSettings) -> str:

@@ -106,8 +106,6 @@ class ControllerEnvClient:
 
 class Rollout:
     def __init__(self, w: worker.Worker, settings: RoleSettings) -> None:
-        from rlctl.weights import WeightServerThread
-
         self.w = w
         self.settings = settings
         self._device = setup_torch(settings)
@@ -116,9 +114,7 @@ class Rollout:
         # onto (the wide leader holds them); it starts parked and builds its engine when resized.
         self.parked = bool(settings.get("start_parked", False))
         self.engine: Any = None if self.parked else self._make_engine(sampling_config(settings), self._device)
-        self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host,
-                                         shared_memory=settings.weights_shared_memory)
-        self.server.start()
+        self.server = settings.weight_server()
         self.held_version = -1
         self.held_bundle: Any = None  # the weights as received (served on; a sleeping engine wakes from them)
         self.device_pulls = True  # off once a pull into device memory failed its check

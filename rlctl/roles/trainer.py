@@ -75,9 +75,7 @@ class TrainerRole:
         self.leader = self.trainer.dist.rank == 0
         self.server: WeightServerThread | None = None  # the weights (or this rank's shard) rollouts pull
         if self.leader or self.trainer.sharded:
-            self.server = WeightServerThread(settings.weights_transport, host=settings.weights_host,
-                                             shared_memory=settings.weights_shared_memory)
-            self.server.start()
+            self.server = settings.weight_server()
         self.version = 0
         self.round_kind = ""  # the kind of round the last fetched batch came from (short, long, sync)
         self.last_metrics: dict[str, float] | None = None  # the last trained step's, until published
@@ -361,12 +359,8 @@ class TrainerRole:
 
     def state_serving(self) -> Any:
         """The server of this rank's part of the trainer state, started on first use."""
-        from rlctl.weights import WeightServerThread
-
         if self.state_server is None:
-            self.state_server = WeightServerThread(self.settings.weights_transport, host=self.settings.weights_host,
-                                                   shared_memory=self.settings.weights_shared_memory)
-            self.state_server.start()
+            self.state_server = self.settings.weight_server()
         return self.state_server
 
     def close(self) -> None:

@@ -93,11 +93,23 @@ def _split(algorithm: str) -> tuple[str, bool]:
 def _digest_function(base: str) -> Callable[[memoryview], bytes]:
     if base == "sha256":
         return lambda data: hashlib.sha256(data).digest()
+    return _xxhash(base).xxh3_128_digest  # type: ignore[no-any-return]
+
+
+def _streaming_hash(base: str) -> Callable[[], Any]:
+    """A factory of incremental hashers (``update``, ``digest``) of ``base``: the same digest as
+    ``_digest_function(base)`` of the bytes fed."""
+    if base == "sha256":
+        return hashlib.sha256
+    return _xxhash(base).xxh3_128  # type: ignore[no-any-return]
+
+
+def _xxhash(base: str) -> Any:
     try:
         import xxhash
     except ImportError as exc:
         raise WeightIntegrityError(f"checksum uses {base} but xxhash is not installed here") from exc
-    return xxhash.xxh3_128_digest  # type: ignore[no-any-return]
+    return xxhash
 
 
 def leaf_count(nbytes: int) -> int:
@@ -152,18 +164,6 @@ def copy_leaves(source: Buffer, dest: Buffer, algorithm: str | None = None) -> s
     if digest is None or algorithm is None:
         return None
     return f"{algorithm}:{digest(memoryview(combined)).hex()}"
-
-
-def _streaming_hash(base: str) -> Callable[[], Any]:
-    """A factory of incremental hashers (``update``, ``digest``) of ``base``: the same digest as
-    ``_digest_function(base)`` of the bytes fed."""
-    if base == "sha256":
-        return hashlib.sha256
-    try:
-        import xxhash
-    except ImportError as exc:
-        raise WeightIntegrityError(f"checksum uses {base} but xxhash is not installed here") from exc
-    return xxhash.xxh3_128  # type: ignore[no-any-return]
 
 
 class LeafHasher:

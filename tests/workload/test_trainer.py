@@ -161,6 +161,7 @@ def test_a_restart_takes_the_standbys_newer_copy_when_the_named_one_was_replaced
     from types import SimpleNamespace
 
     from rlctl.roles import trainer as trainer_role
+    from rlctl.roles.common import RoleSettings
     from rlctl.roles.standby import TrainerStateReplica
     from rlctl.weights import WeightServerThread
     from rlctl.weights.shards import combine
@@ -186,8 +187,8 @@ def test_a_restart_takes_the_standbys_newer_copy_when_the_named_one_was_replaced
             role = object.__new__(trainer_role.TrainerRole)
             role.w = SimpleNamespace(phase=lambda *args: None,
                                      request=lambda op, names=controller_names: {"state_replica": names})
-            role.settings = SimpleNamespace(weights_transport="tcp", weights_host="127.0.0.1",
-                                            weights_shared_memory=True)
+            role.settings = RoleSettings(raw={"weights_shared_memory": True}, checkpoint_dir=Path("."),
+                                         weights_transport="tcp", weights_host="127.0.0.1", standby=False)
             role.trainer, role.server, role.state_server, role.version = _trainer(seed=99), None, None, 0
             try:
                 step = role.restore_replica({"state_replica": named, "checkpoint_step": None,
