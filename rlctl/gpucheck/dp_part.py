@@ -20,27 +20,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlctl.gpucheck.nccl_part import free_port
 from rlctl.gpucheck.outcome import CheckFailed, Figures, Skip
 from rlctl.gpucheck.torch_parts import require_cuda
+from rlctl.workload.rendezvous import held_store
 
 RUN_TIMEOUT_S = 300.0
 RELATIVE_GAP = 0.05  # of the weight's own update: Adam magnifies float-level gradient differences
 
 
 def _run(ranks: int, out_dir: Path, device: str, sharding: str) -> tuple[list[dict[str, Any]], float]:
-    port = str(free_port())
-    procs = []
     started = time.perf_counter()
-    for rank in range(ranks):
-        env = {**os.environ, "WORLD_SIZE": str(ranks), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, "-m", "rlctl.gpucheck.dp_rank", str(out_dir / f"rank{rank}.pt"),
-                                       device, sharding], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    for proc in procs:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise CheckFailed(f"a rank exited {proc.returncode}: {output.decode(errors='replace')[-1500:]}")
+    with held_store() as rendezvous:
+        procs = []
+        for rank in range(ranks):
+            env = {**os.environ, **rendezvous, "WORLD_SIZE": str(ranks), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            procs.append(subprocess.Popen([sys.executable, "-m", "rlctl.gpucheck.dp_rank",
+                                           str(out_dir / f"rank{rank}.pt"), device, sharding],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        for proc in procs:
+            output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise CheckFailed(f"a rank exited {proc.returncode}: {output.decode(errors='replace')[-1500:]}")
     seconds = time.perf_counter() - started
     import torch
 

@@ -5,7 +5,6 @@ checkpoint (optimizer shards per rank, one HF folder) that resumes like the unin
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from rlctl.workload.hf_model import load_hf_policy
+from rlctl.workload.rendezvous import held_store
 from rlctl.workload.trainer import OPTIMIZER_SHARDS_DIR
 
 from .batches import small_model
@@ -22,24 +22,18 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_group(tmp_path: Path, tag: str, ranks: int, *args: str) -> list[dict]:
-    port = str(_free_port())
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "fsdp_worker.py"), str(tmp_path / f"{tag}{rank}.pt"),
-                                       *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    for rank, proc in enumerate(procs):
-        output, _ = proc.communicate(timeout=240)
-        saved = (tmp_path / f"{tag}{rank}.pt").exists()
-        assert proc.returncode == 0, f"rank {rank} (result saved: {saved}): {output.decode()[-3000:]}"
+    with held_store() as rendezvous:
+        procs = []
+        for rank in range(ranks):
+            env = {**os.environ, **rendezvous, "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": "1",
+                   "WORLD_SIZE": str(ranks), "RANK": str(rank)}
+            procs.append(subprocess.Popen([sys.executable, str(HERE / "fsdp_worker.py"), str(tmp_path / f"{tag}{rank}.pt"),
+                                           *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        for rank, proc in enumerate(procs):
+            output, _ = proc.communicate(timeout=240)
+            saved = (tmp_path / f"{tag}{rank}.pt").exists()
+            assert proc.returncode == 0, f"rank {rank} (result saved: {saved}): {output.decode()[-3000:]}"
     return [torch.load(tmp_path / f"{tag}{rank}.pt", weights_only=False) for rank in range(ranks)]
 
 

@@ -16,6 +16,7 @@ import torch
 
 from rlctl.workload.grpo import GRPOConfig
 from rlctl.workload.hf_model import load_hf_policy
+from rlctl.workload.rendezvous import held_store
 from rlctl.workload.trainer import TRAINER_STATE_FILE, Trainer, TrainerConfig, collate, micro_batches
 
 from .batches import small_model, synthetic_batch
@@ -312,12 +313,6 @@ def test_checkpoint_is_an_hf_folder_that_loads_as_a_model_and_as_a_trainer(tmp_p
         _trainer(2).load_checkpoint(tmp_path)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run_worker(out: Path, env_extra: dict[str, str]) -> subprocess.Popen[bytes]:
     env = {**os.environ, **env_extra, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(HERE / "dp_worker.py"), str(out)], env=env,
@@ -325,13 +320,13 @@ def _run_worker(out: Path, env_extra: dict[str, str]) -> subprocess.Popen[bytes]
 
 
 def test_two_process_gloo_equals_single_process(tmp_path: Path) -> None:
-    port = str(_free_port())
-    ranks = [_run_worker(tmp_path / f"rank{r}.pt", {"WORLD_SIZE": "2", "RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                                                    "MASTER_PORT": port}) for r in range(2)]
-    single = _run_worker(tmp_path / "single.pt", {"WORLD_SIZE": "1", "RANK": "0"})
-    for proc in [*ranks, single]:
-        output, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, output.decode()[-2000:]
+    with held_store() as rendezvous:
+        ranks = [_run_worker(tmp_path / f"rank{r}.pt", {**rendezvous, "WORLD_SIZE": "2", "RANK": str(r)})
+                 for r in range(2)]
+        single = _run_worker(tmp_path / "single.pt", {"WORLD_SIZE": "1", "RANK": "0"})
+        for proc in [*ranks, single]:
+            output, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, output.decode()[-2000:]
     results = [torch.load(tmp_path / name, weights_only=True) for name in ("rank0.pt", "rank1.pt", "single.pt")]
     assert [r["world"] for r in results] == [2, 2, 1]
     _assert_same_weights(results[0]["state"], results[1]["state"])  # ranks agree exactly
