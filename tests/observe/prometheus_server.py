@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -29,10 +30,21 @@ def unavailable() -> str:
     return "" if shutil.which("prometheus") else "installing Debian's prometheus package failed"
 
 
+UNCLAIMED_PORTS = range(30000, 32768)  # below Linux's ephemeral range (32768-60999) and the trainers' 20000-29999
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now, for a server started later by another process. It is drawn below
+    the ephemeral range: a port from ``bind(0)`` may be handed to any outgoing connection on the
+    machine before the server binds it (EADDRINUSE); one from here only to another explicit bind."""
+    while True:
+        port = random.SystemRandom().choice(UNCLAIMED_PORTS)  # not the global generator: tests seed it
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 @contextmanager
