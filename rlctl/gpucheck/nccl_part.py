@@ -21,7 +21,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from typing import Any
 from rlctl.gpucheck.outcome import CheckFailed, Figures, Skip
 from rlctl.gpucheck.torch_parts import require_cuda
 from rlctl.workload.nccl_env import NcclBounds, NcclSettings, dump_files, merged_env, trainer_nccl_settings
+from rlctl.workload.rendezvous import held_store
 
 PG_TIMEOUT_S = 5.0
 DUMP_WAIT_S = 10.0
@@ -42,13 +42,6 @@ HOLD_S = 120.0  # how long the absent peer (and the spin kernel) outlast the sta
 _STALL_START = re.compile(r"gpucheck-nccl stall-start (?P<t>[\d.]+) rank=0")
 
 RankArgv = Callable[[int, int, int], list[str]]  # (rank, world, port) -> argv
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now, for a process group's rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def nccl_settings(dump_dir: Path, torch_version: str | None) -> NcclSettings:
@@ -84,8 +77,9 @@ class GroupRun:
 
 
 def watchdog_kill_run(world: int, settings: NcclSettings, workdir: Path, rank_argv: RankArgv) -> GroupRun:
-    """Start ``world`` ranks under the agent's ``Supervisor`` and run its watch loop until rank 0
-    is gone (or ``RUN_LIMIT_S`` after its stall); then stop every rank."""
+    """Start ``world`` ranks under the agent's ``Supervisor``, meeting at a store held here
+    (``held_store``), and run its watch loop until rank 0 is gone (or ``RUN_LIMIT_S`` after its
+    stall); then stop every rank."""
     from rlctl_agent.agent import WATCH_INTERVAL_S
     from rlctl_agent.config import AgentConfig
     from rlctl_agent.supervisor import Supervisor
@@ -97,37 +91,39 @@ def watchdog_kill_run(world: int, settings: NcclSettings, workdir: Path, rank_ar
     supervisor = Supervisor(config)
     watch = WorkerWatch(supervisor, config.nccl_kill_after_s)
     extra = {key: value for key, value in effective.items() if key in settings.env}
-    port = free_port()
-    records = [supervisor.start(f"rank{rank}", f"trainer-{rank}", "trainer", rank_argv(rank, world, port), extra,
-                                str(workdir))[0] for rank in range(world)]
-    run = GroupRun(logs=[record.log_path for record in records],
-                   env={k: v for k, v in effective.items() if k.startswith(("TORCH_NCCL_", "TORCH_FR_"))})
-    started = time.monotonic()
-    try:
-        while run.gone_at is None:
-            found = watch.scan(time.monotonic())
-            now = time.time()
-            if run.stall_at is None and (start := _STALL_START.search(_read(run.logs[0]))):
-                run.stall_at = float(start["t"])
-            if run.line_read_at is None and any(s["kind"] == "nccl-timeout" and s["worker"] == "rank0"
-                                                for s in found.signals):
-                run.line_read_at = now
-            run.killed_by_agent = run.killed_by_agent or "rank0" in found.killed
-            for exit_ in found.exits:
-                if exit_.wid == "rank0":
-                    run.gone_at, run.exit = now, exit_.message_fields()
-            limit = (run.stall_at + RUN_LIMIT_S) if run.stall_at is not None else None
-            if (limit is not None and now > limit) or time.monotonic() - started > RUN_LIMIT_S + 120.0:
-                break
-            time.sleep(WATCH_INTERVAL_S)
-    finally:
-        for record in records:
-            supervisor.send_signal(record, signal.SIGKILL)
-        for record in records:
-            if record.popen is not None:
-                record.popen.wait(10)
-    run.exit_codes = [record.popen.returncode if record.popen is not None else None for record in records]
-    return run
+    with held_store() as rendezvous:
+        port = int(rendezvous["MASTER_PORT"])
+        extra["TORCHELASTIC_USE_AGENT_STORE"] = rendezvous["TORCHELASTIC_USE_AGENT_STORE"]
+        records = [supervisor.start(f"rank{rank}", f"trainer-{rank}", "trainer", rank_argv(rank, world, port), extra,
+                                    str(workdir))[0] for rank in range(world)]
+        run = GroupRun(logs=[record.log_path for record in records],
+                       env={k: v for k, v in effective.items() if k.startswith(("TORCH_NCCL_", "TORCH_FR_"))})
+        started = time.monotonic()
+        try:
+            while run.gone_at is None:
+                found = watch.scan(time.monotonic())
+                now = time.time()
+                if run.stall_at is None and (start := _STALL_START.search(_read(run.logs[0]))):
+                    run.stall_at = float(start["t"])
+                if run.line_read_at is None and any(s["kind"] == "nccl-timeout" and s["worker"] == "rank0"
+                                                    for s in found.signals):
+                    run.line_read_at = now
+                run.killed_by_agent = run.killed_by_agent or "rank0" in found.killed
+                for exit_ in found.exits:
+                    if exit_.wid == "rank0":
+                        run.gone_at, run.exit = now, exit_.message_fields()
+                limit = (run.stall_at + RUN_LIMIT_S) if run.stall_at is not None else None
+                if (limit is not None and now > limit) or time.monotonic() - started > RUN_LIMIT_S + 120.0:
+                    break
+                time.sleep(WATCH_INTERVAL_S)
+        finally:
+            for record in records:
+                supervisor.send_signal(record, signal.SIGKILL)
+            for record in records:
+                if record.popen is not None:
+                    record.popen.wait(10)
+        run.exit_codes = [record.popen.returncode if record.popen is not None else None for record in records]
+        return run
 
 
 def _read(log: Path) -> str:

@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from rlctl.weights import framing
-from rlctl.weights.admission import AdmissionCounts
 from rlctl.weights.bundle import Buffer, Manifest
 from rlctl.weights.checksum import checksum_algorithm_of, copy_leaves
 from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, WeightTransferError
@@ -48,8 +47,8 @@ from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
     DEFAULT_MAX_NBYTES,
     BundleGetter,
-    SocketServer,
-    answer_fetch,
+    FetchAnswer,
+    FramedHolder,
     expect_ack,
     manifest_from_reply,
     opening,
@@ -75,18 +74,15 @@ def offers_shared_memory(source: dict[str, Any]) -> bool:
             and same_node(source) and shared_memory_supported())
 
 
-class SharedMemoryHolder:
+class SharedMemoryHolder(FramedHolder):
     """Hands the served version's memory file to admitted joiners on this node."""
 
     transport = "shm"
 
     def __init__(self, current: BundleGetter, max_concurrent: int = 16,
                  io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, token: bytes | None = None) -> None:
-        self._current = current
-        self._io_timeout = io_timeout
         self.socket_name = SOCKET_PREFIX + secrets.token_hex(8)
-        self._server = SocketServer(self._serve, "unix:" + self.socket_name, 0, max_concurrent, token,
-                                    listen=self._listen)
+        super().__init__(current, "unix:" + self.socket_name, 0, max_concurrent, io_timeout, token, listen=self._listen)
 
     def _listen(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -104,19 +100,7 @@ class SharedMemoryHolder:
         await self._server.start()
         return {"shm_socket": self.socket_name}
 
-    async def close(self) -> None:
-        await self._server.close()
-
-    def admission(self) -> AdmissionCounts:
-        return self._server.unauthenticated.snapshot()
-
-    async def _serve(self, conn: socket.socket) -> None:
-        deadline = asyncio.get_running_loop().time() + self._io_timeout
-        request = await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
-        answer = answer_fetch(request, self._current, memories=("host",))
-        if answer.bundle is None:
-            await framing.send_frame(conn, answer.reply, deadline)
-            return
+    async def _send(self, conn: socket.socket, request: dict[str, Any], answer: FetchAnswer, deadline: float) -> None:
         body = answer.body()
         region = shared_region(body) if isinstance(body, np.ndarray) else None
         readonly, why_not = _read_only_descriptor(region)

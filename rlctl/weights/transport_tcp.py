@@ -146,21 +146,18 @@ class SocketServer:
             self._sock = None
 
 
-class TcpHolder:
-    """Serves the current bundle to any number of joiners over plain TCP."""
+class FramedHolder:
+    """A holder that reads one fetch frame from each admitted joiner of its `SocketServer` and
+    answers it (``answer_fetch``); what follows the answer is the transport's own (`_send`).
+    The TCP holder, ucx-sm's control channel and the shared-memory holder are made this way."""
 
-    transport = "tcp"
+    memories: tuple[str, ...] = ("host",)  # what a joiner may ask this transport to send from
 
-    def __init__(self, current: BundleGetter, host: str, port: int = 0, max_concurrent: int = 16,
-                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, token: bytes | None = None) -> None:
+    def __init__(self, current: BundleGetter, host: str, port: int, max_concurrent: int, io_timeout: float,
+                 token: bytes | None, listen: Callable[[], socket.socket] | None = None) -> None:
         self._current = current
         self._io_timeout = io_timeout
-        self._server = SocketServer(self._serve, host, port, max_concurrent, token)
-
-    async def start(self) -> dict[str, Any]:
-        """Bind and start accepting; returns the descriptor fields this transport adds (`port`)."""
-        await self._server.start()
-        return {"port": self._server.port}
+        self._server = SocketServer(self._serve, host, port, max_concurrent, token, listen=listen)
 
     async def close(self) -> None:
         await self._server.close()
@@ -169,13 +166,36 @@ class TcpHolder:
         return self._server.unauthenticated.snapshot()
 
     async def _serve(self, conn: socket.socket) -> None:
-        """Answer an admitted joiner's request."""
         deadline = asyncio.get_running_loop().time() + self._io_timeout
         request = await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
-        answer = answer_fetch(request, self._current, memories=("host",))
+        answer = answer_fetch(request, self._current, memories=self.memories)
+        if answer.bundle is None:
+            await framing.send_frame(conn, answer.reply, deadline)
+            return
+        await self._send(conn, request, answer, deadline)
+
+    async def _send(self, conn: socket.socket, request: dict[str, Any], answer: FetchAnswer, deadline: float) -> None:
+        """Serve ``answer`` (a version this holder has) to the admitted joiner on ``conn``."""
+        raise NotImplementedError
+
+
+class TcpHolder(FramedHolder):
+    """Serves the current bundle to any number of joiners over plain TCP."""
+
+    transport = "tcp"
+
+    def __init__(self, current: BundleGetter, host: str, port: int = 0, max_concurrent: int = 16,
+                 io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, token: bytes | None = None) -> None:
+        super().__init__(current, host, port, max_concurrent, io_timeout, token)
+
+    async def start(self) -> dict[str, Any]:
+        """Bind and start accepting; returns the descriptor fields this transport adds (`port`)."""
+        await self._server.start()
+        return {"port": self._server.port}
+
+    async def _send(self, conn: socket.socket, request: dict[str, Any], answer: FetchAnswer, deadline: float) -> None:
         await framing.send_frame(conn, answer.reply, deadline)
-        if answer.bundle is not None:
-            await framing.send_all(conn, memoryview(answer.body()), deadline)
+        await framing.send_all(conn, memoryview(answer.body()), deadline)
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,10 @@ from rlctl.weights.lanes import Route, endpoint_lanes
 from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
     DEFAULT_MAX_NBYTES,
+    MEMORY_KINDS,
     BundleGetter,
     FetchAnswer,
-    SocketServer,
+    FramedHolder,
     answer_fetch,
     expect_ack,
     manifest_from_reply,
@@ -606,7 +607,7 @@ async def _exchange(endpoint: Any, deadline: float, max_nbytes: int, out: Buffer
 # ucx-sm: worker-address endpoint (shared memory on one host), TCP control channel
 
 
-class UcxSmHolder:
+class UcxSmHolder(FramedHolder):
     """Serves the current bundle by tag-sending it to the joiner's UCX worker address.
 
     The control channel is a TCP `SocketServer` on `host:port` running on the caller's loop; the
@@ -614,13 +615,12 @@ class UcxSmHolder:
     """
 
     transport = "ucx-sm"
+    memories = MEMORY_KINDS
 
     def __init__(self, current: BundleGetter, host: str, port: int = 0, max_concurrent: int = 16,
                  io_timeout: float = DEFAULT_HOLDER_IO_TIMEOUT_S, token: bytes | None = None) -> None:
-        self._current = current
-        self._io_timeout = io_timeout
+        super().__init__(current, host, port, max_concurrent, io_timeout, token)
         self._runtime = UcxRuntime.get()
-        self._control = SocketServer(self._serve, host, port, max_concurrent, token)
         self._endpoints: dict[bytes, Any] = {}  # joiner worker address -> endpoint (UCX loop only)
 
     @property
@@ -628,17 +628,11 @@ class UcxSmHolder:
         return self._runtime.worker_address.hex()
 
     async def start(self) -> dict[str, Any]:
-        await self._control.start()
-        return {"port": self._control.port, "worker_address_hex": self.worker_address_hex}
+        await self._server.start()
+        return {"port": self._server.port, "worker_address_hex": self.worker_address_hex}
 
-    async def _serve(self, conn: socket.socket) -> None:
-        """Answer an admitted joiner's request on the control connection."""
-        deadline = asyncio.get_running_loop().time() + self._io_timeout
-        request = await framing.recv_frame(conn, deadline, framing.MAX_REQUEST_BYTES)
-        answer = answer_fetch(request, self._current)
-        if answer.bundle is None:
-            await framing.send_frame(conn, answer.reply, deadline)
-            return
+    async def _send(self, conn: socket.socket, request: dict[str, Any], answer: FetchAnswer, deadline: float) -> None:
+        """Name this worker on the control connection, then tag-send the range to the joiner's."""
         peer_address, tag = _parse_sm_request(request)
         endpoint: Any = None
         lanes: tuple[str, ...] = ()
@@ -660,11 +654,8 @@ class UcxSmHolder:
             raise
 
     async def close(self) -> None:
-        await self._control.close()
+        await super().close()
         await self._runtime.run(self._forget_all())
-
-    def admission(self) -> AdmissionCounts:
-        return self._control.unauthenticated.snapshot()
 
     async def _endpoint_and_lanes(self, peer_address: bytes) -> tuple[Any, tuple[str, ...]]:
         endpoint = await self._endpoint_to(peer_address)
