@@ -5,6 +5,8 @@ Nothing heavy is imported here (no torch, vllm or ucxx): `rlctl --help` must sta
 
 from __future__ import annotations
 
+import re
+
 import typer
 
 from rlctl import __version__
@@ -70,7 +72,31 @@ def version() -> None:
     typer.echo(__version__)
 
 
+_SENTENCE_END = re.compile(r"\.\s+(?=[A-Z`])")  # not "e.g. seconds"
+
+
+def command_summary(doc: str | None) -> str | None:
+    """A command's line in a ``--help`` list: the first sentence of its docstring on one line (rich
+    help keeps a docstring's line breaks, which cut the list's lines mid-sentence)."""
+    if not doc:
+        return None
+    paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    end = _SENTENCE_END.search(paragraph)
+    return paragraph if end is None else paragraph[:end.start() + 1]
+
+
+def _summarize(typer_app: typer.Typer) -> None:
+    """Give every command of ``typer_app`` and of its groups its one-line summary, unless it has one."""
+    for info in typer_app.registered_commands:
+        if info.short_help is None and info.callback is not None:
+            info.short_help = command_summary(info.help or info.callback.__doc__)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _summarize(group.typer_instance)
+
+
 _register_optional()
+_summarize(app)
 
 
 def main() -> None:
