@@ -125,7 +125,7 @@ def test_template_protocol_with_the_real_preload(workdir: Path) -> None:
                                                                           "from-request", "__main__")
         assert seen["cuda"] is False
         assert seen["preloaded"] == ["transformers", "rlctl.roles.trainer", "rlctl.roles.rollout", "rlctl.roles.reward"]
-        assert elapsed < 1.0, f"a forked worker ran its code {elapsed:.2f} s after the request"
+        assert elapsed < 2.0, f"a forked worker ran its code {elapsed:.2f} s after the request"  # importing them: 3.4 s warm
         wait_until(lambda: "to the log" in log.read_text())
         bad = template.send({"type": "fork", "argv": [sys.executable, "-c", "pass"], "env": {}, "cwd": ".",
                              "log": str(log)})

@@ -241,7 +241,7 @@ def test_a_source_that_stops_answering_never_blocks_the_standby() -> None:
                     time.sleep(0.01)
                 replica.offer({"step": 4, "source": live})
                 assert replica.report() == {"trainer_state_step": -1}
-                assert time.monotonic() - started < 1.0  # the polling loop was never held up
+                assert time.monotonic() - started < 2.0  # the polling loop was never held up (the stall is 3 s)
                 assert replica.wait_idle(30.0)
                 assert replica.step == 4 and replica._failed_step == 3
                 assert time.monotonic() - started >= replica.FETCH_TIMEOUT_S  # the stalled fetch was given up first
