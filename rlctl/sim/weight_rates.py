@@ -5,7 +5,8 @@ measurement instead of the cost model's assumptions. Two sources:
 
 - a GPU-check report (the JSON of ``python -m rlctl.gpucheck``, ``rlctl/gpucheck/report.py``):
   the pulls of ``weights_pull_local`` (each shape's bytes and its seconds from pull start to the
-  last byte verified: end to end less the load onto the GPU), else ``ucx_cuda``'s fetch; the
+  last byte verified: end to end less the load onto the GPU; over the holder's transport, the
+  shape's ``transport_pull``, where the report has it), else ``ucx_cuda``'s fetch; the
   staging rate from ``weights_stage`` (GPU -> host and host -> GPU through the job's code), else
   ``ucx_cuda``'s device-to-host copy and pageable host-to-device load (rlctl's path before pinned
   staging). Where every shape was also pulled device to device (``device_pull``: what a job
@@ -142,19 +143,23 @@ def _number(value: Any) -> float | None:
 
 def _pull_local(parts: dict[str, Any], device: bool = False) -> list[PullSample]:
     """The pulls of ``weights_pull_local``: through host memory, or (``device``) each shape's
-    ``device_pull``, only where every shape has one."""
+    ``device_pull``, only where every shape has one. Through host memory, a shape's
+    ``transport_pull`` is taken where it has one: its own pull came out of the holder's memory file,
+    which only a joiner on the holder's node can use, while the transport also carries the pulls
+    between nodes that the simulated layouts are made of."""
     shapes = _measured(parts, "weights_pull_local").get("shapes")
     samples = []
     for name, shape in (shapes or {}).items():
-        figures = shape.get("device_pull") if device else shape
+        key = "device_pull" if device else "transport_pull" if isinstance(shape.get("transport_pull"), dict) else None
+        figures = shape.get(key) if key else shape
         if not isinstance(figures, dict):
             return []
         nbytes = _number(shape.get("bytes"))
-        end_to_end, load = (_number(figures.get(key)) for key in ("end_to_end_s", "load_gbps"))
+        end_to_end, load = (_number(figures.get(field)) for field in ("end_to_end_s", "load_gbps"))
         if nbytes is None or end_to_end is None:
             continue
         pulled = end_to_end - (nbytes / (load * GB) if load else 0.0)
-        where = f"weights_pull_local.shapes.{name}{'.device_pull' if device else ''}"
+        where = f"weights_pull_local.shapes.{name}{'.' + key if key else ''}"
         if pulled > 0:
             samples.append(PullSample(nbytes, pulled, f"{where}: end_to_end_s less the load"))
     return samples

@@ -61,6 +61,19 @@ def test_the_weights_parts_win_over_ucx_cuda_and_two_sizes_fit_the_overhead(tmp_
     assert "H100" in figures["hardware"]
 
 
+def test_the_transports_pull_is_the_line_not_the_same_node_memory_file(tmp_path: Path) -> None:
+    """A report whose pulls came out of the holder's memory file (``path`` shm) and, as the baseline,
+    over the transport: the transport's figures are the line (it also carries pulls between nodes)."""
+    shapes = {name: {"bytes": nbytes, "path": "shm", "end_to_end_s": 0.1 * scale, "load_gbps": 50.0,
+                     "transport_pull": {"path": "ucx", "end_to_end_s": 0.52 * scale + 0.01, "load_gbps": 50.0}}
+              for name, nbytes, scale in (("0.5b", 1e9, 1), ("8b", 16e9, 16))}
+    figures = from_gpucheck(report_with(tmp_path, {"weights_pull_local": {"status": "ok", "shapes": shapes}})).as_dict()
+    assert [p["figure"].split(":")[0] for p in figures["pulls"]] == ["weights_pull_local.shapes.0.5b.transport_pull",
+                                                                     "weights_pull_local.shapes.8b.transport_pull"]
+    assert figures["pull_gbps"] == pytest.approx(2.0, rel=1e-3)  # 1 GB in 0.5 s once the load is taken off
+    assert figures["overhead_s"] == pytest.approx(0.01, abs=1e-4)
+
+
 def test_pulls_device_to_device_are_the_line_where_every_shape_has_one_and_put_no_host_copy_on_the_path(
         tmp_path: Path) -> None:
     shapes = {"0.5b": {"bytes": 1e9, "end_to_end_s": 0.55, "load_gbps": 50.0,
