@@ -142,18 +142,17 @@ async def shm_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
         region_offset = reply.get("region_offset")
         if not isinstance(region_offset, int) or isinstance(region_offset, bool) or region_offset < 0:
             raise WeightTransferError("the holder's reply has no valid region_offset")
-        fd = await recv_fd(sock, deadline)
         buffer = receive_buffer(manifest.nbytes, out)
         if not isinstance(buffer, np.ndarray):
-            os.close(fd)
             raise SharedMemoryRefused("shared memory lands in host memory only")
-        whole = (offset, length) == (0, manifest.nbytes)
-        algorithm = checksum_algorithm_of(manifest.checksum) if whole else None
-        try:
-            landed = await asyncio.to_thread(copy_from_file, fd, region_offset, buffer[offset:offset + length],
-                                             algorithm)
+        dest = buffer[offset:offset + length]
+        try:  # the descriptor lives only until it is mapped: a pull cancelled later holds no file open
+            mapping = map_file(await recv_fd(sock, deadline), region_offset, dest.nbytes)
         except OSError as exc:  # the file could not be mapped here (address space, a sandbox)
             raise SharedMemoryRefused(f"the holder's memory file cannot be mapped here: {exc}") from exc
+        whole = (offset, length) == (0, manifest.nbytes)
+        algorithm = checksum_algorithm_of(manifest.checksum) if whole else None
+        landed = await asyncio.to_thread(copy_out, mapping, region_offset, dest, algorithm)
         with contextlib.suppress(WeightTransferError):  # a holder gone by now costs nothing: the copy is checked
             await framing.send_frame(sock, {"ok": True}, deadline)
         return manifest, buffer, Route("shm", (SHM_LANE,), landed_checksum=landed)
@@ -161,19 +160,24 @@ async def shm_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
         sock.close()
 
 
-def copy_from_file(fd: int, offset: int, dest: Buffer, algorithm: str | None) -> str | None:
-    """Copy ``dest.nbytes`` bytes from byte ``offset`` of the memory file ``fd`` (closed here) into
-    ``dest``; the checksum of what landed, by ``algorithm`` when it is a tree one."""
+def map_file(fd: int, offset: int, nbytes: int) -> mmap.mmap | None:
+    """Map bytes ``[0, offset + nbytes)`` of the memory file ``fd`` read-only and close ``fd``
+    (None for no bytes); raises when the file is shorter than the reply named."""
     try:
         size = os.fstat(fd).st_size
-        if offset + dest.nbytes > size:
+        if offset + nbytes > size:
             raise WeightTransferError(f"the holder's memory file holds {size} bytes, the reply names "
-                                      f"[{offset}, {offset + dest.nbytes})")
-        if dest.nbytes == 0:
-            return copy_leaves(dest, dest, algorithm)
-        mapping = mmap.mmap(fd, offset + dest.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                                      f"[{offset}, {offset + nbytes})")
+        return mmap.mmap(fd, offset + nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if nbytes else None
     finally:
         os.close(fd)
+
+
+def copy_out(mapping: mmap.mmap | None, offset: int, dest: Buffer, algorithm: str | None) -> str | None:
+    """Copy ``dest.nbytes`` bytes from byte ``offset`` of ``mapping`` (unmapped here) into ``dest``;
+    the checksum of what landed, by ``algorithm`` when it is a tree one."""
+    if mapping is None:
+        return copy_leaves(dest, dest, algorithm)
     try:
         return copy_leaves(np.frombuffer(mapping, dtype=np.uint8, count=dest.nbytes, offset=offset), dest, algorithm)
     finally:

@@ -151,13 +151,13 @@ def test_bytes_changed_in_the_holders_memory_are_caught() -> None:
 
 def test_the_joiner_gets_the_memory_file_read_only(monkeypatch: pytest.MonkeyPatch) -> None:
     modes: list[int] = []
-    real = transport_shm.copy_from_file
+    real = transport_shm.map_file
 
-    def record(fd: int, offset: int, dest: Any, algorithm: str | None) -> str | None:
+    def record(fd: int, offset: int, nbytes: int) -> Any:
         modes.append(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE)
-        return real(fd, offset, dest, algorithm)
+        return real(fd, offset, nbytes)
 
-    monkeypatch.setattr(transport_shm, "copy_from_file", record)
+    monkeypatch.setattr(transport_shm, "map_file", record)
     with _serving() as server:
         fetch_bundle_sync(server.publish(1, _state(5)), timeout=20.0)
     assert modes == [os.O_RDONLY]
@@ -265,10 +265,10 @@ def test_a_holder_without_proc_or_a_joiner_that_cannot_map_goes_over_the_transpo
             holder_refused = fetch_bundle_sync(descriptor, timeout=20.0)
         assert "no read-only descriptor of the memory file here" in caplog.text
 
-        def no_room(*_args: Any) -> str | None:
+        def no_room(*_args: Any) -> Any:
             raise OSError(12, "Cannot allocate memory")
 
-        monkeypatch.setattr(transport_shm, "copy_from_file", no_room)
+        monkeypatch.setattr(transport_shm, "map_file", no_room)
         joiner_refused = fetch_bundle_sync(descriptor, timeout=20.0)
         assert "cannot be mapped here" in caplog.text
         after = fetch_sync(descriptor, timeout=20.0)  # the holder serves on
