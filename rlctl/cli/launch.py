@@ -80,7 +80,7 @@ def launch(
     if watch:
         from rlctl.cli.status import watch_status
 
-        watch_status(jobdir, interval=0.5, until_done=True)
+        watch_status(jobdir, interval=0.5)
 
 
 def ensure_model(spec: JobSpec) -> None:

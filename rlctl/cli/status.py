@@ -44,7 +44,7 @@ def status(
         print_json(job_status(jobdir))
         return
     if watch:
-        watch_status(jobdir, interval=interval, until_done=False)
+        watch_status(jobdir, interval=interval)
         return
     console.print(render_status(job_status(jobdir), console.width))
 
@@ -59,7 +59,7 @@ def stream_status(jobdir: JobDir, interval: float) -> None:
         pass
 
 
-def watch_status(jobdir: JobDir, interval: float, until_done: bool) -> dict[str, Any]:
+def watch_status(jobdir: JobDir, interval: float) -> dict[str, Any]:
     """The live view; plain lines when stdout is not a terminal. Returns the last status."""
     current: dict[str, Any] = {}
     try:
@@ -67,11 +67,10 @@ def watch_status(jobdir: JobDir, interval: float, until_done: bool) -> dict[str,
             for current in _until_ended(jobdir, max(interval, 2.0)):
                 console.print(status_line(current), highlight=False, soft_wrap=True)
             return current
-        current = job_status(jobdir)
+        statuses = _until_ended(jobdir, interval)
+        current = next(statuses)
         with Live(render_status(current, console.width), console=console, refresh_per_second=4, screen=False) as live:
-            while current["job"]["state"] not in ENDED_JOB_STATES:
-                time.sleep(interval)
-                current = job_status(jobdir)
+            for current in statuses:
                 live.update(render_status(current, console.width))
     except KeyboardInterrupt:
         pass

@@ -16,8 +16,8 @@ GB/s), and the facts behind it:
 * ``local_node_id``: this machine as seen from its network namespace (hostname, boot id and the
   namespace), which a holder puts in its descriptor so that a joiner knows it is on the same node.
 * ``faster_lane``: the lane a pull could have taken: ``sm`` for a same-node pull that went over
-  tcp (rlctl's memory files are there on Linux, UCX shared memory whenever ucxx is), ``rdma`` for a cross-node tcp pull on a
-  node with RDMA devices (``/sys/class/infiniband``).
+  tcp (rlctl's memory files are there on Linux, UCX shared memory whenever ucxx is), ``rdma``
+  for a cross-node tcp pull on a node with RDMA devices (``/sys/class/infiniband``).
 """
 
 from __future__ import annotations
