@@ -61,13 +61,14 @@ def pull_once(torch: Any, way: str, source: dict[str, Any], pools: dict[str, Any
               device: str) -> dict[str, Any]:
     """One pull and load ``way``; its seconds split into transfer, check and load, and the lane."""
     from rlctl.weights import fetch_bundle_sync, fetch_device_bundle_sync, unflatten
+    from rlctl.weights.transport_shm import over_transport
     from rlctl.workload.weights_load import load_into
 
     if device == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
     if way in ("host", "shm"):
-        through = source if way == "shm" else {k: v for k, v in source.items() if k != "shm_socket"}
+        through = source if way == "shm" else over_transport(source)
         bundle: Any = fetch_bundle_sync(through, timeout=600, pool=pools["host"])
         pulled = time.perf_counter()
         views = unflatten(bundle.manifest, bundle.buffer)

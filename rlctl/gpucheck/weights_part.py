@@ -311,6 +311,7 @@ def _join(descriptor: dict[str, Any], specs: list[tuple[str, tuple[int, ...]]], 
 
     from rlctl.weights import fetch_bundle_sync, offers_device_copy, unflatten
     from rlctl.weights.staging import HostBufferPool
+    from rlctl.weights.transport_shm import offers_shared_memory, over_transport
 
     nbytes = int(descriptor["nbytes"])
     pool = HostBufferPool()
@@ -327,11 +328,10 @@ def _join(descriptor: dict[str, Any], specs: list[tuple[str, tuple[int, ...]]], 
 
     figures = _timed_pull(torch, host_pull(descriptor), targets, expected, device)
     figures.update(bytes=nbytes, tensors=len(specs), pinned=pool.buffers[0].pinned)
-    if "shm_socket" in descriptor:  # the baseline, reported: the same pull over the holder's transport
+    if offers_shared_memory(descriptor):  # the baseline, reported: the same pull over the holder's transport
         for target in targets.values():
             target.zero_()
-        without = {key: value for key, value in descriptor.items() if key != "shm_socket"}
-        figures["transport_pull"] = _timed_pull(torch, host_pull(without), targets, expected, device)
+        figures["transport_pull"] = _timed_pull(torch, host_pull(over_transport(descriptor)), targets, expected, device)
     if offers_device_copy(descriptor):
         from rlctl.weights import fetch_device_bundle_sync
         from rlctl.weights.device_bundle import DeviceBufferPool

@@ -59,6 +59,7 @@ from rlctl.weights.transport_tcp import (
 
 SHM_LANE = "memfd/host"  # lane class ``sm``
 SOCKET_PREFIX = "rlctl-weights-"
+SHM_SOCKET = "shm_socket"  # the descriptor field naming the holder's socket
 NOT_SHARED = "this version is not in a memory file here"
 
 
@@ -70,8 +71,14 @@ class SharedMemoryRefused(TransportUnavailableError):
 def offers_shared_memory(source: dict[str, Any]) -> bool:
     """Whether ``source``'s holder hands versions over in shared memory to this process: it runs on
     this node, names its socket, and host memory is what is asked for."""
-    return (isinstance(source.get("shm_socket"), str) and source.get("memory", "host") == "host"
+    return (isinstance(source.get(SHM_SOCKET), str) and source.get("memory", "host") == "host"
             and same_node(source) and shared_memory_supported())
+
+
+def over_transport(source: dict[str, Any]) -> dict[str, Any]:
+    """``source`` without its shared-memory offer: a pull of it goes over the holder's transport
+    even on the holder's node (the baseline the GPU check and the benches measure beside it)."""
+    return {key: value for key, value in source.items() if key != SHM_SOCKET}
 
 
 class SharedMemoryHolder(FramedHolder):
@@ -98,7 +105,7 @@ class SharedMemoryHolder(FramedHolder):
     async def start(self) -> dict[str, Any]:
         """Bind and start accepting; the descriptor fields this path adds (``shm_socket``)."""
         await self._server.start()
-        return {"shm_socket": self.socket_name}
+        return {SHM_SOCKET: self.socket_name}
 
     async def _send(self, conn: socket.socket, request: dict[str, Any], answer: FetchAnswer, deadline: float) -> None:
         body = answer.body()
@@ -131,7 +138,7 @@ async def shm_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
     """Copy the holder's version (or ``source["range"]`` of it) out of its memory file into ``out``
     (or a fresh buffer), unverified; the route carries the checksum of what landed when the whole
     version was copied. ``SharedMemoryRefused`` when the holder cannot hand it over this way."""
-    sock = await _connect(str(source["shm_socket"]), deadline)
+    sock = await _connect(str(source[SHM_SOCKET]), deadline)
     try:
         await framing.send_all(sock, opening({"op": "fetch", **request_fields(source)}), deadline)
         reply = await framing.recv_frame(sock, deadline)
