@@ -33,7 +33,7 @@ from rlctl.weights.checksum import (
     default_checksum_algorithm,
 )
 from rlctl.weights.errors import WeightIntegrityError, WeightVersionMovedError
-from rlctl.weights.staging import HostBuffer, HostBufferPool, StagingStats, allocate_host, stage
+from rlctl.weights.staging import HostBuffer, HostBufferPool, StagingStats, allocate_host, on_source_device, stage
 
 if TYPE_CHECKING:
     from rlctl.weights.lanes import PullStats
@@ -160,7 +160,7 @@ def flatten(state: Mapping[str, Any], version: int, checksum_algorithm: str | No
     started = time.perf_counter()
     if pool is None:
         return _flatten_into(allocate_host(total, pin=False), state, version, kind, layout, hasher_algorithm, started)
-    with pool.reserve(total) as host:
+    with on_source_device(state), pool.reserve(total) as host:
         return _flatten_into(host, state, version, kind, layout, hasher_algorithm, started)
 
 

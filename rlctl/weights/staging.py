@@ -70,12 +70,20 @@ def cuda_present() -> bool:
 def _cuda_register(address: int, length: int) -> None:
     """Page-lock ``[address, address + length)`` for CUDA. The call runs on a thread of its own:
     a refusal leaves its error as the calling thread's last CUDA error, which torch's next kernel
-    launch on that thread would raise as its own (torch's binding does not clear it)."""
+    launch on that thread would raise as its own (torch's binding does not clear it). That thread
+    first takes the caller's current device: a fresh thread's is device 0, and registering from
+    there would open a context on GPU 0 in a process that works on another one."""
     torch = _torch()
     if torch is None:
         raise RuntimeError("torch is not loaded")
+    device = torch.cuda.current_device()
+
+    def register() -> int:
+        torch.cuda.set_device(device)
+        return int(torch.cuda.cudart().cudaHostRegister(address, length, 0))
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlctl-pin") as registrar:
-        code = registrar.submit(lambda: int(torch.cuda.cudart().cudaHostRegister(address, length, 0))).result()
+        code = registrar.submit(register).result()
     if code != 0:  # 0: cudaSuccess (flags 0: cudaHostRegisterDefault)
         raise RuntimeError(f"cudaHostRegister of {length} bytes failed with cudaError {code}")
 
@@ -419,6 +427,17 @@ def _pieces(placement: Placement, chunk_bytes: int) -> Iterator[tuple[int, int]]
         stop = min(placement.nbytes, boundary - placement.offset)
         yield at, stop
         at = stop
+
+
+def on_source_device(state: Mapping[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """A block in which this thread's current CUDA device is the one ``state``'s tensors are on
+    (nothing changes for host tensors): a buffer pinned inside it is registered from that device,
+    not from device 0, a fresh thread's (``_cuda_register``)."""
+    device = _source_device(state)
+    if not device.startswith("cuda"):
+        return contextlib.nullcontext()
+    torch = _torch()
+    return torch.cuda.device(torch.device(device))
 
 
 def _source_device(state: Mapping[str, Any]) -> str:

@@ -128,21 +128,53 @@ def test_a_state_on_two_devices_is_refused_naming_the_tensor_and_nothing_is_stag
     assert pool.allocations == 0
 
 
-def test_the_pinning_call_runs_on_a_thread_of_its_own_and_its_refusal_is_raised_to_the_caller(
+def test_the_pinning_call_runs_on_a_thread_of_its_own_on_the_callers_device_and_its_refusal_is_raised(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
     # A refused cudaHostRegister leaves its error as its thread's last CUDA error, which torch's
     # next kernel launch there would raise: the call must not run on the staging thread.
+    # That thread registers from the caller's device (a fresh thread's is 0): a process working
+    # on GPU 1 must not open a context on GPU 0.
     threads: list[str] = []
+    current_device = threading.local()
 
     class Runtime:
         @staticmethod
         def cudaHostRegister(address: int, length: int, flags: int) -> int:
             threads.append(threading.current_thread().name)
+            registered_from.append(getattr(current_device, "index", 0))
             return 2  # cudaErrorMemoryAllocation
 
+    registered_from: list[int] = []
+    current_device.index = 1
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current_device, "index", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: setattr(current_device, "index", index))
     with pytest.raises(RuntimeError, match="cudaHostRegister of 4096 bytes failed with cudaError 2"):
         staging._cuda_register(1234, 4096)
     assert len(threads) == 1 and threads[0] != threading.current_thread().name and threads[0].startswith("rlctl-pin")
+    assert registered_from == [1]
+
+
+def test_a_gpu_states_buffer_is_reserved_with_its_gpu_current_and_a_host_states_with_nothing_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+    from collections.abc import Iterator
+
+    entered: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def device(index: torch.device) -> Iterator[None]:
+        entered.append(index)
+        yield
+
+    class OnSecondGpu:
+        device = torch.device("cuda:1")
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    with staging.on_source_device({"w": OnSecondGpu()}):
+        assert entered == [torch.device("cuda:1")]
+    with staging.on_source_device(_state(1)):
+        pass
+    assert entered == [torch.device("cuda:1")]
