@@ -44,6 +44,7 @@ from rlctl.backends.base import AgentLaunch, AllocationRequest, NodeInfo, ProbeR
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.events import event
+from tests.observe.prometheus_server import free_port  # below the ephemeral range: the controller binds it later
 
 JOB = """
 [job]
@@ -370,14 +371,6 @@ def measure(nodes: int, seconds: float, tmp: Path, tls: bool, prometheus: bool =
             time.sleep(2.0)
         stop_child(child)
     return result
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def stop_child(child: subprocess.Popen[bytes]) -> None:

@@ -30,7 +30,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from rlctl.workload.rendezvous import held_store
 
 CTX = mp.get_context("spawn")
 ROLLOUTS = 2
@@ -67,10 +68,12 @@ def load_shard(path: str, rank: int, ranks: int) -> dict[str, Any]:
     return shard
 
 
-def rank_main(rank: int, ranks: int, mode: str, path: str, port: int, transport: str, out: Any, go: Any,
+def rank_main(rank: int, ranks: int, mode: str, path: str, rendezvous: dict[str, str], transport: str, out: Any, go: Any,
               done: Any) -> None:
     set_env(transport)
-    rank_sync(rank, ranks, mode, path, f"tcp://127.0.0.1:{port}", "127.0.0.1", transport,
+    os.environ.update(rendezvous)  # join the bench's held store as a client
+    rank_sync(rank, ranks, mode, path, f"tcp://{rendezvous['MASTER_ADDR']}:{rendezvous['MASTER_PORT']}", "127.0.0.1",
+              transport,
               go.wait, lambda started, source: out.put((started, source)), done.wait)
 
 
@@ -166,18 +169,20 @@ def disk_main(path: str, out: Any, cold: bool) -> None:
     out.put((time.time() - started, len(copies)))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+LAB_RENDEZVOUS_PORT = 29500  # on lab node 0, in its own network namespace: nothing else binds there
 
 
 def sync_once(path: str, ranks: int, mode: str, transport: str) -> float:
-    """Seconds from every rank holding its shard to both rollouts holding the whole model."""
+    """Seconds from every rank holding its shard to both rollouts holding the whole model (their
+    gloo group meets at a store this process holds: ``held_store``)."""
+    with held_store() as rendezvous:
+        return _sync_once(path, ranks, mode, transport, rendezvous)
+
+
+def _sync_once(path: str, ranks: int, mode: str, transport: str, rendezvous: dict[str, str]) -> float:
     rank_out, source_queues, rollout_out = CTX.Queue(), [CTX.Queue() for _ in range(ROLLOUTS)], CTX.Queue()
     go, done = CTX.Event(), CTX.Event()
-    port = _free_port()
-    procs = [CTX.Process(target=rank_main, args=(r, ranks, mode, path, port, transport, rank_out, go, done))
+    procs = [CTX.Process(target=rank_main, args=(r, ranks, mode, path, rendezvous, transport, rank_out, go, done))
              for r in range(ranks)]
     procs += [CTX.Process(target=rollout_main, args=(q, rollout_out, transport)) for q in source_queues]
     for proc in procs:
@@ -202,7 +207,7 @@ def sync_once(path: str, ranks: int, mode: str, transport: str) -> float:
 def lab_sync_once(nodes: Any, path: str, ranks: int, mode: str) -> float:
     """``sync_once`` with every rank on its own lab node behind its own link, the rollouts on the bridge."""
     source_queues, rollout_out = [CTX.Queue() for _ in range(ROLLOUTS)], CTX.Queue()
-    master = f"{nodes.ip(0)}:{_free_port()}"
+    master = f"{nodes.ip(0)}:{LAB_RENDEZVOUS_PORT}"
     children = [nodes.spawn(r, [__file__, "--lab-rank", str(r), "--ranks", str(ranks), "--mode", mode, "--path", path,
                                 "--master", master, "--host", nodes.ip(r)]) for r in range(ranks)]
     rollouts = [CTX.Process(target=rollout_main, args=(q, rollout_out, "tcp")) for q in source_queues]

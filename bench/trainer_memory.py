@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,23 +63,19 @@ def rank_main(out: Path, sharding: str, size: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_group(tmp: Path, sharding: str, ranks: int, size: str) -> list[dict[str, Any]]:
-    port = str(_free_port())
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-out", str(tmp / f"{sharding}{rank}.json"),
-                                       "--sharding", sharding, "--size", size], env=env))
-    for proc in procs:
-        if proc.wait(timeout=3600) != 0:
-            raise SystemExit(f"a {sharding} rank failed (exit {proc.returncode})")
+    """Run the ranks as processes meeting at a store this process holds (``held_store``)."""
+    from rlctl.workload.rendezvous import held_store
+
+    with held_store() as rendezvous:
+        procs = []
+        for rank in range(ranks):
+            env = {**os.environ, **rendezvous, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "RANK": str(rank)}
+            procs.append(subprocess.Popen([sys.executable, __file__, "--rank-out", str(tmp / f"{sharding}{rank}.json"),
+                                           "--sharding", sharding, "--size", size], env=env))
+        for proc in procs:
+            if proc.wait(timeout=3600) != 0:
+                raise SystemExit(f"a {sharding} rank failed (exit {proc.returncode})")
     return [json.loads((tmp / f"{sharding}{rank}.json").read_text()) for rank in range(ranks)]
 
 

@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import platform
 import re
-import socket
 import statistics
 import sys
 import time
@@ -144,11 +143,11 @@ def bench_transport(transport: str, sizes: list[int], repeats: int, fetch_repeat
 # gloo broadcast baseline
 
 
-def gloo_proc(rank: int, port: int, sizes: list[int], repeats: int, results: Any) -> None:
+def gloo_proc(rank: int, rendezvous: dict[str, str], sizes: list[int], repeats: int, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(rendezvous, GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     measured = []
     for nbytes in sizes:
@@ -168,25 +167,22 @@ def gloo_proc(rank: int, port: int, sizes: list[int], repeats: int, results: Any
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def bench_gloo(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Two gloo ranks meeting at a store this process holds (``held_store``)."""
+    from rlctl.workload.rendezvous import held_store
+
     results = CTX.Queue()
-    port = free_port()
-    ranks = [CTX.Process(target=gloo_proc, args=(rank, port, sizes, repeats, results)) for rank in (0, 1)]
-    for process in ranks:
-        process.start()
-    try:
-        return results.get(timeout=IPC_WAIT_S)
-    finally:
+    with held_store() as rendezvous:
+        ranks = [CTX.Process(target=gloo_proc, args=(rank, rendezvous, sizes, repeats, results)) for rank in (0, 1)]
         for process in ranks:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
+            process.start()
+        try:
+            return results.get(timeout=IPC_WAIT_S)
+        finally:
+            for process in ranks:
+                process.join(30)
+                if process.is_alive():
+                    process.kill()
 
 
 # ---------------------------------------------------------------------------------------------
