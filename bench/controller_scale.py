@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import resource
 import signal
 import ssl
@@ -44,7 +45,6 @@ from rlctl.backends.base import AgentLaunch, AllocationRequest, NodeInfo, ProbeR
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
 from rlctl.core.events import event
-from tests.observe.prometheus_server import free_port  # below the ephemeral range: the controller binds it later
 
 JOB = """
 [job]
@@ -354,7 +354,9 @@ def measure(nodes: int, seconds: float, tmp: Path, tls: bool, prometheus: bool =
     root = tmp / f"n{nodes}-{'tls' if tls else 'tcp'}-{'prom' if prometheus else 'noprom'}"
     root.mkdir()
     jobdir = JobDir(root / "scale-job")
-    metrics_port = free_port() if prometheus else 0
+    # Drawn below Linux's ephemeral range (32768-60999): a port probed with bind(0) could be handed to
+    # an outgoing connection before the controller binds it; one from here only to another explicit bind.
+    metrics_port = random.SystemRandom().randrange(30000, 32768) if prometheus else 0
     observability = f"[observability]\nprometheus_port = {metrics_port}\n" if prometheus else ""
     jobdir.create(JOB.format(rollouts=nodes - 2, tls="on" if tls else "off", observability=observability))
     from rlctl.spec_loader import load_job_file
