@@ -67,14 +67,15 @@ class ControllerStub:
         self._call(self._stop())
 
     async def _stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()  # no new connection; one accepted meanwhile closes itself (_serve)
         for writer in self._writers:
             writer.close()
         self._writers.clear()
         self._current = None
+        if server is not None:
+            await server.wait_closed()  # from Python 3.12.1 on, this also waits for the connections
 
     def close(self) -> None:
         self.stop()
@@ -87,6 +88,9 @@ class ControllerStub:
     # ---- protocol --------------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._server is None:  # accepted just before a stop
+            writer.close()
+            return
         self._writers.append(writer)
         try:
             nonce = protocol.new_nonce()
