@@ -148,8 +148,9 @@ class HostBuffer(PooledBuffer):
             weakref.finalize(self, unregister, int(array.ctypes.data))
         if shared_fd is not None:
             weakref.finalize(self, os.close, shared_fd)
-            with _shared_lock:
-                _shared_buffers.add(self)
+        if capacity:
+            with _live_lock:
+                _live_buffers.add(self)
 
     def view(self, nbytes: int) -> Buffer:
         """The first ``nbytes`` bytes as a 1-D uint8 array."""
@@ -217,8 +218,22 @@ def _seal(fd: int) -> bool:
     return True
 
 
-_shared_buffers: weakref.WeakSet[HostBuffer] = weakref.WeakSet()
-_shared_lock = threading.Lock()
+_live_buffers: weakref.WeakSet[HostBuffer] = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def host_buffer_of(array: Buffer) -> tuple[HostBuffer, int] | None:
+    """The live host buffer ``array`` is a view into, and the view's byte offset in it; or None."""
+    if array.nbytes == 0:
+        return None
+    start = int(array.ctypes.data)
+    with _live_lock:
+        buffers = list(_live_buffers)
+    for buffer in buffers:
+        base = int(buffer.array.ctypes.data)
+        if base <= start and start + array.nbytes <= base + buffer.capacity:
+            return buffer, start - base
+    return None
 
 
 @dataclass(frozen=True)
@@ -238,16 +253,10 @@ class SharedRegion:
 
 def shared_region(array: Buffer) -> SharedRegion | None:
     """The memory file ``array`` lies in (a view into a live host buffer that maps one), or None."""
-    if array.nbytes == 0:
+    found = host_buffer_of(array)
+    if found is None or found[0].shared_fd is None:
         return None
-    start = int(array.ctypes.data)
-    with _shared_lock:
-        buffers = list(_shared_buffers)
-    for buffer in buffers:
-        base = int(buffer.array.ctypes.data)
-        if buffer.shared_fd is not None and base <= start and start + array.nbytes <= base + buffer.capacity:
-            return SharedRegion(buffer, start - base)
-    return None
+    return SharedRegion(*found)
 
 
 class BufferPool(Generic[PooledT]):

@@ -14,8 +14,9 @@ Role: two ways to move a flat weight buffer between processes with UCX.
   the header frame (manifest plus its own worker address, which the joiner checks against the
   source descriptor to detect a stale descriptor), then tag-sends the body to the joiner's
   worker; the joiner receives it with a worker-level tag recv into an exactly sized buffer and
-  acks on the control connection. The control connection also tells each side promptly when
-  the other process dies (EOF), since a worker-address endpoint without error handling does not.
+  acks on the control connection (a recv the pull gives up is finished first: ``ucx_tag_recv``).
+  The control connection also tells each side promptly when the other process dies (EOF), since
+  a worker-address endpoint without error handling does not.
 
 A `ucx` holder also runs the `ucx-sm` control channel (`sm_port` in its descriptor, beside its
 `node_id`): a joiner on the same node takes that path (`rlctl.weights.client`), so a same-node
@@ -42,7 +43,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import replace
 from typing import Any, ClassVar, TypeVar
 
@@ -70,6 +71,7 @@ from rlctl.weights.transport_tcp import (
     request_fields,
 )
 from rlctl.weights.ucx_guard import PreHandshakeGuard, endpoint_peer
+from rlctl.weights.ucx_tag_recv import receive_tagged
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +181,31 @@ class UcxRuntime:
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    @contextlib.asynccontextmanager
+    async def kept_hot(self) -> AsyncIterator[None]:
+        """UCX progressed without pause while the block runs (from any loop): an exchange whose
+        peer needs this worker to answer (a holder making its endpoint to it) is not left to the
+        idle progress, which shared memory raises no event for."""
+        release = asyncio.Event()
+        held = self._submit(self._hot_until(release))
+        try:
+            yield
+        finally:
+            self.loop.call_soon_threadsafe(release.set)
+            await asyncio.wrap_future(held)
+
+    async def _hot_until(self, release: asyncio.Event) -> None:
+        if self.progress is None:
+            await release.wait()
+            return
+        with self.progress.hot():
+            await release.wait()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start `coro` on the UCX loop; its future (cancelling it cancels `coro`, not awaiting it
+        does not). UCX is progressed without pause only inside ``kept_hot`` or ``run``."""
+        return self._submit(coro)
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the UCX loop, progressing UCX without pause meanwhile, and await it from
@@ -712,6 +739,12 @@ async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = 
                      out: Buffer | None = None) -> tuple[Manifest, Buffer, Route]:
     """Fetch over the control channel + a worker-address UCX tag message (no verification)."""
     runtime = UcxRuntime.get()
+    async with runtime.kept_hot():
+        return await _sm_exchange(runtime, source, deadline, max_nbytes, out)
+
+
+async def _sm_exchange(runtime: UcxRuntime, source: dict[str, Any], deadline: float, max_nbytes: int,
+                       out: Buffer | None) -> tuple[Manifest, Buffer, Route]:
     sock = await framing.connect(source["host"], int(source["port"]), deadline)
     try:
         tag = secrets.randbits(64)
@@ -724,7 +757,7 @@ async def sm_receive(source: dict[str, Any], deadline: float, max_nbytes: int = 
         offset, length = part_of(source, reply, manifest)
         buffer = receive_buffer(manifest.nbytes, out)
         if length:
-            await _receive_tagged(runtime, sock, _landing(buffer, offset, length), tag, deadline)
+            await receive_tagged(runtime, sock, _landing(buffer, offset, length), tag, deadline, _ucx_errors())
         await framing.send_frame(sock, {"ok": True}, deadline)
         return manifest, buffer, Route("ucx-sm", _reported_lanes(reply), _device_memory(buffer))
     finally:
@@ -759,21 +792,3 @@ def _check_holder_address(source: dict[str, Any], reply: dict[str, Any]) -> None
     if expected and reply.get("worker_address_hex") != expected:
         raise WeightTransferError("stale source descriptor: another UCX worker now answers on "
                                   f"{source['host']}:{source['port']}")
-
-
-async def _receive_tagged(runtime: UcxRuntime, sock: socket.socket, buffer: Buffer, tag: int,
-                          deadline: float) -> None:
-    """Worker-level tag recv, abandoned with an error if the holder's control connection drops."""
-    receive = asyncio.ensure_future(
-        runtime.run(_bounded(runtime.ucxx.recv(buffer, tag=tag), deadline, "receiving the weights")))
-    holder_gone = asyncio.ensure_future(framing.wait_for_eof(sock))
-    try:
-        done, _ = await asyncio.wait({receive, holder_gone}, return_when=asyncio.FIRST_COMPLETED)
-        if receive in done:
-            receive.result()
-            return
-        raise WeightTransferError("holder closed the control connection before the weights arrived")
-    finally:
-        for task in (receive, holder_gone):
-            task.cancel()
-        await asyncio.gather(receive, holder_gone, return_exceptions=True)

@@ -9,6 +9,7 @@ joiner talks to a genuinely dying or corrupted peer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -43,6 +44,23 @@ def make_state(seed: int, big_elements: int = 1 << 16) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # holder
 
+LATE_SEND_S = 0.5
+
+
+def _send_late() -> None:
+    """Patch a ucx-sm holder so it sends only once the joiner has given up (closed the control
+    connection), ``LATE_SEND_S`` later: as a holder stopped between its reply and its send, and
+    resumed, would. The joiner's receive is posted, unmatched, all along."""
+    from rlctl.weights import transport_ucx
+
+    async def late(send: Any, ack: Any) -> None:
+        with contextlib.suppress(Exception):
+            await ack  # fails when the joiner closes the control connection
+        await asyncio.sleep(LATE_SEND_S)
+        await send
+
+    transport_ucx._first_failure_or_all = late
+
 
 def _die_mid_transfer(transport: str) -> None:
     """Patch the holder so it exits (like a SIGKILL: no cleanup) in the middle of a transfer."""
@@ -76,7 +94,8 @@ def holder_main(transport: str, seed: int, version: int, big_elements: int, mode
     """Serve `make_state(seed)` as `version` until `stop` (a pipe end) is readable; put the descriptor on `out`.
 
     mode: "normal"; "corrupt" flips one byte of the served buffer after publishing (its
-    checksum stays the published one); "die" exits mid-transfer. `shared_memory`: joiners on this
+    checksum stays the published one); "die" exits mid-transfer; "late-send" (ucx-sm) sends only
+    after the joiner gave up. `shared_memory`: joiners on this
     node are handed the version's memory file (`transport_shm`).
     """
     set_env(transport)
@@ -84,6 +103,8 @@ def holder_main(transport: str, seed: int, version: int, big_elements: int, mode
 
     if mode == "die":
         _die_mid_transfer(transport)
+    if mode == "late-send":
+        _send_late()
     with WeightServerThread(transport=transport, shared_memory=shared_memory) as server:
         descriptor = server.publish(version, make_state(seed, big_elements))
         if mode == "corrupt":
@@ -318,3 +339,116 @@ def device_joiner_main(sources: dict[str, dict[str, Any]], seed: int, out: mp.Qu
                                 "fingerprint": served["device_fingerprint"] == first["device_fingerprint"],
                                 "host_bundle": server.server.current_bundle() is not None}
     out.put(records)
+
+
+def abandoning_joiner_main(late: dict[str, Any], normal: dict[str, Any], out: mp.Queue) -> None:
+    """Pull from the ``late-send`` holder ``late`` twice, giving up once by the deadline and once
+    by cancelling; report how each ended and the landing's changed bytes when the pull returned
+    and after the holder's late send; then pull ``normal`` whole with the same worker."""
+    set_env("ucx-sm")
+    import numpy as np
+
+    from rlctl.weights import verify
+    from rlctl.weights.transport_ucx import sm_receive
+    from rlctl.weights.ucx_tag_recv import still_receiving
+
+    async def pull(source: dict[str, Any], landing: Any, limit_s: float, cancel_after_s: float | None) -> str:
+        deadline = asyncio.get_running_loop().time() + limit_s
+        task = asyncio.ensure_future(sm_receive(source, deadline, out=landing))
+        if cancel_after_s is not None:
+            await asyncio.sleep(cancel_after_s)
+            task.cancel()
+        try:
+            manifest, buffer, _route = await task
+        except BaseException as exc:  # noqa: BLE001 - reported: the test asserts on which
+            return type(exc).__name__
+        verify(manifest, buffer, source["version"], source["checksum"])
+        return "received"
+
+    report: dict[str, Any] = {}
+    for ends, limit_s, cancel_after_s in (("deadline", 2.0, None), ("cancelled", 30.0, 2.0)):
+        landing = np.zeros(int(late["nbytes"]), dtype=np.uint8)
+        how = asyncio.run(pull(late, landing, limit_s, cancel_after_s))
+        at_return = int(np.count_nonzero(landing))
+        time.sleep(LATE_SEND_S + 1.5)
+        report[ends] = {"how": how, "at_return": at_return, "later": int(np.count_nonzero(landing))}
+    report["still_receiving"] = still_receiving()
+    report["then"] = asyncio.run(pull(normal, np.zeros(int(normal["nbytes"]), dtype=np.uint8), 30.0, None))
+    out.put(report)
+
+
+def tcp_lane_holder_main(nbytes: int, out: mp.Queue, stop: Any) -> None:
+    """A ucx-sm holder whose UCX has only tcp lanes (fragment by fragment, so a transfer can be
+    stopped half-way): serve ``nbytes`` of 7s; put its pid and descriptor on ``out``."""
+    set_env("ucx")
+    import numpy as np
+
+    from rlctl.weights import WeightServerThread
+
+    with WeightServerThread(transport="ucx-sm") as server:
+        out.put((os.getpid(), server.publish(1, {"w": np.full(nbytes, 7, dtype=np.uint8)})))
+        stop.poll(120)
+
+
+def stopped_mid_pull_joiner_main(source: dict[str, Any], to_test: mp.Queue, from_test: mp.Queue) -> None:
+    """Pull ``source`` twice over tcp lanes, into a fresh buffer and into a pooled one; each time
+    say "started" on ``to_test`` when the first bytes land (the test then stops the holder), give
+    up at the deadline, report what holds the buffer, wait for "resumed", and report again once
+    UCX ended the receive."""
+    set_env("ucx")
+    import gc
+    import threading
+    import weakref
+
+    import numpy as np
+
+    from rlctl.weights.staging import HostBufferPool
+    from rlctl.weights.transport_ucx import sm_receive
+    from rlctl.weights.ucx_tag_recv import still_receiving
+
+    nbytes = int(source["nbytes"])
+
+    def say_when_started(landing: Any) -> None:
+        while not landing[:4096].any():
+            time.sleep(0.002)
+        to_test.put("started")
+
+    async def pull(landing: Any) -> str:
+        threading.Thread(target=say_when_started, args=(landing,), daemon=True).start()
+        try:
+            await sm_receive(source, asyncio.get_running_loop().time() + 3.0, out=landing)
+        except BaseException as exc:  # noqa: BLE001 - reported
+            return type(exc).__name__
+        return "received"
+
+    def wait_for_ucx() -> bool:
+        ends = time.monotonic() + 30
+        while still_receiving() and time.monotonic() < ends:
+            time.sleep(0.05)
+        gc.collect()
+        return still_receiving() == 0
+
+    fresh = np.zeros(nbytes, dtype=np.uint8)
+    kept = weakref.ref(fresh)
+    how = asyncio.run(pull(fresh))
+    at_return = int(np.count_nonzero(fresh))
+    del fresh
+    gc.collect()
+    report: dict[str, Any] = {"fresh": {"how": how, "partial": 0 < at_return < nbytes,
+                                        "receiving": still_receiving(), "kept": kept() is not None}}
+    to_test.put("returned")
+    assert from_test.get(timeout=60) == "resumed"
+    report["fresh"].update(ended=wait_for_ucx(), freed_after=kept() is None)
+
+    pool = HostBufferPool(pin=False, max_buffers=1)
+    with pool.reserve(nbytes) as host:
+        landing = host.view(nbytes)
+        landing[:] = 0
+        how = asyncio.run(pull(landing))
+        at_return = int(np.count_nonzero(landing))
+    del landing
+    report["pooled"] = {"how": how, "partial": 0 < at_return < nbytes, "busy": not pool.has_free(nbytes)}
+    to_test.put("returned")
+    assert from_test.get(timeout=60) == "resumed"
+    report["pooled"].update(ended=wait_for_ucx(), free_after=pool.has_free(nbytes))
+    to_test.put(report)
