@@ -59,6 +59,10 @@ class DeviceBuffer(PooledBuffer):
     def __init__(self, tensor: Any) -> None:
         super().__init__(int(tensor.numel()))
         self.tensor = tensor
+        self._register_live()
+
+    def span(self) -> tuple[int, int]:
+        return int(self.tensor.data_ptr()), self.capacity
 
     def view(self, nbytes: int) -> Any:
         """The first ``nbytes`` bytes (a 1-D uint8 tensor on the device)."""

@@ -132,6 +132,17 @@ class PooledBuffer:
         self._enter()
         weakref.finalize(owner, self._leave)
 
+    def span(self) -> tuple[int, int]:
+        """Where its memory lies: the first byte's address and the byte count."""
+        raise NotImplementedError
+
+    def _register_live(self) -> None:
+        """Make this buffer findable from a view into it (``pooled_buffer_of``); by the
+        subclass, once ``span`` can answer."""
+        if self.capacity:
+            with _live_lock:
+                _live_buffers.add(self)
+
 
 class HostBuffer(PooledBuffer):
     """One host allocation (pinned or pageable). ``shared_fd``: the memory file it maps, where it
@@ -148,9 +159,10 @@ class HostBuffer(PooledBuffer):
             weakref.finalize(self, unregister, int(array.ctypes.data))
         if shared_fd is not None:
             weakref.finalize(self, os.close, shared_fd)
-        if capacity:
-            with _live_lock:
-                _live_buffers.add(self)
+        self._register_live()
+
+    def span(self) -> tuple[int, int]:
+        return int(self.array.ctypes.data), self.capacity
 
     def view(self, nbytes: int) -> Buffer:
         """The first ``nbytes`` bytes as a 1-D uint8 array."""
@@ -218,22 +230,30 @@ def _seal(fd: int) -> bool:
     return True
 
 
-_live_buffers: weakref.WeakSet[HostBuffer] = weakref.WeakSet()
+_live_buffers: weakref.WeakSet[PooledBuffer] = weakref.WeakSet()
 _live_lock = threading.Lock()
+
+
+def pooled_buffer_of(address: int, nbytes: int) -> tuple[PooledBuffer, int] | None:
+    """The live pooled buffer (host or device) that bytes ``[address, address + nbytes)`` lie in,
+    and their offset in it; or None."""
+    if nbytes <= 0:
+        return None
+    with _live_lock:
+        buffers = list(_live_buffers)
+    for buffer in buffers:
+        base, capacity = buffer.span()
+        if base <= address and address + nbytes <= base + capacity:
+            return buffer, address - base
+    return None
 
 
 def host_buffer_of(array: Buffer) -> tuple[HostBuffer, int] | None:
     """The live host buffer ``array`` is a view into, and the view's byte offset in it; or None."""
-    if array.nbytes == 0:
+    found = pooled_buffer_of(int(array.ctypes.data), array.nbytes)
+    if found is None or not isinstance(found[0], HostBuffer):
         return None
-    start = int(array.ctypes.data)
-    with _live_lock:
-        buffers = list(_live_buffers)
-    for buffer in buffers:
-        base = int(buffer.array.ctypes.data)
-        if base <= start and start + array.nbytes <= base + buffer.capacity:
-            return buffer, start - base
-    return None
+    return found[0], found[1]
 
 
 @dataclass(frozen=True)

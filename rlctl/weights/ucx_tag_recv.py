@@ -18,7 +18,7 @@ So ``receive_tagged``, when its pull gives up before the receive ended:
   draws a fresh 64-bit tag);
 * waits ``ABANDON_GRACE_S`` for UCX to end a matched one;
 * keeps a receive still running after that referenced with its buffer (``still_receiving``),
-  and keeps the pooled host buffer it lands in busy, until UCX ends it (never, when the holder
+  and keeps the pooled buffer it lands in (host or device) busy, until UCX ends it (never, when the holder
   died), with a warning: memory held, never memory corrupted.
 
 torch-free and UCX-free at import: the runtime (``transport_ucx.UcxRuntime``) is passed in.
@@ -37,7 +37,7 @@ import numpy as np
 
 from rlctl.weights import framing
 from rlctl.weights.errors import WeightTimeoutError, WeightTransferError
-from rlctl.weights.staging import host_buffer_of
+from rlctl.weights.staging import pooled_buffer_of
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +104,18 @@ async def _end_abandoned(runtime: TagRuntime, sock: socket.socket, receive: conc
         return
     _still_receiving.add(receive)
     receive.add_done_callback(_still_receiving.discard)
-    pooled = host_buffer_of(buffer) if isinstance(buffer, np.ndarray) else None
+    pooled = pooled_buffer_of(*_span(buffer))
     if pooled is not None:
         pooled[0].hold(receive)
     log.warning("a UCX receive of %d bytes from a pull that gave up is still running: its buffer is kept until "
                 "UCX ends it (a holder that died mid-transfer never does)", int(getattr(buffer, "nbytes", 0)))
+
+
+def _span(buffer: Any) -> tuple[int, int]:
+    """Where a landing lies: a numpy array's memory, or a torch tensor's (host or device)."""
+    if isinstance(buffer, np.ndarray):
+        return int(buffer.ctypes.data), int(buffer.nbytes)
+    return int(buffer.data_ptr()), int(buffer.numel() * buffer.element_size())
 
 
 async def _send_to_self(runtime: TagRuntime, tag: int) -> None:

@@ -75,17 +75,17 @@ def test_a_receive_still_running_when_its_pull_gave_up_keeps_its_buffer_until_uc
     # The holder is stopped (SIGSTOP: what a hung holder is) once its bytes start landing, so the
     # joiner's receive is matched and half done when the pull gives up at its deadline; the
     # holder then goes on. UCX writes the rest into the buffer: it must not have been freed
-    # (fresh) or made free for the next pull (pooled) meanwhile.
+    # (fresh) or made free for the next pull (pooled, on the host or the device) meanwhile.
     stop_reader, stop = CTX.Pipe(duplex=False)
     ready, to_test, from_test = CTX.Queue(), CTX.Queue(), CTX.Queue()
-    holder = CTX.Process(target=weights_procs.tcp_lane_holder_main, args=(256 << 20, ready, stop_reader))
+    holder = CTX.Process(target=weights_procs.tcp_lane_holder_main, args=(512 << 20, ready, stop_reader))
     holder.start()
     joiner = None
     try:
         pid, source = ready.get(timeout=60)
         joiner = CTX.Process(target=weights_procs.stopped_mid_pull_joiner_main, args=(source, to_test, from_test))
         joiner.start()
-        for _ in ("fresh", "pooled"):
+        for _ in ("fresh", "pooled", "device"):
             assert to_test.get(timeout=60) == "started"
             os.kill(pid, signal.SIGSTOP)
             assert to_test.get(timeout=60) == "returned"
@@ -104,5 +104,6 @@ def test_a_receive_still_running_when_its_pull_gave_up_keeps_its_buffer_until_uc
                     process.kill()
     assert report["fresh"] == {"how": "WeightTimeoutError", "partial": True, "receiving": 1, "kept": True,
                                "ended": True, "freed_after": True}
-    assert report["pooled"] == {"how": "WeightTimeoutError", "partial": True, "busy": True, "ended": True,
-                                "free_after": True}
+    for pooled in ("pooled", "device"):
+        assert report[pooled] == {"how": "WeightTimeoutError", "partial": True, "busy": True, "ended": True,
+                                  "free_after": True}

@@ -178,3 +178,17 @@ def test_a_gpu_states_buffer_is_reserved_with_its_gpu_current_and_a_host_states_
     with staging.on_source_device(_state(1)):
         pass
     assert entered == [torch.device("cuda:1")]
+
+
+def test_a_view_finds_the_pooled_buffer_it_lies_in_host_or_device() -> None:
+    from rlctl.weights.device_bundle import DeviceBufferPool
+
+    host_pool, device_pool = HostBufferPool(pin=False), DeviceBufferPool("cpu")  # the CPU twin of a GPU's
+    with host_pool.reserve(1 << 16) as host, device_pool.reserve(1 << 16) as device:
+        view = host.view(1 << 16)[100:200]
+        assert staging.pooled_buffer_of(int(view.ctypes.data), view.nbytes) == (host, 100)
+        assert staging.host_buffer_of(view) == (host, 100)
+        tensor = device.view(1 << 16)[300:400]
+        assert staging.pooled_buffer_of(tensor.data_ptr(), 100) == (device, 300)
+        assert staging.pooled_buffer_of(int(view.ctypes.data), 1 << 16) is None  # runs past the buffer's end
+    assert staging.pooled_buffer_of(int(np.zeros(8).ctypes.data), 8) is None

@@ -391,7 +391,8 @@ def tcp_lane_holder_main(nbytes: int, out: mp.Queue, stop: Any) -> None:
 
 
 def stopped_mid_pull_joiner_main(source: dict[str, Any], to_test: mp.Queue, from_test: mp.Queue) -> None:
-    """Pull ``source`` twice over tcp lanes, into a fresh buffer and into a pooled one; each time
+    """Pull ``source`` three times over tcp lanes, into a fresh buffer, a pooled host buffer and a
+    pooled device buffer (the CPU twin's); each time
     say "started" on ``to_test`` when the first bytes land (the test then stops the holder), give
     up at the deadline, report what holds the buffer, wait for "resumed", and report again once
     UCX ended the receive."""
@@ -451,4 +452,18 @@ def stopped_mid_pull_joiner_main(source: dict[str, Any], to_test: mp.Queue, from
     to_test.put("returned")
     assert from_test.get(timeout=60) == "resumed"
     report["pooled"].update(ended=wait_for_ucx(), free_after=pool.has_free(nbytes))
+
+    from rlctl.weights.device_bundle import DeviceBufferPool
+
+    device_pool = DeviceBufferPool("cpu")  # the CPU twin of a GPU's device buffers
+    with device_pool.reserve(nbytes) as device:
+        tensor = device.view(nbytes)
+        tensor.zero_()
+        how = asyncio.run(pull(tensor))
+        at_return = int(np.count_nonzero(tensor.numpy()))
+    del tensor
+    report["device"] = {"how": how, "partial": 0 < at_return < nbytes, "busy": not device_pool.has_free(nbytes)}
+    to_test.put("returned")
+    assert from_test.get(timeout=60) == "resumed"
+    report["device"].update(ended=wait_for_ucx(), free_after=device_pool.has_free(nbytes))
     to_test.put(report)
