@@ -248,6 +248,20 @@ def pooled_buffer_of(address: int, nbytes: int) -> tuple[PooledBuffer, int] | No
     return None
 
 
+_writes_in_flight: set[Any] = set()  # futures of writes that outlive the pull they were for
+
+
+def keep_until_written(address: int, nbytes: int, write: Any) -> None:
+    """A write into ``[address, address + nbytes)`` goes on after the pull it was for ended
+    (``write``: its future, asyncio's or concurrent's): keep the pooled buffer those bytes lie in
+    busy, and ``write`` referenced, until it is done, so the next pull is not given them meanwhile."""
+    _writes_in_flight.add(write)
+    write.add_done_callback(_writes_in_flight.discard)
+    pooled = pooled_buffer_of(address, nbytes)
+    if pooled is not None:
+        pooled[0].hold(write)
+
+
 def host_buffer_of(array: Buffer) -> tuple[HostBuffer, int] | None:
     """The live host buffer ``array`` is a view into, and the view's byte offset in it; or None."""
     found = pooled_buffer_of(int(array.ctypes.data), array.nbytes)

@@ -42,7 +42,7 @@ from rlctl.weights.bundle import Buffer, Manifest
 from rlctl.weights.checksum import checksum_algorithm_of, copy_leaves
 from rlctl.weights.errors import TransportUnavailableError, WeightTimeoutError, WeightTransferError
 from rlctl.weights.lanes import Route, same_node, shared_memory_supported
-from rlctl.weights.staging import SharedRegion, shared_region
+from rlctl.weights.staging import SharedRegion, keep_until_written, shared_region
 from rlctl.weights.transport_tcp import (
     DEFAULT_HOLDER_IO_TIMEOUT_S,
     DEFAULT_MAX_NBYTES,
@@ -159,7 +159,12 @@ async def shm_receive(source: dict[str, Any], deadline: float, max_nbytes: int =
             raise SharedMemoryRefused(f"the holder's memory file cannot be mapped here: {exc}") from exc
         whole = (offset, length) == (0, manifest.nbytes)
         algorithm = checksum_algorithm_of(manifest.checksum) if whole else None
-        landed = await asyncio.to_thread(copy_out, mapping, region_offset, dest, algorithm)
+        copying = asyncio.ensure_future(asyncio.to_thread(copy_out, mapping, region_offset, dest, algorithm))
+        try:
+            landed = await asyncio.shield(copying)
+        except asyncio.CancelledError:  # the copy's thread goes on writing into dest
+            keep_until_written(int(dest.ctypes.data), dest.nbytes, copying)
+            raise
         with contextlib.suppress(WeightTransferError):  # a holder gone by now costs nothing: the copy is checked
             await framing.send_frame(sock, {"ok": True}, deadline)
         return manifest, buffer, Route("shm", (SHM_LANE,), landed_checksum=landed)

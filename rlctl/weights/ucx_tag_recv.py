@@ -37,7 +37,7 @@ import numpy as np
 
 from rlctl.weights import framing
 from rlctl.weights.errors import WeightTimeoutError, WeightTransferError
-from rlctl.weights.staging import pooled_buffer_of
+from rlctl.weights.staging import keep_until_written
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,7 @@ async def _end_abandoned(runtime: TagRuntime, sock: socket.socket, receive: conc
         return
     _still_receiving.add(receive)
     receive.add_done_callback(_still_receiving.discard)
-    pooled = pooled_buffer_of(*_span(buffer))
-    if pooled is not None:
-        pooled[0].hold(receive)
+    keep_until_written(*_span(buffer), receive)
     log.warning("a UCX receive of %d bytes from a pull that gave up is still running: its buffer is kept until "
                 "UCX ends it (a holder that died mid-transfer never does)", int(getattr(buffer, "nbytes", 0)))
 

@@ -291,3 +291,46 @@ def test_an_async_pull_into_a_pool_holds_its_buffer_while_the_bundle_lives() -> 
             await server.close()
 
     asyncio.run(pull())
+
+
+def test_a_pull_cancelled_while_it_copies_keeps_its_pooled_buffer_until_the_copy_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The copy runs on a thread, which a cancelled pull cannot stop: the pool must not hand the
+    # buffer to the next pull while that thread still writes into it.
+    import threading
+
+    copying, release = threading.Event(), threading.Event()
+    real = transport_shm.copy_out
+
+    def slow_copy(*args: Any) -> Any:
+        copying.set()
+        release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(transport_shm, "copy_out", slow_copy)
+
+    async def pull() -> None:
+        server = WeightServer("tcp", shared_memory=True)
+        await server.start()
+        pool = HostBufferPool(max_buffers=1)
+        try:
+            descriptor = await server.publish(1, _state(9))
+            nbytes = int(descriptor["nbytes"])
+            task = asyncio.ensure_future(fetch_bundle(descriptor, timeout=20.0, pool=pool))
+            while not copying.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not pool.has_free(nbytes)  # the thread still copies into it
+            release.set()
+            for _ in range(500):
+                if pool.has_free(nbytes):
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.has_free(nbytes)
+        finally:
+            release.set()
+            await server.close()
+
+    asyncio.run(pull())
