@@ -72,8 +72,8 @@ def rank_main(rank: int, ranks: int, mode: str, path: str, rendezvous: dict[str,
               done: Any) -> None:
     set_env(transport)
     os.environ.update(rendezvous)  # join the bench's held store as a client
-    rank_sync(rank, ranks, mode, path, f"tcp://{rendezvous['MASTER_ADDR']}:{rendezvous['MASTER_PORT']}", "127.0.0.1",
-              transport,
+    init_method = f"tcp://{rendezvous['MASTER_ADDR']}:{rendezvous['MASTER_PORT']}"
+    rank_sync(rank, ranks, mode, path, init_method, "127.0.0.1", transport,
               go.wait, lambda started, source: out.put((started, source)), done.wait)
 
 

@@ -251,6 +251,11 @@ def pooled_buffer_of(address: int, nbytes: int) -> tuple[PooledBuffer, int] | No
 _writes_in_flight: set[Any] = set()  # futures of writes that outlive the pull they were for
 
 
+def writes_in_flight() -> int:
+    """How many writes ``keep_until_written`` keeps (their pulls ended, the writes not yet)."""
+    return len(_writes_in_flight)
+
+
 def keep_until_written(address: int, nbytes: int, write: Any) -> None:
     """A write into ``[address, address + nbytes)`` goes on after the pull it was for ended
     (``write``: its future, asyncio's or concurrent's): keep the pooled buffer those bytes lie in

@@ -179,33 +179,23 @@ class UcxRuntime:
         await self.run(bind())
         self.cuda_devices.add(device)
 
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
     @contextlib.asynccontextmanager
     async def kept_hot(self) -> AsyncIterator[None]:
         """UCX progressed without pause while the block runs (from any loop): an exchange whose
         peer needs this worker to answer (a holder making its endpoint to it) is not left to the
         idle progress, which shared memory raises no event for."""
         release = asyncio.Event()
-        held = self._submit(self._hot_until(release))
+        held = self.submit(self.hot(release.wait()))
         try:
             yield
         finally:
             self.loop.call_soon_threadsafe(release.set)
             await asyncio.wrap_future(held)
 
-    async def _hot_until(self, release: asyncio.Event) -> None:
-        if self.progress is None:
-            await release.wait()
-            return
-        with self.progress.hot():
-            await release.wait()
-
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Start `coro` on the UCX loop; its future (cancelling it cancels `coro`, not awaiting it
         does not). UCX is progressed without pause only inside ``kept_hot`` or ``run``."""
-        return self._submit(coro)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the UCX loop, progressing UCX without pause meanwhile, and await it from
@@ -216,7 +206,7 @@ class UcxRuntime:
             running = None
         if running is self.loop:
             return await self.hot(coro)
-        return await asyncio.wrap_future(self._submit(self.hot(coro)))
+        return await asyncio.wrap_future(self.submit(self.hot(coro)))
 
     async def hot(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` (on the UCX loop) with UCX progressed without pause meanwhile."""
@@ -229,7 +219,7 @@ class UcxRuntime:
         """Run `coro` on the UCX loop and block the calling thread (not the UCX thread) until done."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("run_sync called from the UCX thread itself")
-        return self._submit(coro).result()
+        return self.submit(coro).result()
 
 
 class RearmingProgress:

@@ -4,7 +4,7 @@ Role: a pull gives up while its receive is posted (its deadline, the holder's co
 closing, the caller cancelling it: the standby drops copies that a newer version overtook). UCX
 can cancel a receive no message has matched yet, but one already matched goes on: UCX's tcp lanes
 write each fragment as it comes, and cancelling offers no way to stop it (measured here with a
-holder stopped mid-transfer: 500 MB landed after the pull had returned, once the holder went on;
+holder stopped mid-transfer: about 460 MB landed after the pull had returned, once the holder went on;
 with a holder killed mid-transfer, UCX never ends the receive). The old joiner dropped the
 receive with its buffer, so those bytes could land in freed memory (a fresh buffer of a few MB
 lies on the malloc heap: the heap corruption seen once in CI) or in a pooled buffer already
@@ -17,9 +17,9 @@ So ``receive_tagged``, when its pull gives up before the receive ended:
   receive no message has matched (the holder's, if it comes later, matches nothing: every pull
   draws a fresh 64-bit tag);
 * waits ``ABANDON_GRACE_S`` for UCX to end a matched one;
-* keeps a receive still running after that referenced with its buffer (``still_receiving``),
-  and keeps the pooled buffer it lands in (host or device) busy, until UCX ends it (never, when the holder
-  died), with a warning: memory held, never memory corrupted.
+* keeps a receive still running after that referenced with its buffer, and the pooled buffer
+  it lands in (host or device) busy, until UCX ends it (``staging.keep_until_written``; never,
+  when the holder died), with a warning: memory held, never memory corrupted.
 
 torch-free and UCX-free at import: the runtime (``transport_ucx.UcxRuntime``) is passed in.
 """
@@ -42,7 +42,6 @@ from rlctl.weights.staging import keep_until_written
 log = logging.getLogger(__name__)
 
 ABANDON_GRACE_S = 0.5
-_still_receiving: set[concurrent.futures.Future[Any]] = set()
 
 
 class TagRuntime(Protocol):
@@ -54,11 +53,6 @@ class TagRuntime(Protocol):
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]: ...
 
     async def run(self, coro: Any) -> Any: ...
-
-
-def still_receiving() -> int:
-    """How many receives of pulls that gave up UCX has not ended (their buffers are kept)."""
-    return len(_still_receiving)
 
 
 async def receive_tagged(runtime: TagRuntime, sock: socket.socket, buffer: Any, tag: int, deadline: float,
@@ -102,18 +96,10 @@ async def _end_abandoned(runtime: TagRuntime, sock: socket.socket, receive: conc
         log.debug("ending the receive of a pull that gave up: %r", exc)
     if receive.done():
         return
-    _still_receiving.add(receive)
-    receive.add_done_callback(_still_receiving.discard)
-    keep_until_written(*_span(buffer), receive)
+    address = int(buffer.ctypes.data) if isinstance(buffer, np.ndarray) else int(buffer.data_ptr())  # a torch tensor
+    keep_until_written(address, int(buffer.nbytes), receive)
     log.warning("a UCX receive of %d bytes from a pull that gave up is still running: its buffer is kept until "
-                "UCX ends it (a holder that died mid-transfer never does)", int(getattr(buffer, "nbytes", 0)))
-
-
-def _span(buffer: Any) -> tuple[int, int]:
-    """Where a landing lies: a numpy array's memory, or a torch tensor's (host or device)."""
-    if isinstance(buffer, np.ndarray):
-        return int(buffer.ctypes.data), int(buffer.nbytes)
-    return int(buffer.data_ptr()), int(buffer.numel() * buffer.element_size())
+                "UCX ends it (a holder that died mid-transfer never does)", int(buffer.nbytes))
 
 
 async def _send_to_self(runtime: TagRuntime, tag: int) -> None:

@@ -349,8 +349,8 @@ def abandoning_joiner_main(late: dict[str, Any], normal: dict[str, Any], out: mp
     import numpy as np
 
     from rlctl.weights import verify
+    from rlctl.weights.staging import writes_in_flight
     from rlctl.weights.transport_ucx import sm_receive
-    from rlctl.weights.ucx_tag_recv import still_receiving
 
     async def pull(source: dict[str, Any], landing: Any, limit_s: float, cancel_after_s: float | None) -> str:
         deadline = asyncio.get_running_loop().time() + limit_s
@@ -372,7 +372,7 @@ def abandoning_joiner_main(late: dict[str, Any], normal: dict[str, Any], out: mp
         at_return = int(np.count_nonzero(landing))
         time.sleep(LATE_SEND_S + 1.5)
         report[ends] = {"how": how, "at_return": at_return, "later": int(np.count_nonzero(landing))}
-    report["still_receiving"] = still_receiving()
+    report["still_receiving"] = writes_in_flight()
     report["then"] = asyncio.run(pull(normal, np.zeros(int(normal["nbytes"]), dtype=np.uint8), 30.0, None))
     out.put(report)
 
@@ -403,9 +403,8 @@ def stopped_mid_pull_joiner_main(source: dict[str, Any], to_test: mp.Queue, from
 
     import numpy as np
 
-    from rlctl.weights.staging import HostBufferPool
+    from rlctl.weights.staging import HostBufferPool, writes_in_flight
     from rlctl.weights.transport_ucx import sm_receive
-    from rlctl.weights.ucx_tag_recv import still_receiving
 
     nbytes = int(source["nbytes"])
 
@@ -424,10 +423,10 @@ def stopped_mid_pull_joiner_main(source: dict[str, Any], to_test: mp.Queue, from
 
     def wait_for_ucx() -> bool:
         ends = time.monotonic() + 30
-        while still_receiving() and time.monotonic() < ends:
+        while writes_in_flight() and time.monotonic() < ends:
             time.sleep(0.05)
         gc.collect()
-        return still_receiving() == 0
+        return writes_in_flight() == 0
 
     fresh = np.zeros(nbytes, dtype=np.uint8)
     kept = weakref.ref(fresh)
@@ -436,7 +435,7 @@ def stopped_mid_pull_joiner_main(source: dict[str, Any], to_test: mp.Queue, from
     del fresh
     gc.collect()
     report: dict[str, Any] = {"fresh": {"how": how, "partial": 0 < at_return < nbytes,
-                                        "receiving": still_receiving(), "kept": kept() is not None}}
+                                        "receiving": writes_in_flight(), "kept": kept() is not None}}
     to_test.put("returned")
     assert from_test.get(timeout=60) == "resumed"
     report["fresh"].update(ended=wait_for_ucx(), freed_after=kept() is None)
