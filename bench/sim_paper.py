@@ -8,8 +8,13 @@ same job, cost model and failure seed; medians over seeds. RobustRL reports ETTR
     python bench/sim_paper.py                 # the headline (median of 5 seeds), with a colocated row (role policy)
     python bench/sim_paper.py --sweep         # + failure-rate and cluster-size sweeps, table + plot
     python bench/sim_paper.py --calibrate gpucheck.json   # weights.* measured (a GPU-check report or a job dir)
+    python bench/sim_paper.py --recipe dapo   # the same job under DAPO's recipe against plain GRPO (role policy)
 
-The last stdout line is one JSON object with the figures.
+With ``--recipe dapo`` the job runs as it is (GRPO: one update a step, no filtering) and with verl's
+DAPO recipe (``rlctl.sim.recipe.dapo_algorithm``: clip-higher, dynamic sampling on accuracy, the
+overlong buffer, 16 updates a step, no KL), each part of DAPO alone, and DAPO at two other shares of
+constant groups (``workload.constant_group_fraction``); same seeds, medians, and each arm's mean step
+against GRPO's. The last stdout line is one JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -31,12 +36,16 @@ from rlctl.sim.costmodel import CostModel, load_cost_model
 from rlctl.sim.engine import SimConfig, simulate
 from rlctl.sim.faults import StepFailures
 from rlctl.sim.layout import colocated_spec
+from rlctl.sim.recipe import dapo_algorithm
 from rlctl.sim.report import compare, median_runs, plot_ledger, plot_sweeps
 from rlctl.spec_loader import load_job_file
 
 POLICIES = ("role", "full-restart")
 UNTIL_DURATION = 10**9  # steps: run until the virtual duration ends
 ROBUSTRL = {"ettr_role": ">0.80", "ettr_full_restart": 0.60, "end_to_end_faster_pct": "8.4-17.4"}
+# DAPO-Math-17K's ~17k prompts (arXiv 2503.14476): dynamic sampling spends a step's constant groups for
+# the epoch, and the quickstart's 64 prompts cannot fill a batch once about half the groups are constant.
+RECIPE_DATASET_PROMPTS = 17_000
 
 
 def run_policy(spec: Any, cost: CostModel, policy: str, rate: float, gpus: int, seeds: list[int], steps: int | None,
@@ -83,6 +92,76 @@ def sweep(spec: Any, cost: CostModel, seeds: list[int], duration_s: float) -> di
     return {"duration_h": duration_s / 3600, "seeds": len(seeds), "by_rate": rate_rows, "by_gpus": size_rows}
 
 
+def recipe_arms(job: Path, cost: CostModel) -> dict[str, tuple[Any, CostModel]]:
+    """GRPO (the job's own recipe), DAPO, each part of DAPO alone, and DAPO at two other
+    constant-group shares; every arm on a data set of ``RECIPE_DATASET_PROMPTS``."""
+    data = {"rollout": {"dataset_size": RECIPE_DATASET_PROMPTS}}
+    dapo = dapo_algorithm(load_job_file(job))
+    sampling_only = {key: value for key, value in dapo.items() if key != "ppo_mini_batch_size"}
+    updates_only = {**dapo, "filter_groups": {"enable": False}}
+    arms = {"grpo": (load_job_file(job, tables=data), cost),
+            "dapo": (load_job_file(job, tables={**data, "algorithm": dapo}), cost),
+            "dapo, dynamic sampling only": (load_job_file(job, tables={**data, "algorithm": sampling_only}), cost),
+            "dapo, mini-batches only": (load_job_file(job, tables={**data, "algorithm": updates_only}), cost)}
+    for share in (0.2, 0.6):
+        shared = replace(cost, workload=replace(cost.workload, constant_group_fraction=share))
+        arms[f"dapo, constant groups {share:g}"] = (arms["dapo"][0], shared)
+    return arms
+
+
+def recipe_medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over seeds of what the recipe adds to a run's summary."""
+    def med(section: str | None, key: str) -> float | None:
+        values = [(r.get(section) or {}).get(key) if section else r.get(key) for r in runs]
+        present = [v for v in values if v is not None]
+        return round(statistics.median(present), 4) if present else None
+
+    return {"extra_generation": med(None, "extra_generation"),
+            "refills_per_step": med("dynamic_sampling", "refills_per_step"),
+            "refill_generation_s_per_step": med("dynamic_sampling", "refill_generation_s_per_step"),
+            "gen_batches_per_step": med("dynamic_sampling", "gen_batches_per_step"),
+            "filtered_share": med("dynamic_sampling", "filtered_share"),
+            "updates_per_step": med("mini_batches", "updates_per_step") or 1,
+            "training_s_per_step": med(None, "training_s_per_step")}
+
+
+def recipe_table(job: Path, cost: CostModel, seeds: list[int], steps: int) -> dict[str, Any]:
+    """Every arm of ``recipe_arms`` on the paper job (256 GPUs, 10% failure injection, role policy),
+    medians over ``seeds``, and fault-free (the first seed)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name, (spec, arm_cost) in recipe_arms(job, cost).items():
+        runs = run_policy(spec, arm_cost, "role", 0.1, 256, seeds, steps, 30 * 86400.0)
+        clean = run_policy(spec, arm_cost, "role", 0.0, 256, seeds[:1], steps, 30 * 86400.0)[0]
+        rows[name] = {**median_runs(runs), **recipe_medians(runs), "fault_free_mean_step_s": clean["mean_step_s"],
+                      "states": sorted({r["state"] for r in runs})}
+    base = rows["grpo"]
+    for row in rows.values():
+        row["step_time_vs_grpo"] = round(row["mean_step_s"] / base["mean_step_s"], 3)
+        row["fault_free_step_time_vs_grpo"] = round(row["fault_free_mean_step_s"] / base["fault_free_mean_step_s"], 3)
+        row["ettr_points_vs_grpo"] = round(100 * (row["ettr"] - base["ettr"]), 2)
+    return {"gpus": 256, "rate": 0.1, "policy": "role", "steps": steps, "seeds": len(seeds), "job": str(job),
+            "dataset_prompts": RECIPE_DATASET_PROMPTS,
+            "constant_group_fraction": cost.workload.constant_group_fraction,
+            "optimizer_s": cost.step.optimizer_s, "logprob_pass_ratio": round(cost.step.logprob_pass_ratio, 4),
+            "arms": rows}
+
+
+def print_recipe_table(table: dict[str, Any]) -> None:
+    print("| arm | ETTR | mean step (s) | x GRPO | fault-free step (s) | x GRPO | end to end (h) | extra generation "
+          "| refills / step | gen batches / step | updates / step | training / step (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, m in table["arms"].items():
+        if m["end_to_end_s"] is None:
+            print(f"| {name} | {m['ettr']:.1%} | {', '.join(m['states'])} after {m['steps_done']:g} steps |")
+            continue
+        refills = "-" if m["refills_per_step"] is None else f"{m['refills_per_step']:.2f}"
+        batches = "-" if m["gen_batches_per_step"] is None else f"{m['gen_batches_per_step']:.2f}"
+        print(f"| {name} | {m['ettr']:.1%} | {m['mean_step_s']:.0f} | {m['step_time_vs_grpo']:.2f} "
+              f"| {m['fault_free_mean_step_s']:.0f} | {m['fault_free_step_time_vs_grpo']:.2f} "
+              f"| {m['end_to_end_s'] / 3600:.2f} | {m['extra_generation']:+.0%} | {refills} | {batches} "
+              f"| {m['updates_per_step']:g} | {m['training_s_per_step']:.0f} |")
+
+
 def print_tables(result: dict[str, Any]) -> None:
     h = result["headline"]
     print("| policy | ETTR | end to end (h) | productive | recovery | lost | detection | init |")
@@ -113,6 +192,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep failure rate (0-20%%) and GPUs (64-8192)")
     parser.add_argument("--sweep-seeds", type=int, default=2)
     parser.add_argument("--sweep-duration-h", type=float, default=24.0)
+    parser.add_argument("--recipe", choices=["dapo"], default=None,
+                        help="instead of the headline: the job under DAPO's recipe against plain GRPO")
     args = parser.parse_args()
     spec = load_job_file(args.job)
     cost = load_cost_model(args.cost_model)
@@ -120,6 +201,12 @@ def main() -> None:
     if measured is not None:
         cost = replace(cost, weights=measured.applied(cost.weights))
     started = time.perf_counter()
+    if args.recipe is not None:
+        table = recipe_table(args.job, cost, list(range(1, args.seeds + 1)), args.steps)
+        print_recipe_table(table)
+        print(json.dumps({"bench": "sim_paper", "recipe": args.recipe, **table,
+                          "bench_wall_s": round(time.perf_counter() - started, 2)}))
+        return
     result: dict[str, Any] = {"bench": "sim_paper", "headline": headline(spec, cost, list(range(1, args.seeds + 1)), args.steps)}
     result["weights"] = {"calibration": measured.as_dict() if measured is not None else None,
                          "bandwidth_gbps": cost.weights.bandwidth_bytes_per_s / 1e9,

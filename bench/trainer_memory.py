@@ -39,7 +39,7 @@ def rank_main(out: Path, sharding: str, size: str) -> None:
     """One rank: build, shard (or not), two steps; write what it measured."""
     import torch
 
-    from rlctl.workload.grpo import GRPOConfig
+    from rlctl.core.algorithm import AlgorithmSpec
     from rlctl.workload.hf_init import random_policy
     from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample
 
@@ -47,7 +47,7 @@ def rank_main(out: Path, sharding: str, size: str) -> None:
     model = random_policy("qwen3", size, seed=0)
     params = sum(p.numel() for p in model.parameters())
     built = peak_rss_bytes()
-    trainer = Trainer(model, TrainerConfig(lr=1e-5, grpo=GRPOConfig(kl_coef=0.0), sharding=sharding,
+    trainer = Trainer(model, TrainerConfig(lr=1e-5, algorithm=AlgorithmSpec(), sharding=sharding,
                                            micro_batch_tokens=256))
     samples = [TrainSample(f"p{p}/{k}", f"p{p}", k, [3 + (p * 7 + i) % 200 for i in range(16)],
                            [5 + (k * 11 + i) % 300 for i in range(16)], float(k % 2)) for p in range(2) for k in range(2)]

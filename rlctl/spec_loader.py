@@ -61,10 +61,13 @@ def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     return resolved
 
 
-def load_job_file(path: Path, base_dir: Path | None = None) -> JobSpec:
+def load_job_file(path: Path, base_dir: Path | None = None,
+                  tables: dict[str, dict[str, Any]] | None = None) -> JobSpec:
     """Parse and validate ``path``; raise SpecError (with the file name) on any problem.
 
     Relative paths in the file are read from ``base_dir`` (default: the file's own folder).
+    ``tables``: keys that replace the file's in those tables before validation (``{"algorithm":
+    {...}}``: the same job with another recipe, as the simulator's comparisons run it).
     """
     source = str(path)
     try:
@@ -77,6 +80,8 @@ def load_job_file(path: Path, base_dir: Path | None = None) -> JobSpec:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(source, [Problem("(syntax)", f"not valid TOML: {exc}")]) from None
+    for name, table in (tables or {}).items():
+        data[name] = {**data.get(name, {}), **table}
     return with_engine_curve(parse_spec(resolve_paths(data, (base_dir or path.parent).resolve()), source))
 
 

@@ -56,7 +56,8 @@ DEFAULT_PRELOAD = (
     "transformers.models.qwen3.modeling_qwen3",
     "rlctl.worker", "rlctl.roles.common", "rlctl.roles.trainer", "rlctl.roles.rollout", "rlctl.roles.reward",
     "rlctl.roles.env", "rlctl.roles.standby",
-    "rlctl.workload.trainer", "rlctl.workload.grpo", "rlctl.workload.engine", "rlctl.workload.hf_model",
+    "rlctl.workload.trainer", "rlctl.workload.algorithms", "rlctl.workload.policy_update", "rlctl.workload.engine",
+    "rlctl.workload.hf_model",
     "rlctl.workload.hf_tokenizer", "rlctl.workload.rewardfn", "rlctl.workload.offload",
     "rlctl.workload.rank_state", "rlctl.workload.multiturn", "rlctl.workload.envs", "rlctl.weights",
 )

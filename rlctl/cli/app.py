@@ -44,6 +44,7 @@ def _register_optional() -> None:
         ("rlctl.cli.model", "model_app", "model", True),
         ("rlctl.cli.model", "data_app", "data", True),
         ("rlctl.cli.model", "export", "export", False),
+        ("rlctl.cli.convert", "convert_app", "convert", True),
     ):
         try:
             module = importlib.import_module(module_name)

@@ -136,8 +136,9 @@ def _workload_lines(checks: dict[str, object]) -> list[str]:
     for key in ("train_files", "eval_files"):
         facts = checks.get(key)
         if isinstance(facts, dict):
+            fate = "truncated" if facts.get("truncated") else "left out"
             lines.append(f"data {key}: {facts['prompts']} prompts ({facts['too_long']} longer than max_prompt_tokens, "
-                         "left out)")
+                         f"{fate})")
     if "reward" in checks:
         lines.append(f"reward: {checks['reward']}")
     if "env" in checks:

@@ -160,10 +160,13 @@ def round_panel(status: dict[str, Any]) -> Panel:
 
 def groups_text(rnd: dict[str, Any]) -> str:
     """A round's finished groups against its target; groups finished beyond the target (the
-    over-provisioned ones that completed before the round closed) are counted apart."""
+    over-provisioned ones that completed before the round closed) are counted apart, and so are the
+    groups dynamic sampling dropped, with the draw of prompts the round is on."""
     done, target = rnd["groups_done"], rnd["groups_target"]
     extra = f" (+{done - target} extra)" if done > target else ""
-    return f"groups {min(done, target)}/{target}{extra}"
+    filtered = (f"  filtered {rnd['groups_filtered']} (gen batch {rnd.get('gen_batches', 1)})"
+                if rnd.get("groups_filtered") or rnd.get("gen_batches", 1) > 1 else "")
+    return f"groups {min(done, target)}/{target}{extra}{filtered}"
 
 
 # (wide header, narrow header, width) in the order columns drop out as the terminal narrows.

@@ -115,6 +115,8 @@ def _calibrate(target: Path, spec: Any, seed: int, json_out: bool) -> None:
 
 
 def _render(result: dict[str, Any]) -> None:
+    from rlctl.sim.report import recipe_cells
+
     runs = result.get("runs", {result.get("policy", "run"): result})
     table = Table(title="rlctl sim")
     table.add_column("")
@@ -133,6 +135,9 @@ def _render(result: dict[str, Any]) -> None:
     ]
     for label, cell in rows:
         table.add_row(label, *(cell(r) for r in runs.values()))
+    recipe = [recipe_cells(r) for r in runs.values()]
+    for label in dict.fromkeys(key for cells in recipe for key in cells):
+        table.add_row(label, *(cells.get(label, "-") for cells in recipe))
     for category in CATEGORIES:
         table.add_row(f"  {category}", *(f"{r['ledger_fraction'][category]:.1%}" for r in runs.values()))
     table.add_row("sim time", *(f"{r['sim_wall_clock_s']:.2f} s" for r in runs.values()))

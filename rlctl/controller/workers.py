@@ -60,6 +60,7 @@ class WorkerLauncher:
             "group_size": spec.rollout.group_size,
             "batch_prompts": spec.rollout.batch_prompts,
             "max_new_tokens": spec.rollout.max_new_tokens,
+            "algorithm": spec.algorithm.to_table(),
             "worker_batch": spec.rollout.worker_batch,
             "dataset_size": spec.rollout.dataset_size,
             "model": {**spec.model, "path": self.workload.model_path()},

@@ -34,6 +34,7 @@ class EventKind(StrEnum):
     ACTION_TAKEN = "ActionTaken"
     FAULT_RECOVERED = "FaultRecovered"
     ROUND_STARTED = "RoundStarted"
+    ROUND_EXTENDED = "RoundExtended"
     ITEMS_DISPATCHED = "ItemsDispatched"
     ITEMS_RETURNED = "ItemsReturned"
     TRAJECTORY_STORED = "TrajectoryStored"

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlctl.core.algorithm import FilterGroupsSpec, OverlongBufferSpec
 from rlctl.core.elastic import ElasticConfig
 from rlctl.core.event_payloads import (
     BatchFormedData,
@@ -26,6 +27,7 @@ from rlctl.core.event_payloads import (
     ItemsReturnedData,
     PromptDeferredData,
     RewardsStoredData,
+    RoundExtendedData,
     RoundStartedData,
     SchedulerRolledBackData,
     ScoringDispatchedData,
@@ -50,6 +52,9 @@ class SchedulerConfig:
     seed: int
     held_out_every: int = 0
     elastic: ElasticConfig | None = None  # long rounds may regroup engines (rlctl.core.elastic)
+    filter_groups: FilterGroupsSpec = field(default_factory=FilterGroupsSpec)  # DAPO's dynamic sampling
+    overlong_buffer: OverlongBufferSpec = field(default_factory=OverlongBufferSpec)  # against max_new_tokens
+    held_out_samples: int = 1  # samples per held-out prompt ([algorithm.val_kwargs] n)
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,23 @@ class Sample:
     response_tokens: list[int] | None = None
     truncated: bool = False
     weights_version: int = -1
-    reward: float | None = None
+    reward: float | None = None  # the reward trained on: the function's score, overlong shaping included
     correct: bool | None = None
     env: dict[str, Any] | None = None  # a multi-turn episode: observation spans, step rewards, turns, error
+    score: float | None = None  # the reward function's own score, before shaping
+    metrics: dict[str, float] = field(default_factory=dict)  # the reward function's extra values
+
+    def metric(self, name: str) -> float | None:
+        """The value of dynamic sampling's metric ``name`` for this sample (None: it has none):
+        ``reward``/``seq_reward``/``seq_final_reward`` the shaped reward; ``acc`` and ``score`` the
+        function's key of that name, else its score; any other name a key of the function's dict."""
+        if name in ("reward", "seq_reward", "seq_final_reward"):
+            return self.reward
+        if name in self.metrics:
+            return self.metrics[name]
+        if name in ("acc", "score"):
+            return self.score if self.score is not None else self.reward
+        return None
 
 
 @dataclass
@@ -88,6 +107,20 @@ class Round:
     deferred: list[str] = field(default_factory=list)
     closed: bool = False
     tensor_parallel: int = 0  # the engines' degree this round (0: the role's own)
+    filtered: list[str] = field(default_factory=list)  # groups dynamic sampling dropped (their metric did not vary)
+    first_draw: int = 0  # prompts the round opened with: dynamic sampling's "gen batch"
+    opened_in_epoch: int = -1  # a round that draws past its epoch's end starts the next epoch once
+    unclassified: list[str] = field(default_factory=list)  # groups whose samples lack the filter's metric
+
+    @property
+    def gen_batches(self) -> int:
+        """Draws of ``first_draw`` prompts the round has taken (dynamic sampling's refills count)."""
+        return -(-len(self.prompt_ids) // max(1, self.first_draw))
+
+    def live_prompts(self) -> list[str]:
+        """Prompts that may still give the batch a group: not deferred, not filtered."""
+        gone = set(self.deferred) | set(self.filtered)
+        return [p for p in self.prompt_ids if p not in gone]
 
     def progress(self) -> dict[str, Any]:
         longest = max((len(s.response_tokens or ()) for s in self.samples.values() if s.response_tokens), default=0)
@@ -105,13 +138,16 @@ class Round:
             "samples_total": len(self.samples),
             "longest_response": longest,
             "closed": self.closed,
+            **({"groups_filtered": len(self.filtered), "gen_batches": self.gen_batches}
+               if self.filtered or len(self.prompt_ids) > self.first_draw else {}),
             **({"tensor_parallel": self.tensor_parallel} if self.tensor_parallel else {}),
         }
 
 
 @dataclass
 class HeldOutRun:
-    """One held-out evaluation of weights ``version``: a sample per held-out prompt."""
+    """One held-out evaluation of weights ``version``: ``[algorithm.val_kwargs] n`` samples per
+    held-out prompt."""
 
     version: int
     max_new_tokens: int
@@ -129,6 +165,7 @@ class Batch:
     weights_version: int
     prompt_ids: list[str]
     samples: list[Sample]
+    filtered: list[str] = field(default_factory=list)  # prompts whose groups dynamic sampling dropped
 
 
 def sample_seed(job_seed: int, step: int, prompt_id: str, sample_index: int) -> int:
@@ -158,6 +195,7 @@ class RoundState:
         self.batches: dict[int, Batch] = {}
         self.batch_stats: dict[int, dict[str, float]] = {}  # kept after the batch is let go (the curves)
         self.epoch_trained: set[str] = set()
+        self.epoch_filtered: set[str] = set()  # prompts whose groups dynamic sampling dropped this epoch
         self.cancelled: set[str] = set()
         self.trajectories_stored = 0
         self.trajectories_discarded = 0
@@ -188,6 +226,7 @@ class RoundState:
         self.epoch = data.epoch
         self.pool = deque(data.order)
         self.epoch_trained = set()
+        self.epoch_filtered = set()
 
     def _on_RoundStarted(self, data: RoundStartedData) -> None:
         step = data.step
@@ -200,18 +239,31 @@ class RoundState:
             target_groups=data.target_groups,
             prompt_ids=prompts,
             tensor_parallel=data.tensor_parallel or 0,
+            first_draw=len(prompts),
+            opened_in_epoch=self.epoch,
         )
-        for prompt_id in prompts:
-            for index in range(self.config.group_size):
-                item_id = f"s{step}/{prompt_id}/{index}"
-                rnd.samples[item_id] = Sample(item_id, prompt_id, index, sample_seed(self.config.seed, step, prompt_id, index))
-        taken = set(prompts)
-        if rnd.kind == "long":
-            self.long_queue = [p for p in self.long_queue if p not in taken]
-        else:
-            self.pool = deque(p for p in self.pool if p not in taken)
+        self._add_prompts(rnd, prompts)
         self.round = rnd
         self.cancelled = set()
+
+    def _on_RoundExtended(self, data: RoundExtendedData) -> None:
+        rnd = self.round
+        if rnd is None or rnd.closed or rnd.step != data.step:
+            return
+        fresh = [p for p in data.prompts if p not in rnd.prompt_ids]
+        rnd.prompt_ids.extend(fresh)
+        self._add_prompts(rnd, fresh)
+
+    def _add_prompts(self, rnd: Round, prompts: list[str]) -> None:
+        """The samples of ``prompts`` join ``rnd``; the prompts leave the pool and the long queue."""
+        for prompt_id in prompts:
+            for index in range(self.config.group_size):
+                item_id = f"s{rnd.step}/{prompt_id}/{index}"
+                rnd.samples[item_id] = Sample(item_id, prompt_id, index,
+                                              sample_seed(self.config.seed, rnd.step, prompt_id, index))
+        taken = set(prompts)
+        self.long_queue = [p for p in self.long_queue if p not in taken]
+        self.pool = deque(p for p in self.pool if p not in taken)
 
     def _on_EngineResized(self, data: EngineResizedData) -> None:
         if data.tensor_parallel > 0:  # a park frees memory; only a rebuild costs the round
@@ -242,9 +294,10 @@ class RoundState:
         version = data.version
         run = HeldOutRun(version, data.max_new_tokens)
         for prompt_id in data.prompts:
-            item_id = f"h{version}/{prompt_id}"
-            run.samples[item_id] = Sample(item_id, prompt_id, 0,
-                                          sample_seed(self.config.seed, HELD_OUT_SEED_STEP, prompt_id, 0))
+            for index in range(data.samples_per_prompt):
+                item_id = f"h{version}/{prompt_id}" + (f"/{index}" if data.samples_per_prompt > 1 else "")
+                run.samples[item_id] = Sample(item_id, prompt_id, index,
+                                              sample_seed(self.config.seed, HELD_OUT_SEED_STEP, prompt_id, index))
         self.held_out = run
 
     def _on_HeldOutScored(self, data: HeldOutScoredData) -> None:
@@ -272,8 +325,7 @@ class RoundState:
         for score in data.scores:
             held_out = self._held_out_sample(score["item_id"])
             if held_out is not None:
-                held_out.status, held_out.wid = SCORED, None
-                held_out.reward, held_out.correct = float(score["reward"]), bool(score["correct"])
+                _store_score(held_out, score)
         rnd = self.round
         if rnd is None or rnd.closed:
             return
@@ -282,13 +334,16 @@ class RoundState:
             sample = rnd.samples.get(score["item_id"])
             if sample is None:
                 continue
-            sample.status, sample.wid = SCORED, None
-            sample.reward, sample.correct = float(score["reward"]), bool(score["correct"])
+            _store_score(sample, score)
             touched.add(sample.prompt_id)
         for prompt_id in sorted(touched, key=rnd.prompt_ids.index):
             group = [s for s in rnd.samples.values() if s.prompt_id == prompt_id]
-            if prompt_id not in rnd.completed and all(s.status == SCORED for s in group):
-                rnd.completed.append(prompt_id)
+            if prompt_id in rnd.completed or prompt_id in rnd.filtered or not all(s.status == SCORED for s in group):
+                continue
+            verdict = group_filter_verdict(group, self.config.filter_groups)
+            if verdict == "unclassified":
+                rnd.unclassified.append(prompt_id)
+            (rnd.filtered if verdict == "filtered" else rnd.completed).append(prompt_id)
 
     def _on_BatchFormed(self, data: BatchFormedData) -> None:
         rnd = self.round
@@ -305,12 +360,14 @@ class RoundState:
                 self.cancelled.add(sample.item_id)
             if sample.prompt_id not in in_batch and sample.status in (DONE, SCORING, SCORED):
                 self.trajectories_discarded += 1
-        self.batches[rnd.step] = Batch(rnd.step, rnd.kind, self.epoch, rnd.weights_version, chosen, samples)
+        self.batches[rnd.step] = Batch(rnd.step, rnd.kind, self.epoch, rnd.weights_version, chosen, samples,
+                                       list(data.filtered_prompt_ids))
         if rnd.kind == "long" and samples:
             longest = max(len(s.response_tokens or ()) for s in samples)
             self.long_round_longest = (self.long_round_longest + [longest])[-32:]
         self.batch_stats[rnd.step] = batch_stats(self.batches[rnd.step])
         self.epoch_trained.update(chosen)
+        self.epoch_filtered.update(data.filtered_prompt_ids)
         returned = list(data.returned_prompt_ids)
         self.pool.extendleft(reversed(returned))
         rnd.closed = True
@@ -326,8 +383,9 @@ class RoundState:
             batch = self.batches.pop(step)
             self.trajectories_lost += len(batch.samples)
             if batch.epoch == self.epoch:
-                undone.extend(batch.prompt_ids)
+                undone.extend(batch.prompt_ids + batch.filtered)
                 self.epoch_trained.difference_update(batch.prompt_ids)
+                self.epoch_filtered.difference_update(batch.filtered)
         rnd = self.round
         if rnd is not None and not rnd.closed:
             live = [p for p in rnd.prompt_ids if p not in rnd.deferred]
@@ -355,6 +413,25 @@ class RoundState:
 
     def _held_out_sample(self, item_id: str) -> Sample | None:
         return self.held_out.samples.get(item_id) if self.held_out is not None else None
+
+
+def _store_score(sample: Sample, score: dict[str, Any]) -> None:
+    sample.status, sample.wid = SCORED, None
+    sample.reward, sample.correct = float(score["reward"]), bool(score["correct"])
+    sample.score = float(score.get("score", score["reward"]))
+    sample.metrics = dict(score.get("metrics") or {})
+
+
+def group_filter_verdict(group: list[Sample], filtering: FilterGroupsSpec) -> str:
+    """Dynamic sampling's verdict on a scored group: ``kept``; ``filtered`` when its metric has the
+    same value on every sample (verl: a group of more than one with a standard deviation of 0);
+    ``unclassified`` when a sample lacks the metric (a reward function that does not return it)."""
+    if not filtering.enable or len(group) < 2:
+        return "kept"
+    values = [sample.metric(filtering.metric) for sample in group]
+    if any(value is None for value in values):
+        return "unclassified"
+    return "filtered" if len(set(values)) == 1 else "kept"
 
 
 def batch_stats(batch: Batch) -> dict[str, float]:

@@ -38,6 +38,7 @@ from rlctl.core.event_payloads import (
     ItemsReturnedData,
     PromptDeferredData,
     RewardsStoredData,
+    RoundExtendedData,
     RoundStartedData,
     SchedulerRolledBackData,
     ScoringDispatchedData,
@@ -90,6 +91,9 @@ def config_from_spec(spec: JobSpec) -> SchedulerConfig:
         seed=spec.seed,
         held_out_every=int(spec.data["eval_every"]),  # without held-out prompts nothing is ever due
         elastic=elastic_config(spec),
+        filter_groups=spec.algorithm.filter_groups,
+        overlong_buffer=spec.algorithm.overlong_buffer,
+        held_out_samples=spec.algorithm.val_kwargs.n,
     )
 
 
@@ -219,7 +223,12 @@ class RoundScheduler(RoundState):
             sample = found[0] if found is not None else None
             if sample is None or sample.status != SCORING or sample.wid != wid:
                 continue
-            entry = {"item_id": sample.item_id, "reward": float(score["reward"]), "correct": bool(score.get("correct"))}
+            reward = float(score["reward"])
+            entry: dict[str, Any] = {"item_id": sample.item_id, "reward": reward, "correct": bool(score.get("correct"))}
+            if self.config.overlong_buffer.enable:  # DAPO: the stored reward is shaped, the function's score kept
+                overlong = self.config.overlong_buffer.penalty(len(sample.response_tokens or ()),
+                                                               self.config.max_new_tokens)
+                entry.update(score=reward, reward=reward + overlong, overlong_reward=overlong)
             metrics = score.get("metrics")
             if isinstance(metrics, dict) and metrics:
                 entry["metrics"] = {str(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -246,14 +255,19 @@ class RoundScheduler(RoundState):
         if not self.held_out_prompts or self.held_out is not None:
             return []
         return self._emit([], Event.of(at, HeldOutStartedData(version=version, prompts=list(self.held_out_prompts),
-                                                              max_new_tokens=self.config.max_new_tokens)))
+                                                              max_new_tokens=self.config.max_new_tokens,
+                                                              samples_per_prompt=self.config.held_out_samples)))
 
     def _maybe_finish_held_out(self, out: list[Event], at: float) -> None:
         run = self.held_out
         if run is None or any(s.status != SCORED for s in run.samples.values()):
             return
-        rewards = [float(s.reward or 0.0) for s in run.samples.values()]
-        correct = [1.0 if s.correct else 0.0 for s in run.samples.values()]
+        by_prompt: dict[str, list[Sample]] = {}
+        for sample in run.samples.values():
+            by_prompt.setdefault(sample.prompt_id, []).append(sample)
+        # A prompt's score is the mean of its samples; the error is over prompts (the unit sampled).
+        rewards = [sum(float(s.reward or 0.0) for s in group) / len(group) for group in by_prompt.values()]
+        correct = [sum(1.0 for s in group if s.correct) / len(group) for group in by_prompt.values()]
         n = len(rewards)
         mean = sum(rewards) / n
         std_err = (sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5 / n ** 0.5 if n > 1 else 0.0
@@ -368,19 +382,79 @@ class RoundScheduler(RoundState):
         return Event.of(at, started)
 
     def _epoch_event(self, at: float) -> Event:
+        """The next epoch: the pool's leftover first, then every other prompt shuffled, except those
+        in the long queue and in an open round (a round that draws across the epoch's end)."""
         epoch = self.epoch + 1
         leftover = list(self.pool)
-        excluded = set(leftover) | set(self.long_queue)
+        rnd = self.round
+        in_round = set(rnd.prompt_ids) if rnd is not None and not rnd.closed else set()
+        excluded = set(leftover) | set(self.long_queue) | in_round
         rest = sorted(p for p in self.prompts if p not in excluded)
         random.Random(self.config.seed * 1_000_003 + epoch).shuffle(rest)
         return Event.of(at, EpochStartedData(epoch=epoch, order=leftover + rest))
+
+    def unfillable(self) -> str | None:
+        """Why the open round can never fill its batch (the job fails with it), else None: a group
+        lacks dynamic sampling's metric, or the round has drawn ``max_num_gen_batches`` draws of
+        prompts, or the data set, and too few groups vary."""
+        rnd = self.round
+        filtering = self.config.filter_groups
+        if rnd is None or rnd.closed or not filtering.enable:
+            return None
+        if rnd.unclassified:
+            return (f"failed: algorithm.filter_groups.metric {filtering.metric!r} is not among the scores of prompt "
+                    f"{rnd.unclassified[0]}: expected reward, acc, score or a key of the reward function's dict")
+        if self._refill_size(rnd) > 0 and not self._drawable(rnd):
+            varying = len(rnd.completed)
+            if filtering.max_num_gen_batches and rnd.gen_batches >= filtering.max_num_gen_batches:
+                return (f"failed: algorithm.filter_groups: step {rnd.step} drew {filtering.max_num_gen_batches} "
+                        f"gen batches ({len(rnd.prompt_ids)} prompts) and only {varying} of {rnd.target_groups} "
+                        f"groups vary in {filtering.metric!r}; raise algorithm.filter_groups.max_num_gen_batches "
+                        "(0: no limit) or check the data and the reward")
+            return (f"failed: algorithm.filter_groups: step {rnd.step} has drawn every prompt of the data set and "
+                    f"only {varying} of {rnd.target_groups} groups vary in {filtering.metric!r}")
+        return None
+
+    def _refill_size(self, rnd: Round) -> int:
+        """Groups the round can no longer fill with what it holds (dynamic sampling draws this many)."""
+        potential = len(rnd.completed) + sum(1 for p in rnd.live_prompts() if p not in rnd.completed)
+        return rnd.target_groups - potential
+
+    def _drawable(self, rnd: Round) -> int:
+        """Prompts the round may still draw: within ``max_num_gen_batches`` draws of its first
+        size, from the long queue (a long round) and the pool, a new epoch's included once."""
+        limit = self.config.filter_groups.max_num_gen_batches
+        budget = limit * rnd.first_draw - len(rnd.prompt_ids) if limit else len(self.prompts)
+        available = len(self.pool) + (len(self.long_queue) if rnd.kind == "long" else 0)
+        if not available and self.epoch == rnd.opened_in_epoch:
+            in_round = set(rnd.prompt_ids)
+            available = sum(1 for p in self.prompts if p not in in_round and p not in self.long_queue)
+        return max(0, min(budget, available))
+
+    def _maybe_refill(self, out: list[Event], rnd: Round, at: float) -> bool:
+        """Dynamic sampling: draw more prompts when the round's groups that still may vary cannot fill
+        its batch (over-provisioned as the round was). True when it drew."""
+        short = self._refill_size(rnd)
+        if not self.config.filter_groups.enable or short <= 0:
+            return False
+        ratio = rnd.first_draw / max(1, rnd.target_groups)
+        wanted = min(math.ceil(short * ratio), self._drawable(rnd))
+        if wanted <= 0:
+            return False
+        if not self.pool and not (rnd.kind == "long" and self.long_queue):
+            self._emit(out, self._epoch_event(at))
+        source = (list(self.long_queue) if rnd.kind == "long" else []) + list(self.pool)
+        self._emit(out, Event.of(at, RoundExtendedData(step=rnd.step, prompts=source[:wanted])))
+        return True
 
     def _maybe_close(self, out: list[Event], at: float) -> None:
         rnd = self.round
         if rnd is None or rnd.closed:
             return
         full = len(rnd.completed) >= rnd.target_groups
-        live = [p for p in rnd.prompt_ids if p not in rnd.deferred]
+        if not full and (self._maybe_refill(out, rnd, at) or self.unfillable() is not None):
+            return
+        live = rnd.live_prompts()
         exhausted = all(p in rnd.completed for p in live)
         if not (full or exhausted):
             return
@@ -392,5 +466,6 @@ class RoundScheduler(RoundState):
         returned = [p for p in live if p not in chosen]
         self._emit(
             out,
-            Event.of(at, BatchFormedData(step=rnd.step, kind=rnd.kind, prompt_ids=chosen, returned_prompt_ids=returned)),
+            Event.of(at, BatchFormedData(step=rnd.step, kind=rnd.kind, prompt_ids=chosen, returned_prompt_ids=returned,
+                                         filtered_prompt_ids=list(rnd.filtered))),
         )

@@ -159,7 +159,7 @@ def trainer_bytes(shape: ModelShape, spec: JobSpec, ranks: int, dtype_bytes: int
     """What one trainer rank holds (see the module docstring)."""
     params = shape.params
     workload = spec.workload
-    with_reference = float(workload.get("kl_coef", 0.0)) > 0
+    with_reference = spec.algorithm.needs_reference
     if str(workload.get("sharding", "fsdp")) == "fsdp" and ranks > 1:
         gathered = 2 * max(shape.layer_params, shape.embedding_params) * dtype_bytes
         held = {"weights": 4 * params // ranks + gathered, "gradients": 4 * params // ranks,

@@ -11,6 +11,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlctl.core.algorithm import (
+    ALGORITHM_FIELDS,
+    AlgorithmSpec,
+    RecipeContext,
+    algorithm_problems,
+    legacy_key_problems,
+)
 from rlctl.core.elastic import EngineCurve
 from rlctl.core.reward_health import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from rlctl.core.schema import Field, Problem, render_markdown, validate_table
@@ -431,6 +438,14 @@ JOB_SCHEMA: dict[str, Field] = {
             "data_source_key": Field("str", "Column naming each row's source (`\"\"`: the layout has none).",
                                      "data_source"),
             "extra_info_key": Field("str", "Column of extra information for the reward (`\"\"`: none).", "extra_info"),
+            "filter_overlong_prompts": Field(
+                "bool", "Leave prompts longer than `model.max_prompt_tokens` (after the chat template) out of the "
+                "job; the launch says how many. False: `truncation` decides (verl's default is false).", True),
+            "truncation": Field(
+                "choice", "With `filter_overlong_prompts = false`, what a prompt longer than "
+                "`model.max_prompt_tokens` becomes: `error` refuses the launch naming the rows, `left` keeps its "
+                "last tokens, `right` its first, `middle` both ends (verl's `data.truncation`).", "error",
+                choices=("error", "left", "right", "middle")),
         },
     ),
     "reward": Field(
@@ -504,9 +519,24 @@ JOB_SCHEMA: dict[str, Field] = {
                            "constraint): `model_dim / 64` keeps attention as wide as the model.", 2, minimum=1),
             "learning_rate": Field("float", "AdamW learning rate.", 3e-4, minimum=0.0),
             "lr_warmup_steps": Field("int", "Linear learning-rate warmup, in RL steps.", 5, minimum=0),
-            "temperature": Field("float", "Sampling temperature.", 1.0, minimum=0.0),
-            "kl_coef": Field("float", "KL penalty to the initial policy (0 disables).", 0.0, minimum=0.0),
-            "clip_eps": Field("float", "PPO ratio clip ε.", 0.2, minimum=0.0),
+            "lr_scheduler": Field(
+                "choice", "The learning-rate schedule over RL steps: `warmup-constant` ramps to the rate over "
+                "`lr_warmup_steps` from `1/warmup` and holds it; `constant` and `cosine` are verl's (`optim."
+                "lr_scheduler_type`: the ramp starts from 0; cosine decays to `min_lr_ratio` at the job's last "
+                "step over `num_cycles`).", "warmup-constant", choices=("warmup-constant", "constant", "cosine")),
+            "min_lr_ratio": Field("float", "The cosine schedule's floor, as a fraction of the rate.", 0.0,
+                                  minimum=0.0, maximum=1.0),
+            "num_cycles": Field("float", "Cosine waves over the run (0.5: one half-cosine down).", 0.5, minimum=0.0),
+            "weight_decay": Field("float", "AdamW weight decay.", 0.0, minimum=0.0),
+            "adam_beta1": Field("float", "AdamW β1.", 0.9, minimum=0.0, maximum=1.0),
+            "adam_beta2": Field("float", "AdamW β2.", 0.99, minimum=0.0, maximum=1.0),
+            "grad_clip": Field("float", "Clip the gradients' global norm to this (0: no clip).", 1.0, minimum=0.0),
+            "temperature": Field("float", "Sampling temperature, in a job without `[algorithm]` (which has "
+                                 "`algorithm.temperature`).", 1.0, minimum=0.0),
+            "kl_coef": Field("float", "k3 KL penalty to the initial policy (0 disables), in a job without "
+                             "`[algorithm]` (`algorithm.use_kl_loss` and `kl_loss_coef` there).", 0.0, minimum=0.0),
+            "clip_eps": Field("float", "PPO ratio clip ε, in a job without `[algorithm]` (`algorithm.clip_ratio_low`"
+                              " and `clip_ratio_high` there).", 0.2, minimum=0.0),
             "micro_batch_tokens": Field("int", "Padded tokens per trainer forward pass: a step's samples are "
                                         "sorted by length and cut into micro-batches whose gradients "
                                         "accumulate (0: the whole batch in one pass).", 4096, minimum=0),
@@ -519,6 +549,14 @@ JOB_SCHEMA: dict[str, Field] = {
                               "weights, layers computing in `[model] dtype` on GPU); `ddp` keeps a whole copy "
                               "on every rank and all-reduces the gradients.", "fsdp", choices=("fsdp", "ddp")),
         },
+    ),
+    "algorithm": Field(
+        "table",
+        "The RL recipe under verl's names and defaults (docs/algorithms.md): the advantage estimator, the policy "
+        "loss and its aggregation, the KL terms, mini-batches and epochs, DAPO's dynamic sampling and overlong "
+        "shaping, and sampling for rollouts and the held-out evaluation. Without this table the job trains GRPO "
+        "with `[workload]` `clip_eps`, `kl_coef` and `temperature`.",
+        fields=ALGORITHM_FIELDS,
     ),
     "trainer": Field(
         "table",
@@ -699,6 +737,7 @@ class JobSpec:
     observability: ObservabilitySpec
     env: EnvSpec
     raw: dict[str, Any] = field(repr=False)
+    algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
 
     @property
     def cluster(self) -> dict[str, Any]:
@@ -771,13 +810,31 @@ class JobSpec:
 def parse_spec(data: dict[str, Any], source: str) -> JobSpec:
     """Validate parsed TOML ``data`` from file ``source``; raise SpecError naming every problem."""
     values, problems = validate_table(JOB_SCHEMA, data, "")
+    algorithm: AlgorithmSpec | None = None
     if not problems:
         problems = _cross_checks(values)
         if "env" in data and values["roles"]["env"]["nodes"] < 1:
             problems.append(Problem("roles.env.nodes", "expected at least 1 env node for the [env] table, got 0"))
-    if problems:
+        algorithm, recipe_problems = _algorithm(values, data)
+        problems.extend(recipe_problems)
+    if problems or algorithm is None:
         raise SpecError(source, problems)
-    return _build(values, source)
+    return _build(values, source, algorithm)
+
+
+def _algorithm(values: dict[str, Any], data: dict[str, Any]) -> tuple[AlgorithmSpec, list[Problem]]:
+    """The job's recipe: ``[algorithm]``, or for a job without one its ``[workload]`` objective keys."""
+    if "algorithm" in data:
+        algorithm = AlgorithmSpec.from_table(values["algorithm"])
+        problems = legacy_key_problems(data.get("workload") or {})
+    else:
+        algorithm, problems = AlgorithmSpec.from_legacy_workload(values["workload"]), []
+    rollout, tail = values["rollout"], values["rollout"]["tail_batching"]
+    context = RecipeContext(batch_prompts=rollout["batch_prompts"], long_batch=tail["long_batch"] or rollout["batch_prompts"],
+                            group_size=rollout["group_size"],
+                            max_response_length=values["model"]["max_response_tokens"] or rollout["max_new_tokens"],
+                            stream=values["trainer"]["stream"], tail_batching=tail["enabled"])
+    return algorithm, problems + algorithm_problems(algorithm, context)
 
 
 def _cross_checks(values: dict[str, Any]) -> list[Problem]:
@@ -920,7 +977,7 @@ def _ssh_inventory_checks(cluster: dict[str, Any], needed: int) -> list[Problem]
     return problems
 
 
-def _build(values: dict[str, Any], source: str) -> JobSpec:
+def _build(values: dict[str, Any], source: str, algorithm: AlgorithmSpec) -> JobSpec:
     roles = {
         name: RoleSpec(
             name=name,
@@ -966,6 +1023,7 @@ def _build(values: dict[str, Any], source: str) -> JobSpec:
         observability=ObservabilitySpec(**values["observability"]),
         env=EnvSpec.from_table(values["env"]),
         raw=values,
+        algorithm=algorithm,
     )
 
 

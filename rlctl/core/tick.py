@@ -7,7 +7,8 @@ returns ``TickDecisions``: the events to journal (a round or a held-out evaluati
 that healed unseen, a stall), the nodes to suspect and probe, the verdicts for recovery, and
 whether the job stops. It owns every decision of the moment:
 
-- the round, the held-out evaluation and the finish (``core.job_moves``);
+- the round, the held-out evaluation and the finish (``core.job_moves``), and the end of a job
+  whose round dynamic sampling can never fill (``RoundScheduler.unfillable``);
 - the faults that healed before any verdict saw them;
 - node judging with its probe, the all-quiet hold, the resume grace and the startup bound
   (``core.node_judging``);
@@ -135,6 +136,8 @@ class Tick:
             out.events += rounds.start_held_out(version, now)
         if moves.finished(model, rounds):
             out.stop = JobStop("all steps done", True)
+        elif (unfillable := rounds.unfillable()) is not None:
+            out.stop = JobStop(unfillable, False)  # dynamic sampling cannot fill the batch (verl's DAPO raises)
 
     def _judge_nodes(self, model: JobModel, now: float, seen: Observations, out: TickDecisions) -> None:
         if seen.nodes is None:

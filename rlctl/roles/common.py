@@ -85,15 +85,26 @@ def load_policy(settings: RoleSettings, device: str) -> Any:
 
 
 def sampling_config(settings: RoleSettings) -> Any:
-    """Temperature from the job; EOS, pad and every stop token from the model folder."""
+    """The rollouts' sampling (``[algorithm]`` temperature, top_p, top_k); EOS, pad and every stop
+    token from the model folder."""
     from rlctl.workload.engine import SamplingConfig
     from rlctl.workload.hf_tokenizer import ChatTokenizer, stop_token_ids
 
     folder = model_path(settings)
     stops = stop_token_ids(folder)
     pad = ChatTokenizer(folder).pad_id
-    return SamplingConfig(temperature=float(settings.get("temperature", 1.0)), eos_id=stops[0],
-                          pad_id=pad if pad is not None else stops[0], stop_ids=tuple(stops))
+    recipe = settings.get("algorithm", {})
+    base = SamplingConfig(eos_id=stops[0], pad_id=pad if pad is not None else stops[0], stop_ids=tuple(stops))
+    return base.with_sampling(float(recipe.get("temperature", settings.get("temperature", 1.0))),
+                              float(recipe.get("top_p", 1.0)), int(recipe.get("top_k", -1)), True)
+
+
+def held_out_sampling(settings: RoleSettings, rollout_sampling: Any) -> Any:
+    """The held-out evaluation's sampling (``[algorithm.val_kwargs]``: greedy unless ``do_sample``),
+    with the rollouts' stop tokens."""
+    val = settings.get("algorithm", {}).get("val_kwargs", {})
+    return rollout_sampling.with_sampling(float(val.get("temperature", 0.0)), float(val.get("top_p", 1.0)),
+                                          int(val.get("top_k", -1)), bool(val.get("do_sample", False)))
 
 
 def serve_work(w: Any, op: str, key: str, phase: str, capacity: int,

@@ -13,7 +13,15 @@ import time
 from typing import Any
 
 from rlctl import worker
-from rlctl.roles.common import RoleSettings, load_policy, model_path, sampling_config, setup_torch, wait_or_stop
+from rlctl.roles.common import (
+    RoleSettings,
+    held_out_sampling,
+    load_policy,
+    model_path,
+    sampling_config,
+    setup_torch,
+    wait_or_stop,
+)
 
 # Decode steps between a worker's polls: each poll is one request to the controller.
 CHUNK_TOKENS = 4
@@ -113,7 +121,9 @@ class Rollout:
         # Elastic rollout: a follower started while its group runs wide has no GPU of its own to load
         # onto (the wide leader holds them); it starts parked and builds its engine when resized.
         self.parked = bool(settings.get("start_parked", False))
-        self.engine: Any = None if self.parked else self._make_engine(sampling_config(settings), self._device)
+        self.sampling = sampling_config(settings)  # the rollouts'; the held-out evaluation's is val_kwargs'
+        self.val_sampling = held_out_sampling(settings, self.sampling)
+        self.engine: Any = None if self.parked else self._make_engine(self.sampling, self._device)
         self.server = settings.weight_server()
         self.held_version = -1
         self.held_bundle: Any = None  # the weights as received (served on; a sleeping engine wakes from them)
@@ -255,10 +265,15 @@ class Rollout:
             return set(reply.get("cancel", [])) if reply else set()
 
         results = self.engine.generate(requests, int(work["max_new_tokens"]), should_cancel=should_cancel,
-                                       chunk_tokens=CHUNK_TOKENS, on_finished=on_finished)
+                                       chunk_tokens=CHUNK_TOKENS, on_finished=on_finished,
+                                       sampling=self.sampling_for(work))
         self.tokens_generated = base + sum(len(r.response_tokens) for r in results)
         self.w.progress(self.tokens_generated)
         return list(unsent)
+
+    def sampling_for(self, work: dict[str, Any]) -> Any:
+        """The held-out evaluation samples with ``[algorithm.val_kwargs]``, rounds with the rollouts'."""
+        return self.val_sampling if work.get("round") == "held-out" else self.sampling
 
     def play(self, work: dict[str, Any]) -> list[dict[str, Any]]:
         """Play ``work``'s items as multi-turn episodes against the env workers (the job has an env
@@ -287,7 +302,8 @@ class Rollout:
         runner.generated_tokens = 0
         episodes = [Episode(str(i["item_id"]), list(i["prompt_tokens"]), int(i["seed"]), dict(i.get("sample") or {}))
                     for i in work["items"]]
-        runner.run(episodes, int(work["max_new_tokens"]), should_cancel=should_cancel, on_finished=on_finished)
+        runner.run(episodes, int(work["max_new_tokens"]), should_cancel=should_cancel, on_finished=on_finished,
+                   sampling=self.sampling_for(work))
         self.tokens_generated = base + runner.generated_tokens
         self.w.progress(self.tokens_generated)
         return list(unsent)
@@ -337,7 +353,7 @@ class Rollout:
             if self.engine is not None:
                 self.engine.resize(degree, devices)
             else:  # started parked: built now, on its own GPUs, which its leader gave back
-                self.engine = self._make_engine(sampling_config(self.settings), self._device)
+                self.engine = self._make_engine(self.sampling, self._device)
                 if degree != int(self.settings.get("tensor_parallel_size", 1)):
                     self.engine.resize(degree, devices)
             self.parked = False

@@ -52,21 +52,13 @@ REPLICA_MOVED_WAIT_S = 5.0
 class TrainerRole:
     def __init__(self, w: worker.Worker, settings: RoleSettings) -> None:
         from rlctl.weights import WeightServerThread
-        from rlctl.workload.grpo import GRPOConfig
         from rlctl.workload.offload import OptimizerOffload
-        from rlctl.workload.trainer import Trainer, TrainerConfig
+        from rlctl.workload.trainer import Trainer, trainer_config_from_workload
 
         self.w = w
         self.settings = settings
         device = setup_torch(settings)
-        config = TrainerConfig(
-            lr=float(settings.get("learning_rate", 3e-4)),
-            betas=(0.9, 0.99),
-            warmup_steps=int(settings.get("lr_warmup_steps", 5)),
-            grpo=GRPOConfig(clip_eps=float(settings.get("clip_eps", 0.2)), kl_coef=float(settings.get("kl_coef", 0.0))),
-            micro_batch_tokens=int(settings.get("micro_batch_tokens", TrainerConfig.micro_batch_tokens)),
-            sharding=str(settings.get("sharding", TrainerConfig.sharding)),
-        )
+        config = trainer_config_from_workload(settings.raw)
         model_table = settings.get("model", {})
         self.trainer = Trainer.from_hf(model_path(settings), config, device=device,
                                        dtype=str(model_table.get("dtype", "auto")),
@@ -284,7 +276,8 @@ class TrainerRole:
             if samples:
                 if not opened:
                     tokens = sum(s.trained_tokens for s in samples)
-                    self.trainer.begin_step(tokens / groups * int(reply["target_groups"]))
+                    target = int(reply["target_groups"])
+                    self.trainer.begin_step(tokens / groups * target, len(samples) / groups * target)
                     opened = True
                 self.round_kind = str(reply.get("round", ""))
                 self.w.phase("training", step)

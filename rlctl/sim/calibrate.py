@@ -50,6 +50,7 @@ from rlctl.sim.faults import (
     TraceFailures,
     fault_from_record,
 )
+from rlctl.sim.recipe import training_passes
 from rlctl.sim.site import SimConfig
 from rlctl.sim.weight_rates import MeasuredWeights, PullSample, WeightRatesError, from_gpucheck, is_gpucheck_report
 
@@ -161,7 +162,8 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
         # The measured generation time already holds a multi-turn job's environment calls: env_call_s 0.
         generation=_length_fit(lengths, replace(GenerationCost(), max_new_tokens=0, short_max_tokens=0, per_token_s=0.0,
                                                 env_call_s=0.0, overhead_s=_median(gen_s, base.generation.overhead_s))),
-        step=replace(StepCost(), reward_s=reward_median, train_s=train_median, jitter=0.0,
+        # The measured training is the recipe's whole step: the simulated job's recipe is priced from its one pass.
+        step=replace(StepCost(), reward_s=reward_median, train_s=_one_pass_s(spec, train_median), jitter=0.0,
                      checkpoint_s=_median(checkpoint_s, 0.0),
                      checkpoint_load_s=_median(_checkpoint_loads(events, model), FALLBACK_CHECKPOINT_LOAD_S)),
         weights=weights_from_pulls(events, senders=len(model.slots_of("trainer")), pullers=len(model.slots_of("rollout"))),
@@ -170,8 +172,15 @@ def measure_cost_model(events: list[Event], spec: JobSpec, base: CostModel | Non
                      allocate_s=max(0.0, allocated - t0),
                      agent_start_s=max(0.0, (min(registered) if registered else allocated) - allocated)),
         detection=replace(DetectionCost(), exit_report_s=_median(detection, 0.2), tick_s=0.1),
-        workload=replace(base.workload, batch_prompts=spec.rollout.batch_prompts, group_size=spec.rollout.group_size),
+        # The measured generation already holds dynamic sampling's refills: no group is simulated constant.
+        workload=replace(base.workload, batch_prompts=spec.rollout.batch_prompts, group_size=spec.rollout.group_size,
+                         constant_group_fraction=0.0),
     )
+
+
+def _one_pass_s(spec: JobSpec, training_s: float) -> float:
+    """``step.train_s`` (one pass and one update) of a job whose steps trained in ``training_s``."""
+    return training_passes(spec.algorithm, spec.rollout.batch_prompts).pass_s(StepCost(), training_s)
 
 
 def weights_from_pulls(events: list[Event], senders: int = 1, pullers: int = 1) -> WeightsCost:

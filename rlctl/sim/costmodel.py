@@ -31,6 +31,7 @@ class WorkloadCost:
     group_size: int = 8
     sim_batch_prompts: int = 0  # prompts the scheduler tracks per round (0: the job file's batch)
     sim_group_size: int = 0  # samples per tracked prompt (0: the job file's group size)
+    constant_group_fraction: float = 0.4  # a group's samples all get the same reward (dynamic sampling filters it)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class StepCost:
     checkpoint_s: float = 20.0
     checkpoint_load_s: float = 30.0
     colocation_switch_s: float = 6.0  # a colocated step: engines sleep and wake, optimizer state out and back
+    optimizer_s: float = 0.2  # one more optimizer update of the sharded model (a mini-batch's)
+    logprob_pass_ratio: float = 1.0 / 3.0  # a no-grad forward over the batch, relative to train_s
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,12 @@ SOURCES: dict[str, str] = {
     "cluster.spare_fraction": "[P] NCSA Delta (arXiv 2503.11901): about 5% over-provisioning needed",
     "workload.batch_prompts": "[P] DAPO/verl recipes: 512 prompts per step",
     "workload.group_size": "[D] GRPO group of 8 samples per prompt (verl examples use 5-16)",
+    "workload.constant_group_fraction": "[D] assumed 0.4: the probability that a group's samples all get the same "
+                                        "reward (all right or all wrong), which DAPO's dynamic sampling drops. DAPO "
+                                        "(arXiv 2503.14476, section 3.2) reports the share of all-right groups "
+                                        "growing through training, without a figure in shared/notes; a practitioner's "
+                                        "GRPO check found ~40% of a curated math set zero-variance (deepchokshi.in, "
+                                        "GRPO reward-variance analysis). Drawn per step and prompt from the job seed",
     "generation.response_median_tokens": "[D] lognormal response lengths with a long tail; median 600 tokens for math RL",
     "generation.response_sigma": "[D] sigma 0.6 gives a sync-round max near 4.8k tokens for 4,096 samples",
     "generation.max_new_tokens": "[D] 8k-token cap, typical for Qwen-8B math RL",
@@ -185,7 +194,10 @@ SOURCES: dict[str, str] = {
                              "in about a second; 0.5 s assumed. A round's longest episode pays it once a turn "
                              "([env] max_turns), its turns one after another",
     "step.reward_s": "[D] rule-based math verifier, seconds per batch",
-    "step.train_s": "[P/D] verl 7B DAPO step 356-790 s of which 150-357 s generation; the rest on H100 ~120 s",
+    "step.train_s": "[P/D] verl 7B DAPO step 356-790 s of which 150-357 s generation; the rest on H100 ~120 s. "
+                    "One pass of forward + backward over the batch with one optimizer update: a recipe with "
+                    "mini-batches, epochs or a KL pays more (docs/cost-model.md, dynamic sampling and mini-batch "
+                    "updates)",
     "step.jitter": "[D] 5% step-to-step variation",
     "step.checkpoint_s": "[D] ~96 GB (8B weights + Adam) to a parallel FS at ~5 GB/s",
     "step.checkpoint_load_s": "[D] reading the same checkpoint back plus optimizer re-shard",
@@ -193,6 +205,13 @@ SOURCES: dict[str, str] = {
                                 "PCIe5 at ~50 GB/s per GPU, <1 s), the KV cache re-allocated and CUDA graphs "
                                 "re-captured (seconds), the trainer's sharded Adam state out and back (<1 s): ~6 s, "
                                 "an assumption",
+    "step.optimizer_s": "[D] one more AdamW update of an 8B model sharded over 64 ranks: 125M parameters a rank, "
+                        "~30 bytes each read and written (fp32 master, two moments, gradient, bf16 copy), 3.75 GB at "
+                        "~3 TB/s HBM is ~1.3 ms; with the gradient-norm all-reduce and the pipeline drained at the "
+                        "update's boundary, 0.2 s assumed",
+    "step.logprob_pass_ratio": "[D] a no-grad forward over the batch (old log-probs before the first of several "
+                               "updates, or the reference's) is about a third of forward + backward (the backward "
+                               "costs about twice the forward); an assumption",
     "weights.bytes": "[D] 8B parameters in BF16 = 16 GB (reliability.md 4)",
     "weights.bandwidth_bytes_per_s": "[D] assumed: 25 GB/s point to point (reliability.md 4: 0.64 s for 16 GB); "
                                      "rlctl measured 0.76 GB/s on one H200 node (tcp/lo; docs/cost-model.md): "

@@ -140,6 +140,8 @@ class Simulation:
             self._views.clear()
         elif ev.type == EventKind.JOB_STATE_CHANGED and ev.as_(JobStateChangedData).state == JobState.RUNNING.value:
             self.update_capacity()  # the pipeline goes on (a new round, the next step)
+        elif ev.type == EventKind.BATCH_FORMED:
+            self.pipeline.batch_formed()
         self.stats.events += 1
         if self.config.record_events:
             self.events.append(ev)

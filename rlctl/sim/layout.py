@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from rlctl.core.launchplan import ROLE_ORDER
 from rlctl.core.spec import JobSpec
 from rlctl.sim.costmodel import ClusterCost, CostModel
+from rlctl.sim.recipe import training_passes
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,16 @@ def colocated_costs(cost: CostModel, layout: Layout) -> CostModel:
 
 
 def layout_costs(cost: CostModel, layout: Layout, spec: JobSpec) -> CostModel:
-    """The cost model for ``spec`` on ``layout``: its colocated step costs; a weight version served
+    """The cost model for ``spec`` on ``layout``: ``step.train_s`` a whole step's training as its
+    recipe trains (``rlctl.sim.recipe``), then its colocated step costs; a weight version served
     by every trainer GPU's rank and pulled by every rollout engine at once; with a trainer-state
     replica, each rank's step longer by serving its part; and, for a multi-turn job, a round's
     longest episode taking every turn ``[env] max_turns`` allows."""
     engines = max(1, layout.nodes["rollout"] * layout.gpus_per_node // max(1, spec.roles["rollout"].tensor_parallel_size))
     weights = replace(cost.weights, senders=max(1, layout.nodes["trainer"] * layout.gpus_per_node), pullers=engines)
     generation = replace(cost.generation, env_turns=spec.env.max_turns if spec.multi_turn else 0)
-    priced = colocated_costs(cost, layout)
+    training_s = training_passes(spec.algorithm, spec.rollout.batch_prompts).seconds(cost.step)
+    priced = colocated_costs(replace(cost, step=replace(cost.step, train_s=training_s)), layout)
     if spec.trainer_state_replicated(weights.senders):  # each rank serves its part to the standby after every step
         priced = replace(priced, step=replace(priced.step, train_s=priced.step.train_s + weights.state_serve_s))
     return replace(priced, weights=weights, generation=generation)

@@ -5,10 +5,13 @@ progresses at the fraction of its role's capacity that is really working, so a d
 a round by 1/N until it is back, and a dead trainer stops training. Rounds come from the real
 ``RoundScheduler`` (its decisions are events, committed like the controller's); what the workers
 would report (phases, trajectories, scores, published weights) is emitted as the same events.
+Prompts the scheduler draws into an open round (dynamic sampling's refills) are generated as a
+further pass over that part of the round, priced as such (``round_timing``'s ``fraction``).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,13 +26,21 @@ from rlctl.core.event_payloads import (
     WorkerPhaseData,
 )
 from rlctl.core.model_weights import state_not_older
-from rlctl.core.round_state import Sample
+from rlctl.core.round_state import Round, Sample
 from rlctl.core.rounds import DONE, INFLIGHT, PENDING, SCORING
 from rlctl.core.states import JobState
 from rlctl.core.tick import Observations
 from rlctl.sim import armed
-from rlctl.sim.site import FluidTask, PipelineSite
-from rlctl.sim.workload import elastic_round_s, expected_step_s, held_out_s, jittered, round_timing, sample_length
+from rlctl.sim.site import FluidTask, PipelineSite, StepGeneration
+from rlctl.sim.workload import (
+    elastic_round_s,
+    expected_step_s,
+    group_reward,
+    held_out_s,
+    jittered,
+    round_timing,
+    sample_length,
+)
 
 REWARD_CAPACITY = 64  # rlctl/roles/reward.py CAPACITY
 HEARTBEAT_SUMMARY_EVERY_STEPS = 1
@@ -46,6 +57,9 @@ class Pipeline:
         self.step_started_at = 0.0
         self.last_step_s = expected_step_s(sim.cost, config.tail_enabled, config.overprovision)
         self._replay_reported: set[int] = set()
+        self._priced_round: Round | None = None  # the round whose generation is priced, and its prompts then
+        self._priced_prompts = 0
+        self._generated_step, self._generated = -1, 0  # samples submitted for a step's rounds
 
     def refresh(self) -> None:
         """Capacity changed: re-time the running phase."""
@@ -88,12 +102,36 @@ class Pipeline:
         assert rnd is not None
         cfg = self.sim.scheduler.config
         regrouped = cfg.elastic is not None and rnd.tensor_parallel == cfg.elastic.wide_tp
+        drawn = self._unpriced(rnd)
+        self._priced_round, self._priced_prompts = rnd, len(rnd.prompt_ids)
+        if rnd.step != self._generated_step:
+            self._generated_step, self._generated = rnd.step, 0
+        if drawn:
+            self._start_refill(rnd, drawn, regrouped)
+            return
         for counted in (rnd.kind, "regrouped")[: 1 + regrouped]:
             self.sim.stats.rounds[counted] = self.sim.stats.rounds.get(counted, 0) + 1
         timing = round_timing(self.sim.cost, rnd.kind, rnd.max_new_tokens, cfg.overprovision, self.sim.rng)
         self.dispatch_pending()
         self._start_task("gen", self.sim.cost.weights.sync_s + elastic_round_s(self.sim.cost, timing, regrouped))
         self.sim.q.after(self.sim.cost.weights.sync_s, self._representative_held, rnd.weights_version)
+
+    def _unpriced(self, rnd: Round) -> int:
+        """Prompts dynamic sampling drew into ``rnd`` since its generation was priced."""
+        return len(rnd.prompt_ids) - self._priced_prompts if rnd is self._priced_round else 0
+
+    def _start_refill(self, rnd: Round, drawn: int, regrouped: bool) -> None:
+        """Generate the ``drawn`` prompts the scheduler added to the open round: a pass over
+        ``drawn / first_draw`` of the round's real batch, with the weights the engines hold."""
+        cfg = self.sim.scheduler.config
+        rng = random.Random(f"refill/{self.sim.config.seed}/{rnd.step}/{len(rnd.prompt_ids)}")
+        timing = round_timing(self.sim.cost, rnd.kind, rnd.max_new_tokens, cfg.overprovision, rng,
+                              drawn / max(1, rnd.first_draw))
+        seconds = elastic_round_s(self.sim.cost, timing, regrouped, regroups=0)
+        self.sim.stats.refills += 1
+        self.sim.stats.refill_s += seconds
+        self.dispatch_pending()
+        self._start_task("gen", seconds)
 
     def _representative_held(self, version: int) -> None:
         """Every rollout notifies weights.held after its per-step sync; one stands for all of them
@@ -152,8 +190,11 @@ class Pipeline:
         assert rnd is not None
         step = rnd.step
         self.dispatch_pending()
-        while self._submit_held(rnd) and self.sim.scheduler.round is rnd and not rnd.closed:
+        while self._submit_held(rnd) and self._open(rnd) and not self._unpriced(rnd):
             self.dispatch_pending()
+        if self._open(rnd) and self._unpriced(rnd):
+            self._start_generation()  # deferrals left the round short: dynamic sampling drew more prompts
+            return
         if self.sim.scheduler.round is rnd and self._blocked(INFLIGHT):
             if self.task is not None:
                 self.task.rate = 0.0
@@ -165,20 +206,25 @@ class Pipeline:
             return
         self._start_scoring()
 
-    def _submit_held(self, rnd: Any) -> bool:
-        """rollout.submit for every working rollout's in-flight items of the round; False when there were none."""
-        return self._submit_generated(rnd.samples.values(), rnd.weights_version, rnd.max_new_tokens)
+    def _open(self, rnd: Round) -> bool:
+        return self.sim.scheduler.round is rnd and not rnd.closed
 
-    def _submit_generated(self, samples: Iterable[Sample], weights_version: int, max_new_tokens: int) -> bool:
+    def _submit_held(self, rnd: Round) -> int:
+        """rollout.submit for every working rollout's in-flight items of the round; how many there were."""
+        submitted = self._submit_generated(rnd.samples.values(), rnd.weights_version, rnd.max_new_tokens)
+        self._generated += submitted
+        return submitted
+
+    def _submit_generated(self, samples: Iterable[Sample], weights_version: int, max_new_tokens: int) -> int:
         """rollout.submit for the in-flight ``samples`` working rollouts hold (a round's or a held-out
-        evaluation's); False when there were none."""
+        evaluation's); how many there were."""
         by_wid = self._held_by_working(samples, INFLIGHT)
         for wid, held in by_wid.items():
             results = [{"item_id": sample.item_id, "response_tokens": [], "weights_version": weights_version,
                         "truncated": sample_length(self.sim.cost.generation, sample.seed) > max_new_tokens}
                        for sample in held]
             self.sim.commit(self.sim.scheduler.submit(self.sim.workers[wid].slot, wid, results, self.sim.now))
-        return bool(by_wid)
+        return sum(len(held) for held in by_wid.values())
 
     def _held_by_working(self, samples: Iterable[Sample], status: str) -> dict[str, list[Sample]]:
         """``samples`` in ``status`` by the working worker (on a node that is up) holding them."""
@@ -213,14 +259,27 @@ class Pipeline:
                 self.task.rate = 0.0
             return  # resumed once the held items come back and a reward worker takes them
         by_wid: dict[str, list[dict[str, Any]]] = {}
+        work, seed = self.sim.cost.workload, self.sim.scheduler.config.seed
         for sample in rnd.samples.values():
             if sample.status == SCORING and sample.wid:
-                by_wid.setdefault(sample.wid, []).append({"item_id": sample.item_id, "reward": 1.0, "correct": True})
+                reward = group_reward(work, seed, rnd.step, sample.prompt_id, sample.sample_index)
+                by_wid.setdefault(sample.wid, []).append({"item_id": sample.item_id, "reward": reward,
+                                                          "correct": reward > 0})
         for wid, scores in by_wid.items():
             self.sim.commit(self.sim.scheduler.submit_scores(wid, scores, self.sim.now))
         self.task = None
         self.stage = "idle"
         self.advance()
+
+    def batch_formed(self) -> None:
+        """The open round's batch formed: what its step generated and kept (``SimStats.generation``)."""
+        rnd = self.sim.scheduler.round
+        batch = self.sim.scheduler.batch_for(rnd.step) if rnd is not None else None
+        if rnd is None or batch is None:
+            return
+        generated = self._generated if rnd.step == self._generated_step else 0
+        self.sim.stats.generation[rnd.step] = StepGeneration(generated, len(batch.samples), len(batch.prompt_ids),
+                                                             len(batch.filtered), rnd.gen_batches)
 
     def evaluate_when_idle(self) -> None:
         """A held-out evaluation runs (the tick started it): price it as its own phase once nothing

@@ -1,8 +1,9 @@
 """Running simulations and reporting them: one run's summary, policies side by side, sweeps, plots.
 
 A summary is a plain dict (what ``rlctl sim --json`` prints): ETTR, the ledger in seconds and as
-fractions of wall time, end-to-end time to N steps, faults, verdicts and actions, and the
-simulator's own speed.
+fractions of wall time, end-to-end time to N steps, faults, verdicts and actions, the generation
+beyond the trained batches, what the recipe's dynamic sampling and mini-batches cost when the job
+has them, and the simulator's own speed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.core.ettr import CATEGORIES
-from rlctl.sim.site import ReportSite
+from rlctl.sim.recipe import training_passes
+from rlctl.sim.site import ReportSite, StepGeneration
 
 
 def summarize(sim: ReportSite, wall_clock_s: float) -> dict[str, Any]:
@@ -30,6 +32,7 @@ def summarize(sim: ReportSite, wall_clock_s: float) -> dict[str, Any]:
         "gpus": sim.layout.total_gpus,
         "nodes": dict(sim.layout.nodes, spare=sim.layout.spares),
         "state": model.life.state.value,
+        "end_reason": model.life.history[-1].reason if model.life.state.terminal else None,
         "stalled_s": round(sim.stats.stalled_s, 3),
         "steps_done": model.published_version,
         "steps_target": model.total_steps,
@@ -48,10 +51,68 @@ def summarize(sim: ReportSite, wall_clock_s: float) -> dict[str, Any]:
         "mean_recovery_s": round(statistics.fmean(recovered), 3) if recovered else None,
         "rounds": dict(sorted(sim.stats.rounds.items())),
         "mean_step_s": round(wall / model.published_version, 3) if model.published_version else None,
+        **recipe_figures(sim),
         "events": sim.stats.events,
         "sim_callbacks": sim.q.processed,
         "sim_wall_clock_s": round(wall_clock_s, 3),
     }
+
+
+def recipe_figures(sim: ReportSite) -> dict[str, Any]:
+    """``extra_generation``: samples generated beyond the trained batches, as a fraction of them
+    (over-provisioning, deferrals, dynamic sampling's filtered groups and refills);
+    ``training_s_per_step``: a step's training as priced (its recipe's passes, the layout's share);
+    with ``filter_groups``, ``dynamic_sampling``; with more than one pass or update a step, or a
+    no-grad forward, ``mini_batches``."""
+    steps = list(sim.stats.generation.values())
+    trained = sum(s.trained for s in steps)
+    out: dict[str, Any] = {"extra_generation": round(sum(s.generated for s in steps) / trained - 1, 4) if trained else None,
+                           "training_s_per_step": round(sim.cost.step.train_s, 3)}
+    algorithm = sim.spec.algorithm
+    if algorithm.filter_groups.enable:
+        out["dynamic_sampling"] = _dynamic_sampling(sim, steps)
+    passes = training_passes(algorithm, sim.spec.rollout.batch_prompts)
+    if not passes.plain:
+        out["mini_batches"] = {"updates_per_step": passes.updates, "ppo_epochs": passes.epochs,
+                               "extra_updates": passes.extra_updates, "no_grad_forwards": passes.forwards,
+                               "optimizer_s": sim.cost.step.optimizer_s,
+                               "logprob_pass_ratio": round(sim.cost.step.logprob_pass_ratio, 4)}
+    return out
+
+
+def _dynamic_sampling(sim: ReportSite, steps: list[StepGeneration]) -> dict[str, Any]:
+    filtering = sim.spec.algorithm.filter_groups
+    filtered = sum(s.filtered for s in steps)
+    groups = filtered + sum(s.groups for s in steps)
+    count = max(1, len(steps))
+    return {"metric": filtering.metric, "max_num_gen_batches": filtering.max_num_gen_batches,
+            "constant_group_fraction": sim.cost.workload.constant_group_fraction,
+            "groups_filtered": filtered, "filtered_share": round(filtered / groups, 4) if groups else None,
+            "gen_batches_per_step": round(sum(s.gen_batches for s in steps) / count, 3),
+            "gen_batches_max": max((s.gen_batches for s in steps), default=0),
+            "refills": sim.stats.refills, "refills_per_step": round(sim.stats.refills / count, 3),
+            "refill_generation_s": round(sim.stats.refill_s, 3),
+            "refill_generation_s_per_step": round(sim.stats.refill_s / count, 3)}
+
+
+def recipe_cells(run: dict[str, Any]) -> dict[str, str]:
+    """The recipe's figures of one run as rows of ``rlctl sim``'s table (label: cell)."""
+    cells: dict[str, str] = {}
+    if run.get("extra_generation") is not None:
+        cells["extra generation"] = f"{run['extra_generation']:+.0%}"
+    sampling = run.get("dynamic_sampling")
+    if sampling:
+        share = sampling["filtered_share"]
+        cells["groups filtered"] = f"{share:.0%} ({sampling['metric']})" if share is not None else "-"
+        cells["gen batches / step"] = f"{sampling['gen_batches_per_step']:.2f} (max {sampling['gen_batches_max']})"
+        cells["refills / step"] = (f"{sampling['refills_per_step']:.2f} "
+                                   f"({sampling['refill_generation_s_per_step']:.0f} s)")
+    updates = run.get("mini_batches")
+    if updates:
+        forwards = f", {updates['no_grad_forwards']} no-grad fwd" if updates["no_grad_forwards"] else ""
+        cells["updates / step"] = f"{updates['updates_per_step']} ({updates['ppo_epochs']} epoch{forwards})"
+        cells["training / step"] = f"{run['training_s_per_step']:.0f} s"
+    return cells
 
 
 def compare(role: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,17 @@ class ArmedFaults:
     broken_roles: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class StepGeneration:
+    """What a step's round generated and kept, when its batch formed."""
+
+    generated: int  # samples generated for the step: trained, filtered, deferred and returned
+    trained: int  # samples in the batch
+    groups: int  # groups in the batch
+    filtered: int  # groups dynamic sampling dropped
+    gen_batches: int  # draws of the round's first size it took (``Round.gen_batches``)
+
+
 @dataclass
 class SimStats:
     faults_injected: int = 0
@@ -58,6 +69,9 @@ class SimStats:
     rounds: dict[str, int] = field(default_factory=dict)
     steps_trained: int = 0
     stalled_s: float = 0.0  # how long the job had trained no step when the simulator ended it
+    refills: int = 0  # generation passes over prompts dynamic sampling drew into an open round
+    refill_s: float = 0.0  # their generation seconds at full capacity
+    generation: dict[int, StepGeneration] = field(default_factory=dict)  # by step, the last round that formed it
 
 
 @dataclass
@@ -161,6 +175,7 @@ class PipelineSite(ArmedSite, Protocol):
     """What ``rlctl.sim.pipeline`` uses (and, through it, ``rlctl.sim.armed`` and ``rlctl.sim.inject``):
     the RL pipeline's phases."""
     spec: JobSpec
+    config: SimConfig
     failures: FailureModel
     scheduler: RoundScheduler
 
@@ -183,6 +198,8 @@ class PipelineSite(ArmedSite, Protocol):
 
 class ReportSite(Protocol):
     """What ``rlctl.sim.report`` uses: a finished run's figures."""
+    spec: JobSpec
+    cost: CostModel
     config: SimConfig
     failures: FailureModel
     layout: Layout

@@ -1,11 +1,13 @@
-"""The synthetic workload: prompts, per-sample response lengths and per-round generation time.
+"""The synthetic workload: prompts, per-sample response lengths and rewards, and per-round generation time.
 
 The round scheduler tracks a small representative batch (the job file's, or the cost model's
 ``sim_batch_*``); each sample's length is drawn from the cost model's lognormal distribution with
-the sample's own seed, so deferral to the long queue is decided by the real scheduler. The time a
-round takes is computed for the *real* batch (``workload.batch_prompts`` × ``group_size``) from
-order statistics of the same distribution: a synchronous or long round lasts until its longest
-(capped) response; a short round until enough groups have finished (RollPacker).
+the sample's own seed, so deferral to the long queue is decided by the real scheduler. A sample's
+reward comes from its group's draw (``workload.constant_group_fraction``), so which groups dynamic
+sampling drops is decided by the real scheduler too. The time a round takes is computed for the
+*real* batch (``workload.batch_prompts`` × ``group_size``) from order statistics of the same
+distribution: a synchronous or long round lasts until its longest (capped) response; a short round
+until enough groups have finished (RollPacker).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import random
 from dataclasses import dataclass, replace
 
 from rlctl.core.elastic import EngineCurve
+from rlctl.core.round_state import sample_seed
 from rlctl.core.rounds import PromptRef, SchedulerConfig, config_from_spec
 from rlctl.core.spec import JobSpec
-from rlctl.sim.costmodel import CostModel, GenerationCost, response_quantile
+from rlctl.sim.costmodel import CostModel, GenerationCost, WorkloadCost, response_quantile
 
 SYNTHETIC_PROMPT_TOKENS = (1,)
+GROUP_DRAW = -1  # the sample index of a group's own draw (no sample has it)
 
 
 def scheduler_config(spec: JobSpec, cost: CostModel) -> SchedulerConfig:
@@ -61,6 +65,17 @@ def sample_length(gen: GenerationCost, sample_seed: int) -> int:
     return max(1, int(response_quantile(gen, min(max(u, 1e-12), 1 - 1e-12))))
 
 
+def group_reward(work: WorkloadCost, job_seed: int, step: int, prompt_id: str, sample_index: int) -> float:
+    """A sample's reward, 1 (right) or 0 (wrong): the group of ``prompt_id`` at ``step`` is all right
+    or all wrong (half each) with probability ``constant_group_fraction``, else its first sample
+    alone is right. A pure function of the job seed, the step and the prompt."""
+    u = _unit(sample_seed(job_seed, step, prompt_id, GROUP_DRAW))
+    constant = work.constant_group_fraction
+    if u < constant:
+        return 1.0 if u < constant / 2 else 0.0
+    return 1.0 if sample_index == 0 else 0.0
+
+
 def _unit(seed: int) -> float:
     """A uniform draw in (0, 1) from ``seed`` (splitmix64 finaliser: cheap, deterministic, well mixed)."""
     z = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
@@ -85,13 +100,16 @@ def _max_of(gen: GenerationCost, samples: int, rng: random.Random) -> float:
     return response_quantile(gen, min(max(u, 1e-12), 1 - 1e-12))
 
 
-def round_timing(cost: CostModel, kind: str, cap: int, overprovision: float, rng: random.Random) -> RoundTiming:
-    """How long the round takes: per-token decode latency × its critical-path length, plus overhead."""
+def round_timing(cost: CostModel, kind: str, cap: int, overprovision: float, rng: random.Random,
+                 fraction: float = 1.0) -> RoundTiming:
+    """How long the round takes: per-token decode latency × its critical-path length, plus overhead.
+    ``fraction`` of the real batch is generated (below 1: a dynamic-sampling refill of the round)."""
     gen, work = cost.generation, cost.workload
-    real_samples = work.batch_prompts * work.group_size
+    real_samples = max(1, round(work.batch_prompts * work.group_size * fraction))
     if kind == "short":
         # The round ends when `batch` of `batch * (1 + overprovision)` groups are complete: the
-        # group-max quantile batch/dispatched; groups that would exceed the cap are deferred.
+        # group-max quantile batch/dispatched, whatever the number of groups (a refill is
+        # over-provisioned as its round was); groups that would exceed the cap are deferred.
         fraction = 1.0 / (1.0 + overprovision)
         jitter = 1.0 + 0.02 * (rng.random() - 0.5)
         quantile = min(1 - 1e-9, (fraction * jitter) ** (1.0 / work.group_size))
@@ -121,13 +139,15 @@ def synthetic_held_out(spec: JobSpec) -> list[PromptRef]:
             for index in range(count)]
 
 
-def elastic_round_s(cost: CostModel, timing: RoundTiming, regrouped: bool) -> float:
+def elastic_round_s(cost: CostModel, timing: RoundTiming, regrouped: bool, regroups: int = 2) -> float:
     """A round's generation seconds when the scheduler regrouped its engines: the critical path at
-    the wide engines' per-token latency, plus the reconfiguration there and back."""
+    the wide engines' per-token latency, plus ``regroups`` reconfigurations (there and back; none
+    for a refill, which the engines generate as they are)."""
     if not regrouped:
         return timing.seconds
     gen = cost.generation
-    return gen.overhead_s + gen.per_token_s * gen.wide_per_token_ratio * timing.tokens + 2.0 * gen.regroup_s + timing.env_s
+    return (gen.overhead_s + gen.per_token_s * gen.wide_per_token_ratio * timing.tokens + regroups * gen.regroup_s
+            + timing.env_s)
 
 
 def expected_step_s(cost: CostModel, tail: bool, overprovision: float) -> float:

@@ -5,6 +5,11 @@ holds one engine, loads each published weights version into it and generates in 
 controller may cancel items between decode chunks (tail batching stops a round when its batch is
 full and sends in-flight extras back to the pool).
 
+How tokens are drawn (``SamplingConfig``: temperature, then top-k, then the top-p nucleus, as
+vLLM and HF draw) is the engine's own config unless a call passes another: the rollout role
+samples training rounds with verl's rollout settings and held-out evaluation with its
+``val_kwargs``, on the same engine (``SamplingConfig.with_sampling``).
+
 Finished rows are reported as they finish, not only when the call returns: ``on_finished`` is
 called at every chunk boundary with the results that finished since the last call (and once more
 at the end), so a rollout worker can hand samples to the controller while the rest of its batch
@@ -22,17 +27,25 @@ cost model that tail batching (RollPacker) is built on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from rlctl.workload.engine_static import POLL_STEPS, StaticDecoder, batch_bucket, build_decoder, capacity_bucket
+from rlctl.workload.engine_static import (
+    POLL_STEPS,
+    Sampler,
+    StaticDecoder,
+    batch_bucket,
+    build_decoder,
+    capacity_bucket,
+)
 from rlctl.workload.task import EOS_ID, PAD_ID
 
 # ``TorchEngine(decode=...)``: "eager" (rows dropped as they finish; the CPU default), "static"
@@ -86,17 +99,36 @@ class GenResult:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """``temperature`` 0 means greedy; ``top_k`` 0 means no top-k filter. A response ends at
-    ``eos_id`` or any of ``stop_ids`` (an HF model may have several, e.g. end of turn and end of text)."""
+    """How tokens are drawn (``draw_tokens``) and where a response ends. ``temperature`` <= 0 is
+    greedy; ``top_k`` <= 0 is no top-k filter (verl writes -1 for vLLM and 0 for HF); ``top_p`` 1 is
+    no nucleus filter. A response ends at ``eos_id`` or any of ``stop_ids`` (an HF model may have
+    several, e.g. end of turn and end of text)."""
 
     temperature: float = 1.0
     top_k: int = 0
+    top_p: float = 1.0
     eos_id: int = EOS_ID
     pad_id: int = PAD_ID
     stop_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not self.top_p > 0:
+            raise ValueError(f"top_p must be above 0 (1: no nucleus filter), not {self.top_p}")
+
     def stops(self) -> frozenset[int]:
         return frozenset((self.eos_id, *self.stop_ids))
+
+    def with_sampling(self, temperature: float, top_p: float = 1.0, top_k: int = -1,
+                      do_sample: bool = True) -> SamplingConfig:
+        """This config (its stop and pad tokens) drawing with verl's settings, a rollout's or its
+        ``val_kwargs``: ``do_sample`` false is greedy whatever the temperature, as in verl."""
+        return replace(self, temperature=temperature if do_sample else 0.0, top_p=top_p, top_k=top_k)
+
+    def draw_settings(self) -> tuple[float, int, float]:
+        """What ``draw_tokens`` reads, each "off" written one way: equal settings draw equal tokens."""
+        if self.temperature <= 0:
+            return 0.0, 0, 1.0
+        return float(self.temperature), max(0, self.top_k), min(1.0, float(self.top_p))
 
 
 @dataclass
@@ -134,7 +166,9 @@ class GenerationEngine(Protocol):
 
     def generate(self, requests: list[GenRequest], max_new_tokens: int,
                  should_cancel: CancelCheck | None = None, chunk_tokens: int = 16,
-                 on_finished: FinishedSink | None = None) -> list[GenResult]: ...
+                 on_finished: FinishedSink | None = None,
+                 sampling: SamplingConfig | None = None) -> list[GenResult]:
+        """``sampling``, when given, replaces the engine's own config for this call only."""
 
 
 _MASK32 = 0xFFFFFFFF
@@ -176,16 +210,30 @@ def sample_uniforms(seeds: Tensor, step: int) -> Tensor:
     return uniforms_from(seed_hashes(seeds), step_counters(step))
 
 
+def nucleus(logits: Tensor, top_p: float) -> Tensor:
+    """``logits`` with every token outside its row's ``top_p`` nucleus at -inf. The nucleus is the
+    smallest set of the likeliest tokens whose probability reaches ``top_p`` (the likeliest token
+    always, since ``top_p`` > 0); of equally likely tokens the lower id ranks first."""
+    ranked, order = logits.sort(dim=-1, descending=True, stable=True)
+    probs = torch.softmax(ranked, dim=-1)
+    likelier = probs.cumsum(dim=-1) - probs  # the mass of the tokens ranked before each: 0 for the first
+    outside = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order, likelier >= top_p)
+    return logits.masked_fill(outside, float("-inf"))
+
+
 def draw_tokens(logits: Tensor, seed_hash: Tensor, counter: Tensor, config: SamplingConfig) -> Tensor:
-    """One token per row from float32 ``logits`` on their own device, row ``i`` drawn with uniform
-    ``uniforms_from(seed_hash, counter)[i]`` by inverting its CDF (float64). Reads nothing back to
-    the host, so the static decode path runs it inside its CUDA graph."""
+    """One token per row from float32 ``logits`` on their own device: scaled by the temperature, cut
+    to the ``top_k`` likeliest, then to the ``top_p`` nucleus of what is left, row ``i`` drawn with
+    uniform ``uniforms_from(seed_hash, counter)[i]`` by inverting its CDF (float64). Reads nothing
+    back to the host, so the static decode path runs it inside its CUDA graph."""
     if config.temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits / config.temperature
     if 0 < config.top_k < logits.shape[-1]:
         threshold = logits.topk(config.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if config.top_p < 1:
+        logits = nucleus(logits, config.top_p)
     cdf = torch.softmax(logits, dim=-1).to(torch.float64).cumsum(dim=-1)
     uniforms = uniforms_from(seed_hash, counter).unsqueeze(1) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, uniforms, right=True).squeeze(1)
@@ -246,6 +294,9 @@ class TorchEngine:
     (different padding and batch shapes), which can very rarely flip a sampled token.
     Cancellation depends on the caller and changes the composition from that point on.
 
+    A call's ``sampling`` replaces the engine's config for that call only (its stop and pad
+    tokens too); the static path keeps a CUDA graph per sampling setting (``engine_static.Sampler``).
+
     Decode paths (``decode``, see ``DECODE_PATHS``): the static path samples with the same
     uniforms from the same prefill; its attention spans the whole static cache with the unwritten
     columns masked, so its logits may differ from the eager path's in the last bits, which can very
@@ -260,14 +311,13 @@ class TorchEngine:
         self.model.to(self.device)  # type: ignore[attr-defined]
         self.model.eval()  # type: ignore[attr-defined]
         self._version = 0
-        self._stops = self.sampling.stops()
         self.last_stats = GenerationStats()
         self._kept_buffers: dict[str, Tensor] | None = None  # while asleep: the buffers no state dict carries
         self.last_load: Any = None  # the last load_state_dict's weights_load.LoadStats
         self.tensor_parallel = 1
         self.threads_per_degree = max(1, torch.get_num_threads())  # on CPU: intra-op threads per degree
         self.decode, self._decode_forced = resolve_decode(decode, self.device)
-        self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+        self._decoders: OrderedDict[tuple[int, int, tuple[int, ...]], StaticDecoder] = OrderedDict()
         self._decoder_weights: tuple[int, ...] = ()
 
     @property
@@ -325,13 +375,15 @@ class TorchEngine:
     @torch.inference_mode()
     def generate(self, requests: list[GenRequest], max_new_tokens: int,
                  should_cancel: CancelCheck | None = None, chunk_tokens: int = 16,
-                 on_finished: FinishedSink | None = None) -> list[GenResult]:
+                 on_finished: FinishedSink | None = None,
+                 sampling: SamplingConfig | None = None) -> list[GenResult]:
         """Sample a response for every request; results keep request order, cancelled ones are left out.
 
         Blocking. Every ``chunk_tokens`` decode steps, ``on_finished(results)`` gets the rows that
         finished since its last call, then ``should_cancel(active_item_ids)`` is asked about the
         rows still running; those it returns are dropped at once. ``on_finished`` sees every
-        returned result exactly once (the last ones just before the call returns).
+        returned result exactly once (the last ones just before the call returns). ``sampling``,
+        when given, replaces the engine's own config for this call only.
         """
         if self.asleep:
             raise RuntimeError("the engine is asleep: load weights (load_state_dict) before generating")
@@ -341,29 +393,33 @@ class TorchEngine:
             return [GenResult(r.item_id, [], max_new_tokens <= 0) for r in requests]
         if len({r.item_id for r in requests}) != len(requests):
             raise ValueError("item_id values must be unique within a generate call")
+        sampling = self.sampling if sampling is None else sampling
         width = max(len(r.prompt_tokens) for r in requests)
-        decoder = self._static_decoder(len(requests), width + max_new_tokens - 1)
+        decoder = self._static_decoder(len(requests), width + max_new_tokens - 1, sampling)
         if decoder is None:
             self.last_stats.decode_path = "eager"
-            results = self._generate_eager(requests, max_new_tokens, should_cancel, chunk_tokens, on_finished)
+            results = self._generate_eager(requests, max_new_tokens, should_cancel, chunk_tokens, on_finished,
+                                           sampling)
         else:
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 results = self._generate_static(decoder, requests, max_new_tokens, should_cancel, chunk_tokens,
-                                                on_finished)
+                                                on_finished, sampling)
             self.last_stats.decode_path = "graph" if decoder.graph is not None else "static"
             self.last_stats.capture_error = decoder.capture_error
         self.last_stats.seconds = time.perf_counter() - started
         return results
 
     def _generate_eager(self, requests: list[GenRequest], max_new_tokens: int, should_cancel: CancelCheck | None,
-                        chunk_tokens: int, on_finished: FinishedSink | None) -> list[GenResult]:
+                        chunk_tokens: int, on_finished: FinishedSink | None,
+                        sampling: SamplingConfig) -> list[GenResult]:
         finished: dict[str, GenResult] = {}
         unreported: list[GenResult] = []
-        batch, logits = self._prefill(requests, max_new_tokens)
+        stops = sampling.stops()
+        batch, logits = self._prefill(requests, max_new_tokens, sampling.pad_id)
         for step in range(1, max_new_tokens + 1):
-            tokens = sample_rows(logits, batch.seeds, step, self.sampling)
+            tokens = sample_rows(logits, batch.seeds, step, sampling)
             self.last_stats.decode_steps = step
-            keep = self._record(batch, tokens.tolist(), step == max_new_tokens, finished, unreported)
+            keep = self._record(batch, tokens.tolist(), step == max_new_tokens, stops, finished, unreported)
             if keep and step % max(1, chunk_tokens) == 0:
                 if on_finished is not None and unreported:
                     on_finished(unreported)
@@ -380,23 +436,24 @@ class TorchEngine:
             on_finished(unreported)
         return [finished[r.item_id] for r in requests if r.item_id in finished]
 
-    def _static_decoder(self, rows: int, columns: int) -> StaticDecoder | None:
-        """The static decoder of this call's bucket (made on first use), or None on the eager path."""
+    def _static_decoder(self, rows: int, columns: int, sampling: SamplingConfig) -> StaticDecoder | None:
+        """The static decoder of this call's bucket (made on first use), or None on the eager path.
+        The stop tokens are part of the bucket: the decoder's state holds them."""
         if self.decode == "eager":
             return None
         weights = tuple(t.data_ptr() for t in self.model.parameters())
         if weights != self._decoder_weights:  # new weight storage (woken up): graphs would read the old
             self._decoders.clear()
             self._decoder_weights = weights
-        key = (batch_bucket(rows), capacity_bucket(columns))
+        key = (batch_bucket(rows), capacity_bucket(columns), tuple(sorted(sampling.stops())))
         decoder = self._decoders.get(key)
         if decoder is not None:
             self._decoders.move_to_end(key)
             return decoder
-        batch, capacity = key
+        batch, capacity, stops = key
         counters = step_counters(torch.arange(capacity + 1, dtype=torch.int64, device=self.device))
-        decoder = build_decoder(self.model, batch, capacity, self._draw, counters, sorted(self._stops),
-                                self.sampling.pad_id, self.device, graphed=self.decode == "graph")
+        decoder = build_decoder(self.model, batch, capacity, self._sampler(sampling), counters, list(stops),
+                                sampling.pad_id, self.device, graphed=self.decode == "graph")
         if decoder is None:
             if self._decode_forced:
                 raise ValueError(f"decode={self.decode!r}: this model has no static KV cache (sliding-window "
@@ -408,21 +465,23 @@ class TorchEngine:
             self._decoders.popitem(last=False)
         return decoder
 
-    def _draw(self, logits: Tensor, seed_hash: Tensor, counter: Tensor) -> Tensor:
-        return draw_tokens(logits, seed_hash, counter, self.sampling)
+    def _sampler(self, sampling: SamplingConfig) -> Sampler:
+        """How the static step draws with ``sampling``: keyed by what ``draw_tokens`` reads of it."""
+        return Sampler(sampling.draw_settings(), functools.partial(draw_tokens, config=sampling))
 
     def _generate_static(self, decoder: StaticDecoder, requests: list[GenRequest], max_new_tokens: int,
-                         should_cancel: CancelCheck | None, chunk_tokens: int,
-                         on_finished: FinishedSink | None) -> list[GenResult]:
+                         should_cancel: CancelCheck | None, chunk_tokens: int, on_finished: FinishedSink | None,
+                         sampling: SamplingConfig) -> list[GenResult]:
         """The static path: the host reads the stop flags at polls (every ``POLL_STEPS`` steps and
         every ``chunk_tokens``); chunk boundaries report and cancel as on the eager path."""
         stats = self.last_stats
-        ids, mask = left_pad([r.prompt_tokens for r in requests], self.sampling.pad_id)
+        stops = sampling.stops()
+        ids, mask = left_pad([r.prompt_tokens for r in requests], sampling.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         prefill = self.model.new_cache(len(requests), ids.shape[1])
         logits = self.model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), cache=prefill)
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
-        decoder.start(prefill, mask, seed_hashes(seeds), logits[:, -1], max_new_tokens)
+        decoder.start(prefill, mask, seed_hashes(seeds), logits[:, -1], max_new_tokens, self._sampler(sampling))
         del prefill, logits
         finished: dict[str, GenResult] = {}
         unreported: list[GenResult] = []
@@ -433,7 +492,7 @@ class TorchEngine:
         while True:
             if step % POLL_STEPS == 0 or step % chunk == 0 or step == max_new_tokens:
                 stats.decode_steps = step
-                running, ended = self._collect(decoder, requests, running, finished, unreported)
+                running, ended = self._collect(decoder, requests, running, stops, finished, unreported)
                 last_live = max(last_live, ended)
                 if running and step % chunk == 0:
                     if on_finished is not None and unreported:
@@ -457,7 +516,7 @@ class TorchEngine:
             on_finished(unreported)
         return [finished[r.item_id] for r in requests if r.item_id in finished]
 
-    def _collect(self, decoder: StaticDecoder, requests: list[GenRequest], running: list[int],
+    def _collect(self, decoder: StaticDecoder, requests: list[GenRequest], running: list[int], stops: frozenset[int],
                  finished: dict[str, GenResult], unreported: list[GenResult]) -> tuple[list[int], int]:
         """Move the rows that ended since the last poll to ``finished`` (in the eager path's order:
         by step, then row); return the rows still running and the last step one of them ended at."""
@@ -469,16 +528,16 @@ class TorchEngine:
         for (end, row), tokens in zip(ended, responses, strict=True):
             response = tokens[:end]
             item_id = requests[row].item_id
-            result = GenResult(item_id, response, truncated=response[-1] not in self._stops)
+            result = GenResult(item_id, response, truncated=response[-1] not in stops)
             finished[item_id] = result
             unreported.append(result)
             self.last_stats.generated_tokens += end
             self.last_stats.row_lengths.append(end)
         return [row for row in running if not ends[row]], ended[-1][0]
 
-    def _prefill(self, requests: list[GenRequest], max_new_tokens: int) -> tuple[_Batch, Tensor]:
+    def _prefill(self, requests: list[GenRequest], max_new_tokens: int, pad_id: int) -> tuple[_Batch, Tensor]:
         """Run the left-padded prompts through the model; return the batch and last-token logits."""
-        ids, mask = left_pad([r.prompt_tokens for r in requests], self.sampling.pad_id)
+        ids, mask = left_pad([r.prompt_tokens for r in requests], pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         batch = _Batch(requests, mask, self.model.new_cache(len(requests), ids.shape[1] + max_new_tokens))
         logits = self.model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), cache=batch.cache)
@@ -493,17 +552,17 @@ class TorchEngine:
                             position_ids=positions, cache=batch.cache)
         return logits[:, -1]
 
-    def _record(self, batch: _Batch, tokens: list[int], last_step: bool, finished: dict[str, GenResult],
-                unreported: list[GenResult]) -> list[int]:
+    def _record(self, batch: _Batch, tokens: list[int], last_step: bool, stops: frozenset[int],
+                finished: dict[str, GenResult], unreported: list[GenResult]) -> list[int]:
         """Append each row's token; move rows that ended to ``finished``; return rows to keep."""
         keep: list[int] = []
         for row, token in enumerate(tokens):
             response = batch.responses[row]
             response.append(token)
             self.last_stats.generated_tokens += 1
-            if token in self._stops or last_step:
+            if token in stops or last_step:
                 item_id = batch.requests[row].item_id
-                result = GenResult(item_id, response, truncated=token not in self._stops)
+                result = GenResult(item_id, response, truncated=token not in stops)
                 finished[item_id] = result
                 unreported.append(result)
                 self.last_stats.row_lengths.append(len(response))

@@ -7,7 +7,13 @@ host. Here a call's step has one shape: ``batch`` rows (the call's rows rounded 
 two) over a KV cache of ``capacity`` columns. What the step reads and writes stays on the device
 (``DecodeState``: the token each row feeds next, its position and cache column, the per-row seed
 hashes, the stop flags, the tokens sampled so far), so the step reads nothing back and is captured
-once per (batch, capacity) into a CUDA graph that every later step replays.
+into a CUDA graph that every later step replays.
+
+How a step draws (``Sampler``: temperature, top-k, top-p) may change from call to call (a rollout
+round, then a held-out evaluation with other settings, on one engine). A graph replays the draw
+with the Python values it read at its capture, so a decoder keeps one graph per sampler key; the
+graphs share the decoder's cache, state and memory pool (they never run at once), so another
+setting costs a capture, not another cache.
 
 ``TorchEngine`` reads the stop flags every ``POLL_STEPS`` steps and at its chunk boundaries, which
 is also where it reports finished rows and applies cancellation (a cancelled row is marked done
@@ -23,7 +29,8 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,9 +44,20 @@ POLL_STEPS = 8
 WARMUP_STEPS = 2
 # Cache columns come in multiples of this, so calls with nearby prompt widths share a graph.
 CAPACITY_STEP = 128
+# Graphs a decoder keeps, one per sampler key, least recently used dropped first.
+MAX_GRAPHS = 4
 
 # (float32 logits [B, V], seed hashes [B], the step's counter [1]) -> one token per row [B]
 Draw = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How a call's steps draw: ``draw``, and ``key``, which names what it computes (two samplers
+    with equal keys draw equal tokens, so they share a graph)."""
+
+    key: Hashable
+    draw: Draw
 
 
 class StaticKV(Protocol):
@@ -98,33 +116,45 @@ class DecodeState:
 
 
 class StaticDecoder:
-    """The decode step of one (batch, capacity) bucket: its cache, its device state and, when
-    ``graphed``, its CUDA graph (captured at the first call that decodes)."""
+    """The decode step of one (batch, capacity, stop tokens) bucket: its cache, its device state and,
+    when ``graphed``, a CUDA graph per sampler key (each captured at the first call that decodes
+    with it)."""
 
-    def __init__(self, model: Any, cache: StaticKV, state: DecodeState, draw: Draw, counters: Tensor,
+    def __init__(self, model: Any, cache: StaticKV, state: DecodeState, sampler: Sampler, counters: Tensor,
                  pad_id: int, graphed: bool) -> None:
         self.model = model
         self.cache = cache
         self.state = state
-        self.draw = draw
+        self.sampler = sampler  # the current call's (``start``)
         self.counters = counters  # [capacity + 1] engine.step_counters of steps 0 .. capacity
         self.pad_id = pad_id
         self.graphed = graphed
-        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
+        self.graphs: OrderedDict[Hashable, Any] = OrderedDict()  # sampler key -> torch.cuda.CUDAGraph
         self.capture_error = ""  # why the capture failed, if it did (then the step runs without a graph)
         self.capacity = state.key_index.numel()
+        self._capture_stream: Any = None  # one stream for every capture, so the graphs share their pool
 
     @property
     def batch(self) -> int:
         return self.state.tokens.numel()
 
-    def start(self, prefill: Any, prompt_mask: Tensor, seed_hash: Tensor, logits: Tensor, max_new_tokens: int) -> None:
-        """Load a call: the prefill's cache (``prompt_mask``: ``[rows, width]``, left padded) and the
-        rows' seed hashes; sample step 1 from the prefill's last ``logits``. The host reads nothing."""
+    @property
+    def graph(self) -> Any:
+        """The current sampler's CUDA graph, None until captured (or without graphs)."""
+        return self.graphs.get(self.sampler.key)
+
+    def start(self, prefill: Any, prompt_mask: Tensor, seed_hash: Tensor, logits: Tensor, max_new_tokens: int,
+              sampler: Sampler) -> None:
+        """Load a call: the prefill's cache (``prompt_mask``: ``[rows, width]``, left padded), the
+        rows' seed hashes and how they draw; sample step 1 from the prefill's last ``logits``. The
+        host reads nothing."""
         rows, width = prompt_mask.shape
         if rows > self.batch or width + max_new_tokens - 1 > self.capacity:
             raise ValueError(f"{rows} rows of width {width} and {max_new_tokens} new tokens do not fit "
                              f"a decoder of {self.batch} rows and {self.capacity} columns")
+        self.sampler = sampler
+        if sampler.key in self.graphs:
+            self.graphs.move_to_end(sampler.key)
         self.cache.fill(prefill)
         if self.graphed and self.graph is None and max_new_tokens > 1:
             self._capture()  # writes only the last column, which this call writes before it reads
@@ -143,7 +173,7 @@ class StaticDecoder:
         s.done[:rows] = False
         s.finished_at.zero_()
         first = torch.full_like(s.tokens, self.pad_id)
-        first[:rows] = self.draw(logits.float(), seed_hash, self._counter())
+        first[:rows] = self.sampler.draw(logits.float(), seed_hash, self._counter())
         self._advance(first)
 
     def step(self) -> None:
@@ -176,7 +206,7 @@ class StaticDecoder:
                             position_ids=s.positions.unsqueeze(1), cache=self.cache)
         s.positions.add_(1)
         s.column.add_(1)
-        self._advance(self.draw(logits[:, -1].float(), s.seed_hash, self._counter()))
+        self._advance(self.sampler.draw(logits[:, -1].float(), s.seed_hash, self._counter()))
 
     def _advance(self, tokens: Tensor) -> None:
         """Record the tokens of step ``s.step``, stop the rows they end, and feed them next."""
@@ -189,9 +219,9 @@ class StaticDecoder:
         s.step.add_(1)
 
     def _capture(self) -> None:
-        """Capture ``_step`` into a CUDA graph, after eager warm-up runs on the capture stream.
-        The warm-up runs for real, so the state points them at the cache's last column. A capture
-        CUDA refuses leaves the decoder ungraphed, with ``capture_error`` saying why."""
+        """Capture ``_step`` with the current sampler into a CUDA graph, after eager warm-up runs on
+        the capture stream. The warm-up runs for real, so the state points them at the cache's last
+        column. A capture CUDA refuses leaves the decoder ungraphed, with ``capture_error`` saying why."""
         s = self.state
         s.allowed.fill_(True)
         s.done.fill_(True)
@@ -201,7 +231,9 @@ class StaticDecoder:
         s.step.fill_(1)
         s.last_step.fill_(1)
         device = s.tokens.device
-        stream = torch.cuda.Stream(device=device)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device=device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_STEPS):
@@ -212,6 +244,7 @@ class StaticDecoder:
             s.step.fill_(1)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
         # A collection during the capture could free a dropped engine's graph, and freeing CUDA
         # memory while a stream captures voids the capture (torch >= 2.9 no longer collects when
         # a capture starts). thread_local: another thread's unsafe CUDA calls (a weight fetch) do
@@ -219,7 +252,7 @@ class StaticDecoder:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self._step()
         except RuntimeError as exc:
             self.graphed, self.capture_error = False, f"{type(exc).__name__}: {exc}"
@@ -228,16 +261,19 @@ class StaticDecoder:
         finally:
             if collecting:
                 gc.enable()
-        self.graph = graph
+        self.graphs[self.sampler.key] = graph
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
 
 
-def build_decoder(model: Any, batch: int, capacity: int, draw: Draw, counters: Tensor, stop_ids: list[int],
+def build_decoder(model: Any, batch: int, capacity: int, sampler: Sampler, counters: Tensor, stop_ids: list[int],
                   pad_id: int, device: torch.device, graphed: bool) -> StaticDecoder | None:
-    """A ``StaticDecoder`` for ``model``, or None where the model has no static cache."""
+    """A ``StaticDecoder`` for ``model`` (first drawing with ``sampler``), or None where the model has no
+    static cache."""
     if not isinstance(model, StaticDecodeLM):
         return None
     state = DecodeState.allocate(batch, capacity, stop_ids, device)
     cache = model.new_static_cache(batch, capacity, state.column)
     if cache is None:
         return None
-    return StaticDecoder(model, cache, state, draw, counters, pad_id, graphed)
+    return StaticDecoder(model, cache, state, sampler, counters, pad_id, graphed)

@@ -7,7 +7,8 @@ rollout, a standby and a checkpoint can feed one another.
 
 Contract (same as ``TorchEngine`` where vLLM allows):
 - ``generate`` samples with ``SamplingParams(seed=request.seed)``: each sample has its own
-  random stream; results keep request order; cancelled items are left out; ``truncated`` is
+  random stream, drawn with the temperature, top-k and top-p of the call's ``sampling`` (else the
+  engine's own config); results keep request order; cancelled items are left out; ``truncated`` is
   ``finish_reason == "length"``; a response ends with its stop token when not truncated (as
   TorchEngine). Blocking. ``should_cancel`` and ``on_finished`` are called every
   ``chunk_tokens`` engine steps (one step decodes one token for every running request).
@@ -157,7 +158,8 @@ def _sampling_params(sampling: SamplingConfig, request: GenRequest, max_new_toke
 
     stops = sorted(t for t in sampling.stops() if t >= 0)  # eos_id < 0 and no stop_ids: no EOS (benchmarks)
     return SamplingParams(
-        n=1, temperature=max(sampling.temperature, 0.0), top_k=max(0, sampling.top_k),
+        n=1, temperature=max(sampling.temperature, 0.0), top_p=min(1.0, sampling.top_p),
+        top_k=sampling.top_k if sampling.top_k > 0 else -1,  # -1: off in every vLLM (0 only in newer ones)
         max_tokens=max_new_tokens, seed=request.seed, stop_token_ids=stops, ignore_eos=not stops,
         detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -287,11 +289,13 @@ class VllmEngine:
 
     def generate(self, requests: list[GenRequest], max_new_tokens: int,
                  should_cancel: CancelCheck | None = None, chunk_tokens: int = 16,
-                 on_finished: FinishedSink | None = None) -> list[GenResult]:
+                 on_finished: FinishedSink | None = None,
+                 sampling: SamplingConfig | None = None) -> list[GenResult]:
         """Sample a response per request with its own seed; see the module docstring. Blocking.
 
         ``on_finished`` and ``should_cancel`` are called every ``chunk_tokens`` engine steps, as in
-        ``TorchEngine.generate``."""
+        ``TorchEngine.generate``; ``sampling``, when given, replaces the engine's own config for this
+        call only."""
         if self._asleep:
             raise RuntimeError("the engine is asleep: wake_up() or load_state_dict() before generating")
         started = time.perf_counter()
@@ -301,26 +305,28 @@ class VllmEngine:
         if len({r.item_id for r in requests}) != len(requests):
             raise ValueError("item_id values must be unique within a generate call")
         self._phase("generating")
-        finished = self._run(requests, max_new_tokens, should_cancel, max(1, chunk_tokens), on_finished)
+        sampling = self.sampling if sampling is None else sampling
+        finished = self._run(requests, max_new_tokens, should_cancel, max(1, chunk_tokens), on_finished, sampling)
         self.last_stats.seconds = time.perf_counter() - started
         return [finished[r.item_id] for r in requests if r.item_id in finished]
 
     def _run(self, requests: list[GenRequest], max_new_tokens: int, should_cancel: CancelCheck | None,
-             chunk_tokens: int, on_finished: FinishedSink | None) -> dict[str, GenResult]:
+             chunk_tokens: int, on_finished: FinishedSink | None, sampling: SamplingConfig) -> dict[str, GenResult]:
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
         for request in requests:
             engine.add_request(request.item_id, TokensPrompt(prompt_token_ids=list(request.prompt_tokens)),
-                               _sampling_params(self.sampling, request, max_new_tokens))
+                               _sampling_params(sampling, request, max_new_tokens))
         active = {r.item_id for r in requests}
         finished: dict[str, GenResult] = {}
+        stops = sampling.stops()
         reported = 0
         step = 0
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished and output.request_id in active:
-                    self._finish(output, active, finished)
+                    self._finish(output, active, stops, finished)
             step += 1
             self.last_stats.decode_steps = step
             if active and step % chunk_tokens == 0:
@@ -333,8 +339,8 @@ class VllmEngine:
             on_finished(list(finished.values())[reported:])
         return finished
 
-    def _finish(self, output: Any, active: set[str], finished: dict[str, GenResult]) -> None:
-        result = _result(output.request_id, output.outputs[0], self.sampling.stops())
+    def _finish(self, output: Any, active: set[str], stops: frozenset[int], finished: dict[str, GenResult]) -> None:
+        result = _result(output.request_id, output.outputs[0], stops)
         finished[result.item_id] = result
         active.discard(result.item_id)
         self.last_stats.generated_tokens += len(output.outputs[0].token_ids)

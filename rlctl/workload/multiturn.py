@@ -120,14 +120,17 @@ class EpisodeRunner:
     generated_tokens: int = 0  # by the engine, over every turn (the worker's progress)
     live: dict[str, Episode] = field(default_factory=dict, init=False)
     on_finished: Callable[[list[dict[str, Any]]], None] | None = field(default=None, init=False)
+    sampling: Any = field(default=None, init=False)  # the engine's own when None
 
     def run(self, episodes: list[Episode], max_new_tokens: int, should_cancel: CancelCheck | None = None,
-            on_finished: Callable[[list[dict[str, Any]]], None] | None = None) -> list[Episode]:
+            on_finished: Callable[[list[dict[str, Any]]], None] | None = None, sampling: Any = None) -> list[Episode]:
         """Every episode played out (cancelled ones left out). ``on_finished`` gets each episode's
         result as soon as it ends; ``should_cancel`` is asked between decode chunks and while the
-        environment works."""
+        environment works; ``sampling`` replaces the engine's own for these episodes (the held-out
+        evaluation's)."""
         self.live = {e.item_id: e for e in episodes}
         self.on_finished = on_finished
+        self.sampling = sampling
         self._settle(self._ask([(e, []) for e in episodes]), max_new_tokens, opening=True)
         for _ in range(self.max_turns):
             running = [e for e in self.live.values() if not e.done]
@@ -145,8 +148,9 @@ class EpisodeRunner:
     def _generate(self, running: list[Episode], max_new_tokens: int, should_cancel: CancelCheck | None) -> None:
         budget = max(max_new_tokens - len(e.response) for e in running)
         requests = [GenRequest(e.item_id, e.prompt + e.response, turn_seed(e.seed, e.turns)) for e in running]
+        override = {"sampling": self.sampling} if self.sampling is not None else {}
         results = {r.item_id: r for r in self.engine.generate(requests, budget, should_cancel=should_cancel,
-                                                              chunk_tokens=self.chunk_tokens)}
+                                                              chunk_tokens=self.chunk_tokens, **override)}
         self.generated_tokens += self.engine.last_stats.generated_tokens  # type: ignore[attr-defined]
         for episode in running:
             result = results.get(episode.item_id)

@@ -44,11 +44,31 @@ class PreflightError(ValueError):
 
 @dataclass(frozen=True)
 class PromptSet:
-    """The job's prompts, and the rows left out for being longer than ``max_prompt_tokens``."""
+    """The job's prompts, and how many rows were longer than ``max_prompt_tokens``: left out, or
+    truncated (``truncated``), as ``[data] filter_overlong_prompts`` and ``truncation`` say."""
 
     prompts: list[PromptRef]
     too_long: int
     source: str
+    truncated: int = 0
+
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+
+
+def truncate_prompt(tokens: list[int], limit: int, truncation: str) -> list[int]:
+    """verl's ``data.truncation`` of an over-long prompt: ``left`` keeps its last ``limit`` tokens,
+    ``right`` its first, ``middle`` both ends (the first half rounded down)."""
+    if len(tokens) <= limit:
+        return tokens
+    if truncation == "left":
+        return tokens[-limit:]
+    if truncation == "right":
+        return tokens[:limit]
+    if truncation == "middle":
+        head = limit // 2
+        return tokens[:head] + tokens[len(tokens) - (limit - head):]
+    raise ValueError(f"unknown truncation {truncation!r}: expected one of {', '.join(TRUNCATIONS)}")
 
 
 def task_records(spec: JobSpec) -> list[Record]:
@@ -74,22 +94,33 @@ def _records(spec: JobSpec, files_key: str = "train_files") -> list[Record]:
 
 
 def tokenize_records(records: list[Record], model_dir: str | Path, max_prompt_tokens: int,
-                     id_prefix: str = "d") -> PromptSet:
+                     id_prefix: str = "d", filter_overlong: bool = True, truncation: str = "error") -> PromptSet:
+    """Each record's prompt through the chat template. One longer than ``max_prompt_tokens`` is left
+    out (``filter_overlong``), truncated (``truncation`` left/right/middle), or refused: a
+    ``DataError`` naming the first such rows (``truncation = "error"``, as verl raises)."""
     from rlctl.workload.hf_tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(model_dir)
     prompts: list[PromptRef] = []
-    too_long = 0
+    too_long: list[Record] = []
     for index, record in enumerate(records):
         try:
             tokens = tokenizer.encode_prompt(record.prompt)
         except ValueError as exc:
             raise DataError(f"{record.file}: row {record.row}: the prompt cannot be tokenized: {exc}") from None
         if len(tokens) > max_prompt_tokens:
-            too_long += 1
-            continue
+            too_long.append(record)
+            if filter_overlong or truncation == "error":
+                continue
+            tokens = truncate_prompt(tokens, max_prompt_tokens, truncation)
         prompts.append(PromptRef(f"{id_prefix}{index}", tuple(tokens), reward_meta(record)))
-    return PromptSet(prompts, too_long, records[0].file if records else "")
+    if too_long and not filter_overlong and truncation == "error":
+        rows = ", ".join(f"{r.file}: row {r.row}" for r in too_long[:3])
+        raise DataError(f"{len(too_long)} prompts are longer than model.max_prompt_tokens = {max_prompt_tokens} "
+                        f"({rows}{', ...' if len(too_long) > 3 else ''}) and data.truncation is \"error\" "
+                        "(data.filter_overlong_prompts = false): set one of them to leave them out or cut them")
+    kept_long = 0 if filter_overlong else len(too_long)
+    return PromptSet(prompts, len(too_long), records[0].file if records else "", kept_long)
 
 
 def reward_meta(record: Record) -> dict[str, Any]:
@@ -106,7 +137,8 @@ def load_prompt_set(spec: JobSpec, files_key: str = "train_files") -> PromptSet:
         raise PreflightError([(f"{model_dir}: the job's model folder is missing (`rlctl launch` makes the reference "
                                "model; a job of your own names it in [model] path)")])
     prefix = "d" if files_key == "train_files" else "e"
-    return tokenize_records(_records(spec, files_key), model_dir, int(spec.model["max_prompt_tokens"]), prefix)
+    return tokenize_records(_records(spec, files_key), model_dir, int(spec.model["max_prompt_tokens"]), prefix,
+                            bool(spec.data["filter_overlong_prompts"]), str(spec.data["truncation"]))
 
 
 def load_prompts(spec: JobSpec) -> list[PromptRef]:
@@ -150,7 +182,8 @@ def preflight(spec: JobSpec) -> dict[str, Any]:
             except (DataError, ValueError) as exc:
                 problems.append(f"[data] {files_key}: {exc}")
                 continue
-            facts[files_key] = {"prompts": len(prompt_set.prompts), "too_long": prompt_set.too_long}
+            facts[files_key] = {"prompts": len(prompt_set.prompts), "too_long": prompt_set.too_long,
+                                "truncated": prompt_set.truncated}
             needed = max(spec.rollout.batch_prompts, spec.long_batch)
             if files_key == "train_files" and len(prompt_set.prompts) < needed:
                 problems.append(f"[data] {files_key}: {len(prompt_set.prompts)} usable prompts "

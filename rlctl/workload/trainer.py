@@ -1,14 +1,18 @@
-"""The GRPO trainer: one optimizer step per batch, atomic checkpoints, optional data parallelism.
+"""The RL trainer: the user's recipe (verl's names), atomic checkpoints, optional data parallelism.
 
 Role: the trainer role's compute. ``Trainer.train_step(samples)`` turns one batch of scored
-samples (all samples of every prompt group of an RL step) into exactly one optimizer step, so
-weights version ``v`` is the model after ``v`` steps (docs/architecture.md, data ops).
+samples (all samples of every prompt group of an RL step) into one RL step, so weights version
+``v`` is the model after ``v`` steps (docs/architecture.md, data ops).
 
 Contract:
-- The policy loss is on-policy GRPO: old log-probs are the current model's (detached), i.e. the
-  weights that generated the batch; the ratio is 1 at the step, and the clip matters only when the
-  caller passes ``old_logprobs`` that differ. Loss = token-mean over the whole batch of the
-  clipped surrogate plus ``kl_coef`` x k3 KL to a frozen copy of the initial weights.
+- The objective is the recipe in ``TrainerConfig.algorithm`` (``rlctl.core.algorithm``), computed
+  by ``rlctl.workload.algorithms`` alone (docs/algorithms.md): the estimator's advantages over the
+  whole batch, then ``ppo_epochs`` passes of ``ppo_mini_batch_size``-prompt optimizer updates, old
+  log-probs taken once before the first update when there are several (so the ratio and the clip
+  act from the second on; a single update takes them from its own forward), the policy loss with
+  an entropy bonus and a KL loss to a frozen copy of the initial weights, each aggregated by
+  ``loss_agg_mode`` over the update's whole mini-batch. The learning-rate schedule steps once per
+  RL step, as verl's does.
 - The model is a Hugging Face causal LM (``HFPolicy``): weights keep their HF names everywhere.
 - ``save_checkpoint`` writes an HF folder atomically (staged beside the target, then renamed):
   the model as ``save_pretrained`` writes it, the tokenizer files, and ``trainer_state.pt`` with
@@ -18,9 +22,10 @@ Contract:
   ``load_state_bytes`` are the same payload in memory; ``rlctl.workload.rank_state`` holds one
   rank's part of it, for the replica a warm standby keeps.
 - A group when ``WORLD_SIZE`` > 1 (env, ``torch.distributed``: gloo on CPU, nccl on CUDA): every
-  rank receives the *whole* batch, computes the same advantages, trains on its shard
-  (``samples[rank::world]``) after scaling its loss by the global token count, and the gradients
-  are summed, so the update equals the single-process one on the whole batch. ``sharding``:
+  rank receives the *whole* batch, computes the same advantages, trains on its share (every
+  ``world_size``-th sample of each mini-batch) after dividing its loss by the update's global
+  token or sequence count, and the gradients are summed, so the update equals the single-process
+  one on the whole mini-batch. ``sharding``:
   ``fsdp`` (default) shards weights, gradients and optimizer state over the ranks with FSDP2
   (``rlctl.workload.fsdp``; every rank runs as many micro-batches as the busiest one, so their
   collectives pair up); ``ddp`` keeps a whole copy on every rank and all-reduces the gradients.
@@ -51,7 +56,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlctl.core.algorithm import AlgorithmSpec
 from rlctl.core.checkpoint_names import retired_name, staged_name
+from rlctl.workload import algorithms as algos
+from rlctl.workload.algorithms import entropy_from_logits
 from rlctl.workload.fsdp import (
     SHARDINGS,
     full_state_dict,
@@ -62,15 +70,20 @@ from rlctl.workload.fsdp import (
     shard_model,
     total_norm,
 )
-from rlctl.workload.grpo import (
-    GRPOConfig,
-    LossParts,
-    group_advantages,
-    grpo_loss_parts,
-    sequence_logprobs_from_logits,
-    token_entropy,
+from rlctl.workload.policy_update import (
+    METRIC_FIELDS,
+    Denominators,
+    ResponseRows,
+    batch_advantages,
+    denominators_of,
+    micro_batch_loss,
+    mini_batch_plan,
+    padded,
+    response_logits,
+    response_mask_of,
+    response_rows,
+    token_log_probs,
 )
-from rlctl.workload.task import PAD_ID
 
 CHECKPOINT_FORMAT = "rlctl-trainer-ckpt-v1"
 OPTIMIZER_SHARDS_DIR = "optimizer-shards"  # a sharded group's optimizer state (torch.distributed.checkpoint)
@@ -105,9 +118,14 @@ class TrainSample:
         return len(self.response_tokens) - sum(length for _, length in self.observation_spans)
 
 
+LR_SCHEDULERS = ("warmup-constant", "constant", "cosine")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
-    """Optimizer, schedule and objective settings (the schedule is linear warmup then cosine)."""
+    """Optimizer, schedule and objective settings. ``algorithm`` is the recipe (verl's names);
+    ``lr_scheduler``: ``warmup-constant`` is rlctl's ``WarmupCosine`` (a cosine only when
+    ``total_steps`` > 0), ``constant`` and ``cosine`` are verl's (``VerlSchedule``)."""
 
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -115,15 +133,63 @@ class TrainerConfig:
     warmup_steps: int = 0
     total_steps: int = 0  # 0: constant after warmup
     min_lr_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    max_grad_norm: float = 1.0  # 0: no clip
+    algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
     # Padded tokens per forward pass: the batch is cut into length-sorted micro-batches whose
     # gradients accumulate, so one long sample does not pad every row (0: the whole batch at once).
     micro_batch_tokens: int = 4096
     sharding: str = "fsdp"  # of a group of ranks: fsdp (FSDP2) or ddp (whole copies, all-reduce)
+    lr_scheduler: str = "warmup-constant"
+    num_cycles: float = 0.5
+    max_response_length: int = 0  # the job's response cap: seq-mean-token-sum-norm's divisor (0: the longest seen)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def lr_multiplier(self) -> WarmupCosine | VerlSchedule:
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise ValueError(f"lr_scheduler: expected one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}")
+        if self.lr_scheduler == "warmup-constant":
+            return WarmupCosine(self.warmup_steps, self.total_steps, self.min_lr_ratio)
+        return VerlSchedule(self.lr_scheduler, self.warmup_steps, self.total_steps, self.min_lr_ratio, self.num_cycles)
+
+
+def trainer_config_from_workload(workload: Mapping[str, Any]) -> TrainerConfig:
+    """The trainer role's config from the job's workload settings (``RLCTL_WORKLOAD``: ``[workload]``
+    with the ``algorithm`` table and the job's steps and response cap)."""
+    return TrainerConfig(
+        lr=float(workload.get("learning_rate", 3e-4)),
+        betas=(float(workload.get("adam_beta1", 0.9)), float(workload.get("adam_beta2", 0.99))),
+        weight_decay=float(workload.get("weight_decay", 0.0)),
+        warmup_steps=int(workload.get("lr_warmup_steps", 5)),
+        total_steps=int(workload.get("steps", 0)) if workload.get("lr_scheduler") == "cosine" else 0,
+        min_lr_ratio=float(workload.get("min_lr_ratio", 0.0)),
+        max_grad_norm=float(workload.get("grad_clip", 1.0)),
+        algorithm=AlgorithmSpec.from_table(dict(workload["algorithm"])) if "algorithm" in workload else AlgorithmSpec(),
+        micro_batch_tokens=int(workload.get("micro_batch_tokens", TrainerConfig.micro_batch_tokens)),
+        sharding=str(workload.get("sharding", TrainerConfig.sharding)),
+        lr_scheduler=str(workload.get("lr_scheduler", "warmup-constant")),
+        num_cycles=float(workload.get("num_cycles", 0.5)),
+        max_response_length=int(workload.get("max_new_tokens", 0)),
+    )
+
+
+class VerlSchedule:
+    """verl's learning-rate multipliers over its 0-indexed steps: ``constant`` ramps ``step /
+    warmup`` then holds 1; ``cosine`` ramps the same way, then follows ``num_cycles`` cosine waves
+    down to ``min_ratio`` at ``total`` steps."""
+
+    def __init__(self, kind: str, warmup: int, total: int, min_ratio: float, num_cycles: float) -> None:
+        self.kind, self.warmup, self.total, self.min_ratio, self.num_cycles = kind, warmup, total, min_ratio, num_cycles
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return step / max(1, self.warmup)
+        if self.kind == "constant":
+            return 1.0
+        progress = (step - self.warmup) / max(1, self.total - self.warmup)
+        wave = math.cos(math.pi * self.num_cycles * 2.0 * progress)
+        return max(self.min_ratio, wave * (1 - self.min_ratio) * 0.5 + (1 + self.min_ratio) * 0.5)
 
 
 class WarmupCosine:
@@ -201,23 +267,6 @@ def rank_device(device: torch.device) -> torch.device:
     return device
 
 
-def collate(samples: Sequence[TrainSample], pad_id: int = PAD_ID) -> tuple[Tensor, Tensor]:
-    """Right-padded ``prompt + response`` ids ``[B, T]`` and the response mask ``[B, T-1]``
-    aligned with next-token log-probs (mask[b, t] = 1 when token t+1 is a response token the model
-    wrote: a multi-turn episode's observations are 0)."""
-    width = max(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), width - 1), dtype=torch.float32)
-    for row, sample in enumerate(samples):
-        sequence = sample.prompt_tokens + sample.response_tokens
-        ids[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-        start = len(sample.prompt_tokens) - 1
-        mask[row, start:start + len(sample.response_tokens)] = 1.0
-        for span_start, length in sample.observation_spans:
-            mask[row, start + span_start:start + span_start + length] = 0.0
-    return ids, mask
-
-
 def micro_batches(sequence_lengths: Sequence[int], budget_tokens: int) -> list[list[int]]:
     """Indices cut into micro-batches of similar length: sorted by length, a micro-batch grows until
     its padded size (rows x longest) would pass ``budget_tokens``. A sequence longer than the
@@ -282,15 +331,33 @@ def atomic_torch_save(payload: Any, path: Path) -> None:
 
 
 @dataclass
+class PreparedStep:
+    """A step's samples with what the update needs of each, by the sample's index: its advantage
+    row and, where the recipe takes them before the first update, this rank's old and reference
+    log-probs (response-aligned, on the CPU)."""
+
+    samples: list[TrainSample]
+    advantages: list[Tensor] = field(default_factory=list)
+    old_log_probs: dict[int, Tensor] = field(default_factory=dict)
+    ref_log_probs: dict[int, Tensor] = field(default_factory=dict)
+
+
+@dataclass
 class OpenStep:
-    """A step between ``begin_step`` and ``finish_step``: what its parts have added so far."""
+    """A step being trained: the metric sums of its micro-batches (``policy_update.LossSums``), its
+    updates' gradient norms, and for a streamed step the counts expected and added so far."""
 
     started: float
-    expected_tokens: float
     rewards: list[float] = field(default_factory=list)
-    sums: Tensor = field(default_factory=lambda: torch.zeros(5, dtype=torch.float64))
+    sums: Tensor = field(default_factory=lambda: torch.zeros(METRIC_FIELDS, dtype=torch.float64))
     response_tokens: float = 0.0
+    sequences: float = 0.0
+    longest: int = 0
     micro_batches: int = 0
+    grad_norms: list[float] = field(default_factory=list)
+    skipped: int = 0  # updates whose gradient norm was not finite
+    streamed: bool = False
+    expected: Denominators | None = None
 
 
 class Trainer:
@@ -307,7 +374,8 @@ class Trainer:
         if self.dist.enabled:
             self._broadcast_parameters()
         self._tied = tied_names(self.model.state_dict())
-        self.ref_model = self._make_reference() if self.config.grpo.kl_coef > 0 else None
+        self.algorithm = self.config.algorithm
+        self.ref_model = self._make_reference() if self.algorithm.needs_reference else None
         self.sharded = self.dist.enabled and self.config.sharding == "fsdp"
         self.compute_dtype = compute_dtype
         if self.sharded:
@@ -316,8 +384,7 @@ class Trainer:
                 shard_model(self.ref_model, self.device, compute_dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
                                            weight_decay=self.config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, WarmupCosine(self.config.warmup_steps, self.config.total_steps, self.config.min_lr_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.config.lr_multiplier())
         self.step = 0
         self._open_step: OpenStep | None = None
 
@@ -361,17 +428,132 @@ class Trainer:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
-    def _local_parts(self, samples: Sequence[TrainSample], advantages: Tensor) -> LossParts:
-        ids, mask = collate(samples)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        logits = self.model(ids)
-        logprobs = sequence_logprobs_from_logits(logits, ids)
-        ref_logprobs = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logprobs = sequence_logprobs_from_logits(self.ref_model(ids), ids)
-        return grpo_loss_parts(logprobs, logprobs.detach(), advantages.to(self.device), mask, self.config.grpo,
-                               ref_logprobs, token_entropy(logits))
+    def _reference_log_prob(self, rows: ResponseRows) -> Tensor:
+        assert self.ref_model is not None
+        with torch.no_grad():
+            return token_log_probs(response_logits(self.ref_model(rows.ids), rows), rows.targets)
+
+    def _forward(self, samples: Sequence[TrainSample]) -> tuple[ResponseRows, Tensor, Tensor]:
+        """The policy's response log-probs ``[B, R]`` (with gradient) and their entropy (with
+        gradient only when the loss has an entropy term)."""
+        rows = response_rows(samples).to(self.device)
+        logits = response_logits(self.model(rows.ids), rows)
+        log_prob = token_log_probs(logits, rows.targets)
+        if self.algorithm.entropy_coeff:
+            entropy = entropy_from_logits(logits.float())
+        else:
+            with torch.no_grad():  # a metric: one row at a time keeps the float32 copies one sequence's size
+                entropy = torch.stack([entropy_from_logits(row.float()) for row in logits]) if len(logits) else logits
+        return rows, log_prob, entropy
+
+    def _micro_plan(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> list[list[int]]:
+        """``indices`` (of ``samples``) in micro-batches of similar length."""
+        lengths = [len(samples[i].prompt_tokens) + len(samples[i].response_tokens) for i in indices]
+        return [[indices[j] for j in chunk] for chunk in micro_batches(lengths, self.config.micro_batch_tokens)]
+
+    def _local(self, indices: Sequence[int]) -> list[int]:
+        """The indices this rank trains: every ``world_size``-th sample of the batch, wherever it falls."""
+        return [i for i in indices if i % self.dist.world_size == self.dist.rank]
+
+    def _busiest(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> int:
+        """The most micro-batches any rank runs on ``indices`` (every rank can work it out)."""
+        world = self.dist.world_size
+        return max(len(self._micro_plan(samples, [i for i in indices if i % world == rank])) for rank in range(world))
+
+    def _prepare(self, samples: Sequence[TrainSample]) -> PreparedStep:
+        """The samples' advantages (over all of ``samples``: every rank has them) and, where the
+        recipe needs them before the first update, this rank's old and reference log-probs, from
+        the weights before the update (``AlgorithmSpec.needs_old_pass``)."""
+        prepared = PreparedStep(list(samples))
+        groups = len({s.prompt_id for s in samples})
+        if self.algorithm.needs_old_pass(groups):
+            self._old_pass(prepared)
+        kl_rows = self._in_reward_kl(prepared) if self.algorithm.use_kl_in_reward and self.algorithm.kl_coef else None
+        prepared.advantages = batch_advantages(prepared.samples, self.algorithm, kl_rows)
+        return prepared
+
+    def _old_pass(self, prepared: PreparedStep) -> None:
+        """This rank's old (and reference) log-probs of its samples, from the weights as they are."""
+        samples = prepared.samples
+        local = self._local(range(len(samples)))
+        plan = self._micro_plan(samples, local)
+        extra = self._busiest(samples, range(len(samples))) - len(plan) if self.sharded else 0
+        with torch.no_grad():
+            for chunk in plan:
+                rows = response_rows([samples[i] for i in chunk]).to(self.device)
+                old = token_log_probs(response_logits(self.model(rows.ids), rows), rows.targets)
+                ref = self._reference_log_prob(rows) if self.ref_model is not None else None
+                for row, index in enumerate(chunk):
+                    width = len(samples[index].response_tokens)
+                    prepared.old_log_probs[index] = old[row, :width].cpu()
+                    if ref is not None:
+                        prepared.ref_log_probs[index] = ref[row, :width].cpu()
+            for _ in range(extra):  # a rank with fewer micro-batches pairs the others' collectives
+                rows = response_rows(samples[:1]).to(self.device)
+                self.model(rows.ids)
+                if self.ref_model is not None:
+                    self._reference_log_prob(rows)
+
+    def _in_reward_kl(self, prepared: PreparedStep) -> list[Tensor]:
+        """Every sample's in-reward KL row (``kl_penalty`` of the old log-probs against the
+        reference's, masked): each rank has its own samples', and they are exchanged."""
+        mine = {i: algos.kl_penalty(prepared.old_log_probs[i], prepared.ref_log_probs[i], self.algorithm.kl_penalty)
+                * response_mask_of(prepared.samples[i]) for i in prepared.old_log_probs}
+        if self.dist.enabled:
+            gathered: list[Any] = [None] * self.dist.world_size
+            dist.all_gather_object(gathered, mine)
+            mine = {i: row for part in gathered for i, row in part.items()}
+        return [mine[i] for i in range(len(prepared.samples))]
+
+    def _accumulate(self, prepared: PreparedStep, indices: Sequence[int], denominators: Denominators) -> int:
+        """Forward and backward of this rank's share of ``indices`` in micro-batches, each loss
+        aggregated with ``denominators`` (the whole update's), gradients accumulating. Returns the
+        micro-batches run."""
+        samples = prepared.samples
+        plan = self._micro_plan(samples, self._local(indices))
+        extra = self._busiest(samples, indices) - len(plan) if self.sharded else 0
+        for chunk in plan:
+            loss = self._micro_loss(prepared, chunk, denominators)
+            loss.backward()
+        for _ in range(extra):  # sharded layers gather and reduce in every pass: pair the busiest rank's
+            (0.0 * self._micro_loss(prepared, [indices[0]], denominators, record=False)).backward()
+        return len(plan)
+
+    def _micro_loss(self, prepared: PreparedStep, chunk: Sequence[int], denominators: Denominators,
+                    record: bool = True) -> Tensor:
+        rows, log_prob, entropy = self._forward([prepared.samples[i] for i in chunk])
+        width = rows.mask.shape[1]
+        advantages = padded([prepared.advantages[i] for i in chunk], width).to(self.device)
+        if prepared.old_log_probs:
+            old = padded([prepared.old_log_probs[i] for i in chunk], width).to(self.device)
+        else:
+            old = log_prob.detach()
+        ref = None
+        if self.algorithm.use_kl_loss and self.ref_model is not None:
+            ref = (padded([prepared.ref_log_probs[i] for i in chunk], width).to(self.device) if prepared.ref_log_probs
+                   else self._reference_log_prob(rows))
+        loss, sums = micro_batch_loss(self.algorithm, log_prob, old, advantages, rows.mask, denominators, ref, entropy)
+        if record and self._open_step is not None:
+            self._open_step.sums += sums.stacked()
+        return loss
+
+    def _update(self, rescale: float = 1.0) -> float:
+        """One optimizer update from the accumulated gradients (multiplied by ``rescale``): summed over
+        a plain data-parallel group, clipped to ``max_grad_norm``. A non-finite norm skips the update,
+        as verl does. Returns the norm."""
+        if rescale != 1.0:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(rescale)
+        if self.dist.enabled and not self.sharded:
+            self._all_reduce_gradients()
+        clip = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        grad_norm = total_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        elif self._open_step is not None:
+            self._open_step.skipped += 1
+        return grad_norm
 
     def _all_reduce_gradients(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -384,102 +566,120 @@ class Trainer:
             offset += count
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """One optimizer step on the batch (every rank passes the whole batch); returns metrics.
+        """One RL step on the batch (every rank passes the whole batch); returns its metrics.
 
-        Each rank takes every ``world_size``-th sample and runs them in micro-batches
-        (``micro_batches``), accumulating gradients of ``(policy + kl_coef * kl) / total_tokens``
-        where the total counts the whole batch's response tokens: the same gradient as one forward
-        over the whole batch, without padding every row to the longest sample.
+        The recipe's advantages over the whole batch, then ``ppo_epochs`` passes of
+        ``ppo_mini_batch_size``-prompt updates (``policy_update.mini_batch_plan``). Old log-probs
+        are taken before the first update where there are several (so the ratio and the clip act
+        from the second update on). Each update's loss is aggregated with its own token and sequence
+        counts, whatever the ranks and micro-batches: the update of one pass over the mini-batch.
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
-        self.begin_step(float(sum(s.trained_tokens for s in samples)))
-        self.add_samples(samples)
-        return self.finish_step()
+        self._open(samples)
+        prepared = self._prepare(samples)
+        step = self._open_step
+        assert step is not None
+        cap = self._response_cap(samples)
+        for epoch_plan in mini_batch_plan(prepared.samples, self.algorithm, self.step):
+            for indices in epoch_plan:
+                mini = [prepared.samples[i] for i in indices]
+                self.optimizer.zero_grad(set_to_none=True)  # the last update's gradients stay (for inspection)
+                step.micro_batches += self._accumulate(prepared, indices, denominators_of(mini, self.algorithm, cap))
+                step.grad_norms.append(self._update())
+        step.response_tokens = float(sum(s.trained_tokens for s in samples))
+        return self._close()
 
-    def begin_step(self, expected_tokens: float) -> None:
-        """Open a step whose samples come in parts (``add_samples``, then ``finish_step``): the
-        stream-based training of RollPacker, forward/backward while later groups still generate.
+    def _response_cap(self, samples: Sequence[TrainSample]) -> int:
+        """``seq-mean-token-sum-norm``'s divisor when ``loss_scale_factor`` is 0: the job's response
+        cap, else the step's longest response (a trainer used without a job)."""
+        return self.config.max_response_length or max((len(s.response_tokens) for s in samples), default=1)
 
-        Each part's loss is divided by ``expected_tokens`` (the batch's response tokens, or an
-        estimate while they are not all known) and ``finish_step`` rescales the gradients by
-        ``expected / actual``: the step is the one ``train_step`` takes on the whole batch, and the
-        gradients keep their usual size in low precision.
-        """
+    def _open(self, samples: Sequence[TrainSample] = ()) -> None:
         if self._open_step is not None:
             raise RuntimeError("a step is already open")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        self._open_step = OpenStep(time.perf_counter(), max(float(expected_tokens), 1.0))
+        self._open_step = OpenStep(time.perf_counter(), [float(s.reward) for s in samples])
+
+    def _close(self) -> dict[str, float]:
+        step, self._open_step = self._open_step, None
+        assert step is not None
+        totals = self._all_reduce(step.sums.clone())
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        self.step += 1
+        updates = max(1, len(step.grad_norms))
+        pg_loss, kl_loss, entropy = (float(totals[i]) / updates for i in range(3))
+        tokens = max(float(totals[6]), 1.0)
+        seconds = time.perf_counter() - step.started
+        algorithm = self.algorithm
+        loss = pg_loss + (algorithm.kl_loss_coef * kl_loss if algorithm.use_kl_loss else 0.0) \
+            - algorithm.entropy_coeff * entropy
+        return {"step": float(self.step), "reward_mean": sum(step.rewards) / max(1, len(step.rewards)),
+                "loss": loss, "pg_loss": pg_loss, "kl": kl_loss, "kl_loss": kl_loss, "entropy": entropy,
+                "clip_frac": float(totals[3]) / tokens, "pg_clipfrac": float(totals[3]) / tokens,
+                "ppo_kl": float(totals[4]) / tokens, "pg_clipfrac_lower": float(totals[5]) / tokens,
+                "grad_norm": sum(step.grad_norms) / updates, "updates": float(len(step.grad_norms)),
+                "updates_skipped": float(step.skipped), "tokens": step.response_tokens,
+                "tokens_per_s": step.response_tokens / seconds if seconds > 0 else 0.0,
+                "lr": float(lr), "seconds": seconds, "micro_batches": float(step.micro_batches),
+                "ranks": float(self.dist.world_size), "sharded": float(self.sharded)}
+
+    def begin_step(self, expected_tokens: float, expected_sequences: float | None = None) -> None:
+        """Open a step whose samples come in parts (``add_samples``, then ``finish_step``): the
+        stream-based training of RollPacker, forward/backward while later groups still generate.
+
+        One update over the whole batch: each part's loss is aggregated with the expected counts
+        (``expected_tokens``: the batch's response tokens, or an estimate while they are not all
+        known; ``expected_sequences``: its samples, which the round's target fixes), and
+        ``finish_step`` rescales the gradients by expected / actual: the step is the one
+        ``train_step`` takes on the whole batch, and the gradients keep their usual size in low
+        precision. Recipes that need the whole batch first are refused at the job file
+        (``rlctl.core.algorithm``).
+        """
+        self._open()
+        step = self._open_step
+        assert step is not None
+        step.expected = Denominators(max(float(expected_tokens), 1.0), max(float(expected_sequences or 0.0), 1.0),
+                                     float(self.algorithm.loss_scale_factor or self.config.max_response_length or 1))
+        # With neither a loss_scale_factor nor the job's cap, the divisor is the step's longest
+        # response, known at finish_step: the parts use 1 until then.
+        step.streamed = True
 
     def add_samples(self, samples: Sequence[TrainSample]) -> None:
         """Forward and backward of whole groups of the open step. Every rank passes the same
         samples and takes every ``world_size``-th one; advantages are per group."""
         step = self._open_step
-        if step is None:
+        if step is None or not step.streamed:
             raise RuntimeError("no step is open: call begin_step first")
         if not samples:
             return
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        advantages = group_advantages(rewards, [s.prompt_id for s in samples], self.config.grpo.adv_eps)
-        local_index = list(range(self.dist.rank, len(samples), self.dist.world_size))
-        local = [samples[i] for i in local_index]
-        local_advantages = advantages[local_index]
-        plan = micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in local],
-                             self.config.micro_batch_tokens)
-        for chunk in plan:
-            parts = self._local_parts([local[i] for i in chunk], local_advantages[chunk])
-            ((parts.policy_sum + self.config.grpo.kl_coef * parts.kl_sum) / step.expected_tokens).backward()
-            entropy_sum = parts.entropy_sum if parts.entropy_sum is not None else torch.zeros_like(parts.tokens)
-            step.sums += torch.stack([parts.policy_sum, parts.kl_sum, parts.clipped_sum, entropy_sum,
-                                      parts.tokens]).detach().double().cpu()
-        if self.sharded:
-            # Sharded layers gather and reduce in every forward/backward: a rank with fewer
-            # micro-batches than the busiest one runs more that contribute nothing.
-            for _ in range(self._busiest_plan(samples) - len(plan)):
-                parts = self._local_parts(samples[:1], advantages[:1])
-                (0.0 * (parts.policy_sum + parts.kl_sum)).backward()
-        step.rewards.extend(float(r) for r in rewards)
+        prepared = self._prepare(samples)
+        assert step.expected is not None
+        step.micro_batches += self._accumulate(prepared, range(len(samples)), step.expected)
+        step.rewards.extend(float(s.reward) for s in samples)
         step.response_tokens += float(sum(s.trained_tokens for s in samples))  # every rank has them all
-        step.micro_batches += len(plan)
+        step.sequences += float(len(samples))
+        step.longest = max(step.longest, max(len(s.response_tokens) for s in samples))
 
     def finish_step(self) -> dict[str, float]:
-        """The optimizer step over every sample added since ``begin_step``; returns its metrics."""
-        step, self._open_step = self._open_step, None
-        if step is None or not step.rewards:
+        """The optimizer update over every sample added since ``begin_step``; returns its metrics."""
+        step = self._open_step
+        if step is None or not step.rewards or step.expected is None:
+            self._open_step = None
             raise ValueError("finish_step needs an open step with at least one sample")
-        total_tokens = max(step.response_tokens, 1.0)
-        if total_tokens != step.expected_tokens:
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(step.expected_tokens / total_tokens)
-        totals = self._all_reduce(step.sums)
-        if self.dist.enabled and not self.sharded:
-            self._all_reduce_gradients()
-        grad_norm = total_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        policy, kl, clipped, entropy = (float(totals[i]) / total_tokens for i in range(4))
-        seconds = time.perf_counter() - step.started
-        return {"step": float(self.step), "reward_mean": sum(step.rewards) / len(step.rewards), "loss": policy + self.config.grpo.kl_coef * kl,
-                "kl": kl, "clip_frac": clipped, "entropy": entropy, "grad_norm": grad_norm, "tokens": float(totals[4]),
-                "tokens_per_s": float(totals[4]) / seconds if seconds > 0 else 0.0,
-                "lr": float(lr), "seconds": seconds,
-                "micro_batches": float(step.micro_batches), "ranks": float(self.dist.world_size),
-                "sharded": float(self.sharded)}
+        scale = float(self.algorithm.loss_scale_factor or self.config.max_response_length or step.longest)
+        actual = Denominators(max(step.response_tokens, 1.0), step.sequences, scale)
+        factor = step.expected.rescale(actual, self.algorithm.loss_agg_mode)
+        step.sums[:3] *= factor  # the loss terms were aggregated with the expected counts too
+        step.grad_norms.append(self._update(factor))
+        return self._close()
 
     def shard_for_publish(self) -> dict[str, Tensor]:
         """This rank's shard of the weights in the compute dtype (a sharded group's ranks each serve
         theirs; ``rlctl.weights.shards`` puts them together on the receiving side). Not a collective."""
         return local_shards(self.model, self.compute_dtype)  # publishing flattens it: one copy, staged to host
-
-    def _busiest_plan(self, samples: Sequence[TrainSample]) -> int:
-        """The most micro-batches any rank runs on ``samples`` (every rank can work it out)."""
-        world = self.dist.world_size
-        return max(len(micro_batches([len(s.prompt_tokens) + len(s.response_tokens) for s in samples[rank::world]],
-                                     self.config.micro_batch_tokens)) for rank in range(world))
 
     def weights_to_publish(self) -> dict[str, Tensor]:
         """The model weights as they are, on the trainer's device (version = ``self.step``), for a

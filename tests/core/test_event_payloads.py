@@ -56,6 +56,7 @@ OLD_REQUIRED: dict[EventKind, tuple[str, ...]] = {
     EventKind.ACTION_TAKEN: ("action", "node", "slot", "reason"),
     EventKind.FAULT_RECOVERED: ("fault_ids", "slot", "node"),
     EventKind.ROUND_STARTED: ("step", "kind", "weights_version", "max_new_tokens", "prompts", "target_groups"),
+    EventKind.ROUND_EXTENDED: ("step", "prompts"),
     EventKind.ITEMS_DISPATCHED: ("slot", "wid", "item_ids"),
     EventKind.ITEMS_RETURNED: ("item_ids", "reason"),
     EventKind.TRAJECTORY_STORED: ("item_id", "response_tokens", "truncated", "weights_version", "slot"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,8 +32,10 @@ def lengths_for(prompt_id: str, rng: random.Random) -> int:
     return rng.randint(20, 60) if int(prompt_id[1:]) % 5 == 0 else rng.randint(1, 8)
 
 
-def drive(scheduler: RoundScheduler, steps: int, rng: random.Random, fail_rate: float) -> list[Event]:
-    """Run ``steps`` rounds with two rollouts and one reward worker, failing workers at random."""
+def drive(scheduler: RoundScheduler, steps: int, rng: random.Random, fail_rate: float,
+          reward: Callable[[str, int], float] = lambda prompt_id, index: 1.0) -> list[Event]:
+    """Run ``steps`` rounds with two rollouts and one reward worker, failing workers at random;
+    ``reward(prompt_id, sample_index)`` scores each sample."""
     log: list[Event] = []
     now = 0.0
     rollout_gen = {"r0": 0, "r1": 0}
@@ -72,7 +75,8 @@ def drive(scheduler: RoundScheduler, steps: int, rng: random.Random, fail_rate: 
             log += scheduler.dispatch_scoring("w0", "w0.0", rng.randint(1, 6), now)
             scored = [s for s in rnd.samples.values() if s.wid == "w0.0" and s.status == "scoring"]
             log += scheduler.submit_scores(
-                "w0.0", [{"item_id": s.item_id, "reward": 1.0, "correct": True} for s in scored], now
+                "w0.0", [{"item_id": s.item_id, "reward": reward(s.prompt_id, s.sample_index), "correct": True}
+                         for s in scored], now
             )
         assert scheduler.batch_for(step) is not None, f"step {step} never formed a batch"
     return log
@@ -90,9 +94,13 @@ def check_invariants(scheduler: RoundScheduler, all_ids: set[str]) -> None:
     for epoch, ids in per_epoch.items():
         assert len(ids) == len(set(ids)), f"a prompt was trained twice in epoch {epoch}"
     pool, queue, trained = set(scheduler.pool), set(scheduler.long_queue), scheduler.epoch_trained
+    filtered = scheduler.epoch_filtered
+    rnd = scheduler.round
+    in_round = set(rnd.prompt_ids) - set(rnd.deferred) if rnd is not None and not rnd.closed else set()
     assert len(scheduler.pool) == len(pool)
-    assert not (pool & queue) and not (pool & trained) and not (queue & trained)
-    assert pool | queue | trained == all_ids, "a prompt was lost"
+    parts = [pool, queue, trained, filtered, in_round]
+    assert sum(len(p) for p in parts) == len(set().union(*parts)), "a prompt is in two places"
+    assert set().union(*parts) == all_ids, "a prompt was lost"
 
 
 @settings(max_examples=40, deadline=None)

@@ -261,6 +261,51 @@ def test_finished_requests_are_reported_each_once_at_chunk_boundaries(engine: An
 
 
 @pytest.mark.vllm
+def test_sampling_settings_map_to_vllms() -> None:
+    from rlctl.workload.engine_vllm import _sampling_params
+
+    request = GenRequest("a", [1, 2], 5)
+    tuned = _sampling_params(SamplingConfig(temperature=0.7, top_k=5, top_p=0.8), request, 4)
+    assert (tuned.temperature, tuned.top_k, tuned.top_p, tuned.seed, tuned.max_tokens) == (0.7, 5, 0.8, 5, 4)
+    for off in (0, -1, -9):  # verl writes -1 (vLLM) or 0 (HF): both off
+        params = _sampling_params(SamplingConfig(top_k=off, top_p=1.5), request, 4)
+        assert (params.top_k, params.top_p) == (-1, 1.0)
+    assert _sampling_params(SamplingConfig(temperature=0.0), request, 4).temperature == 0.0
+
+
+def nucleus_of(policy: Any, prompt: list[int], size: int) -> tuple[set[int], float]:
+    """The ``size`` likeliest next tokens after ``prompt`` under the trainer's model, and a top-p
+    halfway inside the last one's share, so that they are exactly the nucleus."""
+    with torch.no_grad():
+        probs = torch.softmax(policy(torch.tensor([prompt])).float()[0, -1].double(), dim=-1)
+    ranked = probs.sort(descending=True)
+    likelier = float(ranked.values[:size - 1].sum())
+    return set(ranked.indices[:size].tolist()), likelier + float(ranked.values[size - 1]) / 2
+
+
+@pytest.mark.vllm
+def test_a_calls_sampling_settings_are_honoured(engine: Any, policy: Any) -> None:
+    """Greedy (``do_sample`` false) and top-k 1 overrides draw the argmax whatever the seed; a top-p
+    override draws only from the nucleus; the engine's own settings sample as before after them."""
+    own = engine.sampling
+    before = engine.generate(requests(4), 8)
+    greedy = engine.generate(requests(4), 8, sampling=own.with_sampling(1.0, do_sample=False))
+    assert engine.generate(requests(4, seed_base=50), 8, sampling=own.with_sampling(1.0, top_k=1)) == greedy
+    assert greedy != before
+    with torch.no_grad():
+        argmax = int(policy(torch.tensor([PROMPTS[0]])).float()[0, -1].argmax())
+    assert greedy[0].response_tokens[0] == argmax
+
+    nucleus, top_p = nucleus_of(policy, PROMPTS[0], 4)
+    many = [GenRequest(f"n{i}", PROMPTS[0], 1000 + i) for i in range(64)]
+    cut = {r.response_tokens[0] for r in engine.generate(many, 1, sampling=NO_STOP.with_sampling(1.0, top_p=top_p))}
+    assert cut <= nucleus and len(cut) > 1
+    free = {r.response_tokens[0] for r in engine.generate(many, 1, sampling=NO_STOP)}
+    assert free - nucleus, "without the filter, tokens outside the nucleus come out"
+    assert engine.generate(requests(4), 8) == before and engine.sampling == own
+
+
+@pytest.mark.vllm
 def test_sleep_frees_the_engine_and_loading_weights_wakes_it(engine: Any, policy: Any) -> None:
     """Colocation: vLLM's sleep mode where the platform has it, else release and restart (CPU)."""
     before = [r.response_tokens for r in engine.generate(requests(2), 6)]

@@ -5,6 +5,7 @@ Usage: python dp_worker.py OUT_FILE  (WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT fr
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,8 +16,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batches import small_model, synthetic_batch
 
-from rlctl.workload.grpo import GRPOConfig
+from rlctl.core.algorithm import AlgorithmSpec
 from rlctl.workload.trainer import Trainer, TrainerConfig, leave_group_and_exit
+
+
+def recipe() -> AlgorithmSpec:
+    """The recipe the test asks for (``RECIPE``: AlgorithmSpec fields as JSON), else GRPO with a KL loss."""
+    fields = json.loads(os.environ.get("RECIPE", "{}")) or {"use_kl_loss": True, "kl_loss_coef": 0.05}
+    return AlgorithmSpec(**fields)
 
 
 def main(out: str) -> None:
@@ -24,7 +31,7 @@ def main(out: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     model = small_model(11 + rank)  # rank 1 starts different: the broadcast must fix it
     # Plain data parallel (whole copies, all-reduced gradients); test_fsdp.py covers the sharded group.
-    trainer = Trainer(model, TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), sharding="ddp"))
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, algorithm=recipe(), sharding="ddp"))
     metrics = [trainer.train_step(synthetic_batch(seed)) for seed in (1, 2)]
     state = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}  # this rank's whole copy
     torch.save({"state": state, "metrics": metrics, "world": trainer.dist.world_size}, out)

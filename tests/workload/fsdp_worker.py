@@ -14,6 +14,7 @@ Usage: python fsdp_worker.py OUT_FILE MODE [CHECKPOINT_DIR]   (WORLD_SIZE/RANK/M
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -24,17 +25,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batches import small_model, synthetic_batch
 
+from rlctl.core.algorithm import AlgorithmSpec
 from rlctl.workload.fsdp import local_shards
-from rlctl.workload.grpo import GRPOConfig
 from rlctl.workload.rank_state import load_rank_state, rank_state
 from rlctl.workload.trainer import Trainer, TrainerConfig, leave_group_and_exit
+
+
+def recipe() -> AlgorithmSpec:
+    """The recipe the test asks for (``RECIPE``: AlgorithmSpec fields as JSON), else GRPO with a KL loss."""
+    fields = json.loads(os.environ.get("RECIPE", "{}")) or {"use_kl_loss": True, "kl_loss_coef": 0.05}
+    return AlgorithmSpec(**fields)
 
 
 def main(out: str, mode: str, checkpoint: str = "") -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     model = small_model(11 + rank)  # rank 1 starts different: the broadcast must fix it
-    trainer = Trainer(model, TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=96))
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, algorithm=recipe(), micro_batch_tokens=96))
     result: dict[str, object] = {"world": trainer.dist.world_size, "sharded": trainer.sharded}
     if mode == "first-step":
         result["metrics"] = trainer.train_step(synthetic_batch(1))

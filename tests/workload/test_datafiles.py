@@ -79,3 +79,32 @@ def test_unreadable_files_are_named(tmp_path: Path) -> None:
     empty.write_text("")
     with pytest.raises(DataError, match="no rows"):
         read_records([empty])
+
+
+def test_truncation_cuts_an_over_long_prompt_as_verl_does() -> None:
+    from rlctl.workload.prompts import truncate_prompt
+
+    tokens = list(range(10))
+    assert truncate_prompt(tokens, 4, "left") == [6, 7, 8, 9]
+    assert truncate_prompt(tokens, 4, "right") == [0, 1, 2, 3]
+    assert truncate_prompt(tokens, 5, "middle") == [0, 1, 7, 8, 9]
+    assert truncate_prompt(tokens, 20, "error") == tokens
+    with pytest.raises(ValueError, match="truncation"):
+        truncate_prompt(tokens, 4, "error")
+
+
+def test_over_long_prompts_are_left_out_cut_or_refused_as_data_says(tmp_path: Path) -> None:
+    from rlctl.workload.prompts import tokenize_records
+    from tests.hf_models import tiny_model
+
+    records = read_records([write_rows(make_rows(12, seed=3), tmp_path / "train.parquet")])
+    model = tiny_model()
+    lengths = [len(p.tokens) for p in tokenize_records(records, model, 1 << 30).prompts]
+    limit = sorted(lengths)[6]
+    longer = sum(1 for n in lengths if n > limit)
+    kept = tokenize_records(records, model, limit)
+    assert len(kept.prompts) == 12 - longer and kept.too_long == longer and kept.truncated == 0
+    cut = tokenize_records(records, model, limit, filter_overlong=False, truncation="left")
+    assert len(cut.prompts) == 12 and cut.truncated == longer and max(len(p.tokens) for p in cut.prompts) == limit
+    with pytest.raises(DataError, match=r"longer than model.max_prompt_tokens .*data.truncation"):
+        tokenize_records(records, model, limit, filter_overlong=False, truncation="error")

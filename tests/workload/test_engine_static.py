@@ -1,7 +1,8 @@
 """The static decode path (``engine_static``, the CUDA default) against the eager path on CPU: the
-same tokens for the same seeds (batch sizes, padding, EOS mid-way, greedy and top-k, cancellation
-and streaming), a step that reads nothing back to the host (what CUDA graph capture needs), decoder
-buckets, and the decode switch with its fall back to eager."""
+same tokens for the same seeds (batch sizes, padding, EOS mid-way, greedy, top-k and top-p,
+cancellation and streaming, a call's own sampling config), a step that reads nothing back to the
+host (what CUDA graph capture needs), decoder buckets, a graph per sampling setting, and the decode
+switch with its fall back to eager."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from rlctl.workload.engine import (
     GenResult,
     SamplingConfig,
     TorchEngine,
+    draw_tokens,
     resolve_decode,
     step_counters,
 )
-from rlctl.workload.engine_static import StaticDecoder, batch_bucket, capacity_bucket
+from rlctl.workload.engine_static import Sampler, StaticDecoder, batch_bucket, capacity_bucket
 from rlctl.workload.hf_init import ModelSize, model_config, random_policy
 from rlctl.workload.hf_model import HFPolicy
 from rlctl.workload.task import make_dataset
@@ -37,6 +39,8 @@ SAMPLINGS = {
     "sampled": SamplingConfig(eos_id=20),
     "greedy": SamplingConfig(temperature=0.0, eos_id=1, stop_ids=(5,)),  # a random model repeats its first pick
     "top_k": SamplingConfig(temperature=0.8, top_k=5, eos_id=20),
+    "top_p": SamplingConfig(temperature=1.2, top_p=0.7, eos_id=20),
+    "top_k_top_p": SamplingConfig(temperature=0.9, top_k=12, top_p=0.8, eos_id=20),
     "never_stops": SamplingConfig(eos_id=-1),
 }
 
@@ -67,11 +71,12 @@ def test_the_static_path_samples_the_eager_paths_tokens(name: str) -> None:
         for stat in ("decode_steps", "generated_tokens", "row_lengths", "batch_size"):
             assert getattr(static.last_stats, stat) == getattr(eager.last_stats, stat), (name, rows, stat)
     lengths = {len(r.response_tokens) for r in expected}
+    stops = tuple(sorted(SAMPLINGS[name].stops()))
     if name == "never_stops":
         assert lengths == {48} and all(r.truncated for r in expected)
     else:
         assert len(lengths) > (1 if name == "greedy" else 3), lengths  # rows end at a stop token mid-way
-    assert sorted(static._decoders) == [(1, 128), (4, 128), (8, 128), (16, 128)]
+    assert sorted(static._decoders) == [(1, 128, stops), (4, 128, stops), (8, 128, stops), (16, 128, stops)]
 
 
 @pytest.mark.parametrize("chunk_tokens", [4, 3])
@@ -140,19 +145,22 @@ def _decoder(sampling: SamplingConfig) -> StaticDecoder:
     return decoder
 
 
-@pytest.mark.parametrize("name", ["sampled", "greedy", "top_k"])
+@pytest.mark.parametrize("name", ["sampled", "greedy", "top_k", "top_p", "top_k_top_p"])
 def test_the_decode_step_reads_nothing_back_to_the_host(name: str) -> None:
     assert host_reads(_decoder(SAMPLINGS[name])._step) == []
 
 
 def test_the_host_read_check_finds_a_read() -> None:
     decoder = _decoder(SAMPLINGS["sampled"])
-    draw = decoder.draw
-    decoder.draw = lambda logits, seed_hash, counter: draw(logits, seed_hash, counter) + 0 * int(counter)
+    draw = decoder.sampler.draw
+    decoder.sampler = Sampler("read", lambda logits, seed_hash, counter: draw(logits, seed_hash, counter)
+                              + 0 * int(counter))
     assert any("_local_scalar_dense" in problem for problem in host_reads(decoder._step))
-    decoder.draw = lambda logits, seed_hash, counter: draw(logits, seed_hash, counter + torch.tensor([0]))
+    decoder.sampler = Sampler("read", lambda logits, seed_hash, counter: draw(logits, seed_hash,
+                                                                               counter + torch.tensor([0])))
     assert any("lift_fresh" in problem for problem in host_reads(decoder._step))
-    decoder.draw = lambda logits, seed_hash, counter: draw(logits, seed_hash, counter) * len(counter.tolist())
+    decoder.sampler = Sampler("read", lambda logits, seed_hash, counter: draw(logits, seed_hash, counter)
+                              * len(counter.tolist()))
     assert host_reads(decoder._step)
 
 
@@ -171,9 +179,9 @@ def test_decoders_are_kept_per_bucket_and_dropped_on_sleep() -> None:
     requests = _requests(5, 0)
     first = engine.generate(requests[:3], 30)
     engine.generate(requests[:4], 30)
-    assert list(engine._decoders) == [(4, 128)]
+    assert list(engine._decoders) == [(4, 128, (20,))]
     engine.generate(requests, 30)
-    assert list(engine._decoders) == [(4, 128), (8, 128)]
+    assert list(engine._decoders) == [(4, 128, (20,)), (8, 128, (20,))]
     state = {k: v.clone() for k, v in engine.model.state_dict().items()}  # type: ignore[attr-defined]
     engine.sleep()
     assert not engine._decoders
@@ -224,6 +232,10 @@ class _CpuGraph:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _check_call(REAL_CUDA["CUDAGraph"].__new__, REAL_CUDA["CUDAGraph"], *args, **kwargs)
         self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+
+    def pool(self) -> int:
+        _check_call(REAL_CUDA["CUDAGraph"].pool, self)
+        return id(self)
 
     def replay(self) -> None:
         for func, args, kwargs, recorded in self.ops:
@@ -315,7 +327,41 @@ def test_the_cpu_graph_replays_host_reads_as_they_were_at_capture(monkeypatch: p
     eager, _ = _pair(SAMPLINGS["sampled"], seed=3)
     graphed = _graph_engine(eager.model, SAMPLINGS["sampled"])  # type: ignore[arg-type]
     # A draw that reads the step's counter back to the host: eagerly right, replayed stale.
-    graphed._draw = lambda logits, seed_hash, counter: eager._draw(  # type: ignore[method-assign]
-        logits, seed_hash, torch.full_like(counter, int(counter)))
+    graphed._sampler = lambda sampling: Sampler(  # type: ignore[method-assign]
+        sampling.draw_settings(),
+        lambda logits, seed_hash, counter: draw_tokens(logits, seed_hash, torch.full_like(counter, int(counter)),
+                                                       sampling))
     requests = _requests(4, seed_base=1)
     assert graphed.generate(requests, 40) != eager.generate(requests, 40)
+
+
+def test_each_sampling_setting_replays_its_own_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph bakes in the draw's Python values: a call with other settings needs its own graph
+    (sharing the decoder's cache), and the engine's own settings come back with their graph."""
+    _graphs_on_cpu(monkeypatch)
+    eager, _ = _pair(SAMPLINGS["sampled"], seed=3)
+    graphed = _graph_engine(eager.model, SAMPLINGS["sampled"])  # type: ignore[arg-type]
+    requests = _requests(6, seed_base=30)
+    evaluation = SAMPLINGS["sampled"].with_sampling(0.7, top_p=0.6, top_k=10)
+    greedy = SAMPLINGS["sampled"].with_sampling(1.0, do_sample=False)
+    rollout = eager.generate(requests, 40)
+    for sampling in (None, evaluation, greedy, None, evaluation):
+        expected = rollout if sampling is None else eager.generate(requests, 40, sampling=sampling)
+        assert graphed.generate(requests, 40, sampling=sampling) == expected, sampling
+        assert graphed.last_stats.decode_path == "graph"
+    assert eager.generate(requests, 40, sampling=evaluation) != rollout != eager.generate(requests, 40, sampling=greedy)
+    (decoder,) = graphed._decoders.values()
+    assert list(decoder.graphs) == [greedy.draw_settings(), SAMPLINGS["sampled"].draw_settings(),
+                                    evaluation.draw_settings()]  # least recently used first
+    assert graphed.sampling == SAMPLINGS["sampled"]
+
+
+def test_a_calls_stop_tokens_get_a_decoder_of_their_own() -> None:
+    eager, static = _pair(SAMPLINGS["sampled"])
+    requests = _requests(5, seed_base=3)
+    other_stops = SamplingConfig(eos_id=9, stop_ids=(31, 40))
+    expected = eager.generate(requests, 40, sampling=other_stops)
+    assert static.generate(requests, 40, sampling=other_stops) == expected
+    assert static.generate(requests, 40) == eager.generate(requests, 40) != expected
+    assert any(not r.truncated and r.response_tokens[-1] in (9, 31, 40) for r in expected)
+    assert sorted(static._decoders) == [(8, 128, (9, 31, 40)), (8, 128, (20,))]

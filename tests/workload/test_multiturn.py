@@ -17,8 +17,9 @@ from rlctl.workload.engine import SamplingConfig, TorchEngine
 from rlctl.workload.hf_model import load_hf_policy
 from rlctl.workload.hf_tokenizer import ChatTokenizer, stop_token_ids
 from rlctl.workload.multiturn import Episode, EpisodeRunner, ObservationFormat
+from rlctl.workload.policy_update import response_rows
 from rlctl.workload.reference import ensure_reference_model
-from rlctl.workload.trainer import TrainSample, collate
+from rlctl.workload.trainer import TrainSample
 from tests.hf_models import tiny_model
 
 
@@ -115,9 +116,7 @@ def test_episodes_keep_their_observations_apart_from_the_models_turns(small_refe
 
     sample = TrainSample("e0", "p", 0, played[0].prompt, played[0].response, 1.0,
                          tuple((s, n) for s, n in played[0].spans))
-    _, mask = collate([sample])
-    start = len(sample.prompt_tokens) - 1
-    trained = mask[0, start:start + len(sample.response_tokens)]
+    trained = response_rows([sample]).mask[0, :len(sample.response_tokens)]
     for span_start, length in sample.observation_spans:
         assert torch.all(trained[span_start:span_start + length] == 0)
     assert int(trained.sum()) == sample.trained_tokens

@@ -58,7 +58,8 @@ def test_prompts_are_the_rows_through_the_chat_template(tmp_path: Path) -> None:
     assert first.prompt_id == "d0" and first.meta["data_source"] == "openai/gsm8k"
     text = ChatTokenizer(model).decode(first.tokens, skip_special_tokens=False)
     assert text.startswith("<|im_start|>user\nWhat is") and text.endswith("<|im_start|>assistant\n")
-    assert preflight(spec)["train_files"] == {"prompts": len(prompts.prompts), "too_long": prompts.too_long}
+    assert preflight(spec)["train_files"] == {"prompts": len(prompts.prompts), "too_long": prompts.too_long,
+                                              "truncated": 0}
 
 
 def test_relative_paths_are_read_from_the_job_files_folder(tmp_path: Path) -> None:

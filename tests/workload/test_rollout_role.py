@@ -41,12 +41,46 @@ def _rollout(worker: RecordingWorker) -> Rollout:
     rollout.tokens_generated = 0
     # A random model with EOS = token 20: rows end at scattered steps.
     rollout.engine = TorchEngine(small_model(6), SamplingConfig(eos_id=20))
+    rollout.sampling = rollout.engine.sampling
+    rollout.val_sampling = rollout.sampling.with_sampling(0.0, 1.0, -1, False)
     return rollout
 
 
 def _work() -> dict[str, Any]:
     items = [{"item_id": f"s3/{p.prompt_id}/0", "prompt_tokens": p.tokens, "seed": i} for i, p in enumerate(make_dataset(8, 5))]
     return {"items": items, "max_new_tokens": 60, "weights_version": 3}
+
+
+def test_held_out_work_samples_with_val_kwargs_and_rounds_with_the_rollouts_sampling() -> None:
+    from rlctl.roles.common import RoleSettings, held_out_sampling
+
+    settings = RoleSettings(raw={"algorithm": {"temperature": 0.7, "top_p": 0.9, "top_k": 5,
+                                               "val_kwargs": {"do_sample": True, "temperature": 0.6, "top_p": 0.5,
+                                                              "top_k": -1}}},
+                            checkpoint_dir=Path("."), weights_transport="tcp", weights_host="127.0.0.1", standby=False)
+    rollout_sampling = SamplingConfig(eos_id=20).with_sampling(0.7, 0.9, 5, True)
+    val = held_out_sampling(settings, rollout_sampling)
+    assert (val.temperature, val.top_p, val.top_k, val.eos_id) == (0.6, 0.5, -1, 20)
+    greedy = held_out_sampling(RoleSettings(raw={}, checkpoint_dir=Path("."), weights_transport="tcp",
+                                            weights_host="127.0.0.1", standby=False), rollout_sampling)
+    assert greedy.temperature == 0.0, "verl's val_kwargs default: greedy"
+    worker = RecordingWorker(cancel=set())
+    rollout = _rollout(worker)
+    work = _work()
+    sampled = {r["item_id"]: r["response_tokens"] for r in _all_results(rollout, work, worker)}
+    held_out = {r["item_id"]: r["response_tokens"] for r in _all_results(rollout, {**work, "round": "held-out"}, worker)}
+    # Greedy ignores the seeds: every held-out row of the same prompt decodes alike; sampled rows need not.
+    assert rollout.sampling_for({**work, "round": "held-out"}) is rollout.val_sampling
+    assert rollout.sampling_for({**work, "round": "short"}) is rollout.sampling
+    reseeded = {**work, "round": "held-out", "items": [{**i, "seed": i["seed"] + 1000} for i in work["items"]]}
+    assert {r["item_id"]: r["response_tokens"] for r in _all_results(rollout, reseeded, worker)} == held_out
+    assert held_out != sampled
+
+
+def _all_results(rollout: Rollout, work: dict[str, Any], worker: RecordingWorker) -> list[dict[str, Any]]:
+    worker.requests.clear()
+    left = rollout.generate(work)
+    return [r for op, args in worker.requests if op == "rollout.poll" for r in args["results"]] + left
 
 
 def test_finished_samples_travel_with_the_polls_and_the_rest_with_the_final_submit() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -14,14 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from rlctl.workload.grpo import GRPOConfig
+from rlctl.core.algorithm import AlgorithmSpec
 from rlctl.workload.hf_model import load_hf_policy
+from rlctl.workload.policy_update import response_rows
 from rlctl.workload.rendezvous import held_store
-from rlctl.workload.trainer import TRAINER_STATE_FILE, Trainer, TrainerConfig, collate, micro_batches
+from rlctl.workload.trainer import TRAINER_STATE_FILE, Trainer, TrainerConfig, micro_batches
 
 from .batches import small_model, synthetic_batch
 
-CONFIG = TrainerConfig(lr=1e-3, warmup_steps=2, total_steps=10, grpo=GRPOConfig(kl_coef=0.05))
+KL_RECIPE = AlgorithmSpec(use_kl_loss=True, kl_loss_coef=0.05)
+CONFIG = TrainerConfig(lr=1e-3, warmup_steps=2, total_steps=10, algorithm=KL_RECIPE)
 HERE = Path(__file__).resolve().parent
 
 
@@ -35,14 +38,15 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert torch.equal(value, b[key]), key
 
 
-def test_collate_masks_response_tokens_only() -> None:
+def test_response_rows_point_at_the_response_tokens_only() -> None:
     batch = synthetic_batch(0, prompts=2, group_size=1)
-    ids, mask = collate(batch)
+    rows = response_rows(batch)
     for row, sample in enumerate(batch):
-        start = len(sample.prompt_tokens) - 1
-        assert mask[row].sum().item() == len(sample.response_tokens)
-        picked = ids[row, 1:][mask[row].bool()].tolist()
-        assert picked == sample.response_tokens and mask[row, :start].sum() == 0
+        count = len(sample.response_tokens)
+        assert rows.mask[row].sum().item() == count
+        picked = rows.ids[row, 1:][rows.index[row, :count]].tolist()
+        assert picked == sample.response_tokens == rows.targets[row, :count].tolist()
+        assert rows.index[row, 0].item() == len(sample.prompt_tokens) - 1
 
 
 def test_train_step_changes_weights_and_reports_metrics() -> None:
@@ -71,9 +75,9 @@ def test_micro_batches_sort_by_length_and_respect_the_budget() -> None:
 
 
 def test_micro_batched_step_equals_one_forward_over_the_batch() -> None:
-    whole = Trainer(small_model(3), TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=0),
+    whole = Trainer(small_model(3), TrainerConfig(lr=1e-3, algorithm=KL_RECIPE, micro_batch_tokens=0),
                     distributed=False)
-    split = Trainer(small_model(3), TrainerConfig(lr=1e-3, grpo=GRPOConfig(kl_coef=0.05), micro_batch_tokens=40),
+    split = Trainer(small_model(3), TrainerConfig(lr=1e-3, algorithm=KL_RECIPE, micro_batch_tokens=40),
                     distributed=False)
     for step in range(3):
         batch = synthetic_batch(10 + step, prompts=6)
@@ -314,16 +318,22 @@ def test_checkpoint_is_an_hf_folder_that_loads_as_a_model_and_as_a_trainer(tmp_p
 
 
 def _run_worker(out: Path, env_extra: dict[str, str]) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **env_extra, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
     return subprocess.Popen([sys.executable, str(HERE / "dp_worker.py"), str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def test_two_process_gloo_equals_single_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [None, "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_two_process_gloo_equals_single_process(tmp_path: Path, mode: str | None) -> None:
+    # Every aggregation over two mini-batches: each needs the whole mini-batch's token or sequence count.
+    recipe = json.dumps({} if mode is None else {"loss_agg_mode": mode, "ppo_mini_batch_size": 2,
+                                                 "use_kl_loss": True, "kl_loss_coef": 0.05, "entropy_coeff": 0.01})
     with held_store() as rendezvous:
-        ranks = [_run_worker(tmp_path / f"rank{r}.pt", {**rendezvous, "WORLD_SIZE": "2", "RANK": str(r)})
+        ranks = [_run_worker(tmp_path / f"rank{r}.pt", {**rendezvous, "WORLD_SIZE": "2", "RANK": str(r),
+                                                         "RECIPE": recipe})
                  for r in range(2)]
-        single = _run_worker(tmp_path / "single.pt", {"WORLD_SIZE": "1", "RANK": "0"})
+        single = _run_worker(tmp_path / "single.pt", {"WORLD_SIZE": "1", "RANK": "0", "RECIPE": recipe})
         for proc in [*ranks, single]:
             output, _ = proc.communicate(timeout=120)
             assert proc.returncode == 0, output.decode()[-2000:]

@@ -5,6 +5,7 @@ Role: part of the journal's schema (``rlctl.core.event_payloads``). Pure, stdlib
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +36,16 @@ class RoundStartedData(EventPayload):
     target_groups: int
     tensor_parallel: int | None = None  # an elastic long round: the engines' width for it; absent: the base width
     estimate: dict[str, float] | None = None  # an elastic long round: the seconds each choice was estimated at
+
+
+@dataclass(frozen=True)
+class RoundExtendedData(EventPayload):
+    """Dynamic sampling (DAPO's ``filter_groups``): round ``step`` draws ``prompts`` more, because the
+    groups that did not vary left it unable to fill its batch."""
+
+    KIND: ClassVar[EventKind] = EventKind.ROUND_EXTENDED
+    step: int
+    prompts: list[str]
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,7 @@ class BatchFormedData(EventPayload):
     kind: str
     prompt_ids: list[str]
     returned_prompt_ids: list[str]
+    filtered_prompt_ids: list[str] = dataclasses.field(default_factory=list)  # dynamic sampling dropped these groups
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ class HeldOutStartedData(EventPayload):
     version: int
     prompts: list[str]
     max_new_tokens: int
+    samples_per_prompt: int = 1  # ``[algorithm.val_kwargs] n``: each prompt's score is the mean of its samples
 
 
 @dataclass(frozen=True)
