@@ -109,10 +109,14 @@ def load_local_shards(model: nn.Module, shards: Mapping[str, Tensor]) -> None:
 
 def local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
     """This rank's optimizer tensors by path (``state/<HF name>/exp_avg``...), every sharded moment as
-    its local shard (views, not copies). Works on an unsharded model too (the whole state)."""
+    its local shard (views, not copies). Works on an unsharded model too (the whole state). An
+    optimizer that has not stepped holds none: ``get_optimizer_state_dict`` would make it by a step
+    with zero gradients, which counts in Adam's bias correction and so changes every later update."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     found: dict[str, Tensor] = {}
+    if not optimizer.state:
+        return found
 
     def keep(local: Tensor, path: tuple[Any, ...]) -> Tensor:
         found["/".join(map(str, path))] = local
@@ -129,6 +133,9 @@ def load_local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
 
     from rlctl.workload.weights_load import load_into
 
+    if not saved:  # taken before the first step: the optimizer holds nothing yet either
+        optimizer.state.clear()
+        return
     root = hf_root(model)
     template = get_optimizer_state_dict(root, optimizer)  # the sharded layout, states initialised
     held: dict[str, Tensor] = {}

@@ -351,3 +351,25 @@ def test_two_process_gloo_equals_single_process(tmp_path: Path, mode: str | None
         assert dp["tokens"] == alone["tokens"]
         assert dp["loss"] == pytest.approx(alone["loss"], abs=1e-6)
         assert dp["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
+
+
+def test_serving_the_state_before_the_first_step_changes_no_update() -> None:
+    """The replica's part of an optimizer that has not stepped is empty: building it with a step of
+    zero gradients (what ``get_optimizer_state_dict`` does) would advance Adam's step counter, so the
+    served trainer's every later update would differ from the one that was not served."""
+    from rlctl.workload.rank_state import load_rank_state, rank_state
+
+    served, alone = _trainer(5), _trainer(5)
+    part = {k: v.clone() for k, v in rank_state(served).items()}
+    assert not [k for k in part if k.startswith("optim/")] and not served.optimizer.state
+    for seed in (1, 2):
+        served.train_step(synthetic_batch(seed))
+        rank_state(served)
+        alone.train_step(synthetic_batch(seed))
+    _assert_same_weights(served.state_dict_for_publish(), alone.state_dict_for_publish())
+    fresh = _trainer(6)
+    assert load_rank_state(fresh, part) == 0 and not fresh.optimizer.state
+    fresh.train_step(synthetic_batch(1))
+    again = _trainer(5)
+    again.train_step(synthetic_batch(1))
+    _assert_same_weights(fresh.state_dict_for_publish(), again.state_dict_for_publish())
