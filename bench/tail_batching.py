@@ -17,13 +17,15 @@ After N steps the tail arm settles the prompts still in its long queue in long r
 The headline ratios are therefore per trained prompt. Measured per arm: rollout-phase seconds,
 total seconds, decode steps and generated tokens (all per trained prompt and in total), training
 reward (mean over the last steps of the first N), round kinds, and the reward of each arm's final
-policy on held-out prompts (same prompts and seeds for both arms and for the initial model; the
-difference is paired per prompt, with its standard error).
+policy on held-out prompts (the same prompts for both arms and for the initial model, greedy as
+verl's ``val_kwargs`` default; ``eval_gain`` is an arm's reward minus the initial model's, paired
+per prompt, with its standard error ``eval_gain_se``, and ``eval_reward_delta`` tail minus sync).
 
-    python bench/tail_batching.py [--seed 0] [--steps 16] [--batch 32] [--group 4] [--max-new 160] [--short-cap 24] [--device cuda]
+    python bench/tail_batching.py [--seed 0] [--steps 32] [--batch 16] [--group 8] [--lr 1e-4] [--max-new 160] [--short-cap 24] [--device cuda]
 
-The defaults are the headline configuration (docs/figures.md): 32 prompts x 4 samples a step, the
-long answers from the ``down`` family (60% of prompts; a Pareto number of terms, expected length
+The defaults are the headline configuration (docs/figures.md): 16 prompts x 8 samples a step for
+32 steps at a learning rate of 1e-4 (both arms learn: 3e-4, the earlier default, left both below
+the initial policy on held-out prompts), the long answers from the ``down`` family (60% of prompts; a Pareto number of terms, expected length
 p50 6, p99 140 tokens), and a 1,500-step warm-start that saw enough long answers to write them
 out in full (``--warmstart-length-alpha 0.2``), so the generated lengths keep the task's tail.
 Earlier tables used ``--long-family count``: a short warm-start does not teach the small policy
@@ -53,15 +55,17 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig
+from rlctl.core.algorithm import LOSS_AGG_MODES, AlgorithmSpec
+from rlctl.core.rounds import RoundScheduler, SchedulerConfig
 from rlctl.roles.rollout import CHUNK_TOKENS
-from rlctl.workload.engine import GenRequest, GenResult, SamplingConfig, TorchEngine
+from rlctl.workload.engine import GenRequest, SamplingConfig, TorchEngine
 from rlctl.workload.hf_init import init_checkpoint
 from rlctl.workload.hf_warmstart import HFWarmStartConfig, prepare_warmstart
 from rlctl.workload.loop import LoopConfig, Policy, Scorer, evaluate, micro_batches, reward_scorer, task_prompts
 from rlctl.workload.reference import REFERENCE_ARCH, model_size
+from rlctl.workload.scheduled_loop import ScheduledLoop
 from rlctl.workload.task import DEFAULT_MIX, length_stats, make_dataset
-from rlctl.workload.trainer import TrainerConfig, TrainSample
+from rlctl.workload.trainer import TrainerConfig
 
 
 def family_mix(long_share: float | None, long_family: str = "count") -> dict[str, float] | None:
@@ -77,28 +81,15 @@ def rl_mix(args: argparse.Namespace) -> dict[str, float] | None:
     return family_mix(args.count_share, args.long_family)
 
 
-def score_done(scheduler: RoundScheduler, policy: Policy, prompts: dict[str, PromptRef], scorer: Scorer,
-               at: float) -> None:
-    """Score every generated, unscored sample of the open round (a reward worker's job: decode, score)."""
-    rnd = scheduler.round
-    if rnd is None or rnd.closed:
-        return
-    scheduler.dispatch_scoring("w0", "w0.1", 10_000, at)
-    scoring = [s for s in rnd.samples.values() if s.wid == "w0.1" and s.status == "scoring"]
-    scores = []
-    for sample in scoring:
-        reward, correct = scorer(prompts[sample.prompt_id], policy.tokenizer.decode(sample.response_tokens or []),
-                                 sample.truncated)
-        scores.append({"item_id": sample.item_id, "reward": reward, "correct": correct})
-    scheduler.submit_scores("w0.1", scores, at)
-
-
 def held_out_rewards(policy: Policy, model_dir: Path, args: argparse.Namespace, scorer: Scorer) -> list[float]:
-    """Mean reward per held-out prompt (``--eval-prompts`` prompts never trained on, ``--eval-samples``
-    samples each, fixed seeds, the full length cap): the same test for every arm."""
+    """Mean reward per held-out prompt (``--eval-prompts`` prompts never trained on, the full length
+    cap; greedy, verl's ``val_kwargs`` default, or ``--eval-samples`` samples each with fixed
+    seeds): the same test for every arm."""
     held_out = task_prompts(model_dir, args.eval_prompts, args.seed + 10_000, mix=rl_mix(args))
-    return evaluate(policy, held_out, args.eval_samples, args.max_new, args.seed + 20_000, scorer,
-                    micro_batches(args.worker_batch))[1]
+    greedy = args.eval_sampling == "greedy"
+    sampling = policy.engine.sampling.with_sampling(0.0, 1.0, -1, False) if greedy else None
+    return evaluate(policy, held_out, 1 if greedy else args.eval_samples, args.max_new, args.seed + 20_000, scorer,
+                    micro_batches(args.worker_batch), sampling)[1]
 
 
 def run_arm(tail: bool, args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -111,80 +102,45 @@ def run_arm(tail: bool, args: argparse.Namespace, model_dir: Path) -> dict[str, 
                         long_batch=args.batch, seed=args.seed),
         dataset,
     )
-    policy = Policy(model_dir, LoopConfig(device=args.device), TrainerConfig(lr=args.lr))
-    trainer, engine = policy.trainer, policy.engine
-    scorer = reward_scorer("task")
+    recipe = AlgorithmSpec(loss_agg_mode=args.loss_agg_mode, use_kl_loss=args.kl_loss_coef > 0,
+                           kl_loss_coef=args.kl_loss_coef)
+    policy = Policy(model_dir, LoopConfig(device=args.device),
+                    TrainerConfig(lr=args.lr, warmup_steps=args.warmup, algorithm=recipe, max_response_length=args.max_new))
+    synchronize = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    loop = ScheduledLoop(scheduler, policy, prompts, reward_scorer("task"), args.worker_batch, CHUNK_TOKENS,
+                         synchronize)
     rollout_s: list[float] = []
-    decode_steps = 0
-    generated_tokens = 0
-    cancelled = 0
+    decode_steps = generated_tokens = cancelled = trained_prompts = drain_steps = step = 0
     generated_lengths: list[int] = []
     rewards: list[float] = []
     kinds: list[str] = []
-    trained_prompts = 0
     started = time.perf_counter()
-    now = 0.0
-    drain_steps = 0
-    step = 0
     while True:
         if step < args.steps:
-            scheduler.start_round(step, now)
+            scheduler.start_round(step, loop.now)
         elif args.drain and scheduler.long_queue:
             # The deferred prompts are work the tail arm still owes: settle it in long rounds
             # (generated and trained like any other) before comparing time per trained prompt.
-            scheduler.start_long_round(step, now)
+            scheduler.start_long_round(step, loop.now)
             drain_steps += 1
         else:
             break
-        generating = 0.0
-        while scheduler.round is not None and scheduler.round.step == step and not scheduler.round.closed:
-            rnd = scheduler.round
-            now += 1.0
-            scheduler.dispatch("r0", "r0.1", args.worker_batch, now)
-            held = [s for s in rnd.samples.values() if s.wid == "r0.1" and s.status == "inflight"]
-            if held:
-                requests = [GenRequest(s.item_id, list(prompts[s.prompt_id].tokens), s.seed) for s in held]
-
-                def store_and_score(results: list[GenResult], at: float = now, version: int = step) -> None:
-                    # What a rollout worker's poll and a reward worker do, in line: store each
-                    # finished sample, score it; the round closes once its batch is full.
-                    scheduler.submit("r0", "r0.1", [{"item_id": r.item_id, "response_tokens": r.response_tokens,
-                                                     "truncated": r.truncated, "weights_version": version}
-                                                    for r in results], at)
-                    score_done(scheduler, policy, prompts, scorer, at)
-
-                t0 = time.perf_counter()
-                results = engine.generate(requests, rnd.max_new_tokens, chunk_tokens=CHUNK_TOKENS,
-                                          on_finished=store_and_score,
-                                          should_cancel=lambda active: set(scheduler.cancelled_among(active)))
-                if args.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                generating += time.perf_counter() - t0
-                decode_steps += engine.last_stats.decode_steps
-                generated_tokens += engine.last_stats.generated_tokens
-                cancelled += engine.last_stats.cancelled
-                generated_lengths.extend(len(r.response_tokens) for r in results)
-            elif not rnd.closed:
-                score_done(scheduler, policy, prompts, scorer, now)
-                if scheduler.round is rnd and not rnd.closed:
-                    raise RuntimeError(f"round {step} has nothing to generate or score but is still open")
-        batch = scheduler.batch_for(step)
-        assert batch is not None
-        samples = [TrainSample(s.item_id, s.prompt_id, batch.prompt_ids.index(s.prompt_id),
-                               list(prompts[s.prompt_id].tokens), list(s.response_tokens or []), float(s.reward or 0.0))
-                   for s in batch.samples]
-        metrics = trainer.train_step(samples)
-        engine.load_state_dict(trainer.state_dict_for_publish(), step + 1)
-        rollout_s.append(generating)
+        record = loop.generate_round(step)
+        metrics = loop.train(step)
+        decode_steps += record.decode_steps
+        generated_tokens += record.generated_tokens
+        cancelled += record.cancelled
+        generated_lengths.extend(record.lengths)
+        rollout_s.append(record.seconds)
         rewards.append(metrics["reward_mean"])
-        kinds.append(batch.kind)
-        trained_prompts += len(batch.prompt_ids)
-        print(f"[tail_batching] {'tail' if tail else 'sync'} step {step} {batch.kind} rollout {generating:.2f}s "
+        kinds.append(metrics["kind"])
+        trained_prompts += metrics["prompts"]
+        print(f"[tail_batching] {'tail' if tail else 'sync'} step {step} {metrics['kind']} rollout {record.seconds:.2f}s "
               f"reward {metrics['reward_mean']:.3f}", file=sys.stderr, flush=True)
         step += 1
     total = time.perf_counter() - started
     last = max(1, args.steps // 4)
-    eval_per_prompt = held_out_rewards(policy, model_dir, args, scorer) if args.eval_prompts else []
+    eval_per_prompt = held_out_rewards(policy, model_dir, args, loop.scorer) if args.eval_prompts else []
     return {
         "eval_reward": round(statistics.fmean(eval_per_prompt), 4) if eval_per_prompt else None,
         "eval_per_prompt": eval_per_prompt,
@@ -258,19 +214,25 @@ def _length_summary(lengths: list[int]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--worker-batch", type=int, default=192)
     parser.add_argument("--max-new", type=int, default=160)
     parser.add_argument("--short-cap", type=int, default=24)
     parser.add_argument("--overprovision", type=float, default=0.5)
     parser.add_argument("--dataset", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--warmup", type=int, default=0, help="learning-rate warmup steps")
+    parser.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean",
+                        help="[algorithm] loss_agg_mode of both arms")
+    parser.add_argument("--kl-loss-coef", type=float, default=0.0, help="a low_var_kl loss to the initial policy (0: none)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-prompts", type=int, default=128,
+    parser.add_argument("--eval-prompts", type=int, default=1024,
                         help="held-out prompts scored after training, for both arms and the initial model (0: none)")
-    parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("--eval-sampling", choices=("greedy", "sampled"), default="greedy",
+                        help="held-out responses: greedy (verl's val_kwargs default) or sampled at temperature 1")
+    parser.add_argument("--eval-samples", type=int, default=4, help="with --eval-sampling sampled: samples a prompt")
     parser.add_argument("--no-drain", dest="drain", action="store_false",
                         help="stop the tail arm after --steps even with prompts left in its long queue")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
@@ -311,7 +273,11 @@ def main() -> None:
     if args.eval_prompts:
         initial = Policy(model_dir, LoopConfig(device=args.device), TrainerConfig(lr=args.lr))
         initial_eval = held_out_rewards(initial, model_dir, args, reward_scorer("task"))
-    eval_delta, eval_delta_se = paired_difference(tail.pop("eval_per_prompt"), sync.pop("eval_per_prompt"))
+    tail_eval, sync_eval = tail.pop("eval_per_prompt"), sync.pop("eval_per_prompt")
+    eval_delta, eval_delta_se = paired_difference(tail_eval, sync_eval)
+    for arm, per_prompt in ((sync, sync_eval), (tail, tail_eval)):
+        # Each arm's held-out reward after training minus the initial model's: paired per prompt.
+        arm["eval_gain"], arm["eval_gain_se"] = paired_difference(per_prompt, initial_eval)
     print(json.dumps({
         "config": vars(args),
         "response_length_stats": stats,

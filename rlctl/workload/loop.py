@@ -11,8 +11,9 @@ loads the new weights into the engine.
 Prompts are ``PromptRef``s, tokenized through the folder's chat template by
 ``rlctl.workload.prompts`` exactly as a job's are (``task_prompts`` makes the reference task's).
 
-Batching is a hook: ``Batcher(engine, requests, max_new_tokens) -> results`` decides how the
-step's requests are cut into ``generate`` calls (``one_batch``, ``micro_batches(n)``). Since a
+Batching is a hook: ``Batcher(engine, requests, max_new_tokens, sampling) -> results`` decides how
+the step's requests are cut into ``generate`` calls (``one_batch``, ``micro_batches(n)``; ``sampling``
+replaces the engine's own for them, or None). Since a
 generate call lasts as long as its longest row, the hook is where the effect of long-tail
 responses on step time shows.
 """
@@ -30,22 +31,24 @@ from rlctl.core.rounds import PromptRef
 from rlctl.workload.engine import GenerationEngine, GenRequest, GenResult, SamplingConfig, TorchEngine
 from rlctl.workload.trainer import Trainer, TrainerConfig, TrainSample
 
-Batcher = Callable[[GenerationEngine, list[GenRequest], int], list[GenResult]]
+Batcher = Callable[[GenerationEngine, list[GenRequest], int, SamplingConfig | None], list[GenResult]]
 # (prompt, decoded response, truncated) -> (reward, correct)
 Scorer = Callable[[PromptRef, str, bool], tuple[float, bool]]
 
 
-def one_batch(engine: GenerationEngine, requests: list[GenRequest], max_new_tokens: int) -> list[GenResult]:
+def one_batch(engine: GenerationEngine, requests: list[GenRequest], max_new_tokens: int,
+              sampling: SamplingConfig | None = None) -> list[GenResult]:
     """All requests in a single generate call."""
-    return engine.generate(requests, max_new_tokens)
+    return engine.generate(requests, max_new_tokens, sampling=sampling)
 
 
 def micro_batches(size: int) -> Batcher:
     """Requests in submission order, ``size`` per generate call."""
-    def run(engine: GenerationEngine, requests: list[GenRequest], max_new_tokens: int) -> list[GenResult]:
+    def run(engine: GenerationEngine, requests: list[GenRequest], max_new_tokens: int,
+            sampling: SamplingConfig | None = None) -> list[GenResult]:
         results: list[GenResult] = []
         for start in range(0, len(requests), size):
-            results.extend(engine.generate(requests[start:start + size], max_new_tokens))
+            results.extend(engine.generate(requests[start:start + size], max_new_tokens, sampling=sampling))
         return results
     return run
 
@@ -146,11 +149,13 @@ class Policy:
 
 
 def evaluate(policy: Policy, prompts: Sequence[PromptRef], samples_per_prompt: int, max_new_tokens: int, seed: int,
-             scorer: Scorer, batcher: Batcher = one_batch) -> tuple[dict[str, float], list[float]]:
+             scorer: Scorer, batcher: Batcher = one_batch,
+             sampling: SamplingConfig | None = None) -> tuple[dict[str, float], list[float]]:
     """Mean reward and accuracy of sampled responses (seeds fixed by ``seed``, so two evaluations
-    are paired), and the mean reward per prompt."""
+    are paired; ``sampling``: the evaluation's own, e.g. greedy as verl's ``val_kwargs`` default,
+    else the engine's), and the mean reward per prompt."""
     requests = make_requests(prompts, samples_per_prompt, seed, step=-1)
-    scored = policy.score(prompts, batcher(policy.engine, requests, max_new_tokens), scorer)
+    scored = policy.score(prompts, batcher(policy.engine, requests, max_new_tokens, sampling), scorer)
     per_prompt: dict[str, list[float]] = {}
     for sample, _ in scored:
         per_prompt.setdefault(sample.prompt_id, []).append(sample.reward)
@@ -166,7 +171,8 @@ def run_step(step: int, prompts: Sequence[PromptRef], policy: Policy, config: Lo
              batcher: Batcher) -> StepRecord:
     """One on-policy GRPO step; afterwards the engine holds version ``trainer.step``."""
     started = time.perf_counter()
-    results = batcher(policy.engine, make_requests(prompts, config.group_size, config.seed, step), config.max_new_tokens)
+    results = batcher(policy.engine, make_requests(prompts, config.group_size, config.seed, step), config.max_new_tokens,
+                      None)
     generate_seconds = time.perf_counter() - started
     scored = policy.score(prompts, results, scorer)
     metrics = policy.trainer.train_step([sample for sample, _ in scored])
