@@ -16,7 +16,7 @@ the seeds (the unit that is repeated is a training run); a recipe learns when it
 of them. ``extra_generation`` is the samples generated beyond those trained, as a fraction of
 those trained (dynamic sampling's refills).
 
-    python bench/recipes.py [--seeds 0 1 2] [--steps 24] [--recipes grpo,dapo] [--device cpu]
+    python bench/recipes.py [--seeds 0 1 2] [--steps 48] [--lr 1e-4] [--recipes grpo,dapo] [--device cpu]
 
 Prints one line per run to stderr and one JSON object on the last stdout line.
 """
@@ -133,14 +133,14 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=MAX_EXPECTED_LEN + 8)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--dataset", type=int, default=512, help="training prompts per seed")
-    parser.add_argument("--eval-prompts", type=int, default=64)
+    parser.add_argument("--eval-prompts", type=int, default=256)
     parser.add_argument("--eval-samples", type=int, default=4)
     parser.add_argument("--worker-batch", type=int, default=128)
     parser.add_argument("--recipes", default="grpo,dr_grpo,dapo,gspo,rloo,reinforce_plus_plus")

@@ -4,6 +4,7 @@ Role: what ``Trainer`` computes between taking a batch and stepping the optimize
 plain data, so each piece is tested on its own. The objective is ``rlctl.workload.algorithms`` and
 nothing else.
 
+- ``TrainSample``: one scored sample as the trainer takes it.
 - ``ResponseRows``: samples collated as ``prompt + response`` ids, with each response token's
   position in the next-token log-probs and verl's ``[batch, response_length]`` response mask (the
   model's own tokens: a multi-turn episode's observations are 0).
@@ -20,9 +21,9 @@ nothing else.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,8 +32,31 @@ from rlctl.core.algorithm import AlgorithmSpec
 from rlctl.workload import algorithms as algos
 from rlctl.workload.task import PAD_ID
 
-if TYPE_CHECKING:
-    from rlctl.workload.trainer import TrainSample
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One scored sample, as ``trainer.get_batch`` returns it; grouped by ``prompt_id``
+    (``rlctl.workload.trainer`` re-exports it)."""
+
+    item_id: str
+    prompt_id: str
+    group_index: int
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    reward: float
+    # A multi-turn episode's observations: (start, length) in the response, not the model's tokens.
+    observation_spans: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainSample:
+        return cls(str(data["item_id"]), str(data["prompt_id"]), int(data["group_index"]),
+                   list(data["prompt_tokens"]), list(data["response_tokens"]), float(data["reward"]),
+                   tuple((int(start), int(length)) for start, length in data.get("observation_spans", ())))
+
+    @property
+    def trained_tokens(self) -> int:
+        """The model's own response tokens (what the loss counts)."""
+        return len(self.response_tokens) - sum(length for _, length in self.observation_spans)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ from rlctl.workload.policy_update import (
     METRIC_FIELDS,
     Denominators,
     ResponseRows,
+    TrainSample,
     batch_advantages,
     denominators_of,
     micro_batch_loss,
@@ -91,31 +92,6 @@ OPTIMIZER_SHARDS_DIR = "optimizer-shards"  # a sharded group's optimizer state (
 # tokenizer files), and this file beside it with the optimizer, schedule, RNG and step.
 TRAINER_STATE_FILE = "trainer_state.pt"
 DEFAULT_PG_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class TrainSample:
-    """One scored sample, as ``trainer.get_batch`` returns it; grouped by ``prompt_id``."""
-
-    item_id: str
-    prompt_id: str
-    group_index: int
-    prompt_tokens: list[int]
-    response_tokens: list[int]
-    reward: float
-    # A multi-turn episode's observations: (start, length) in the response, not the model's tokens.
-    observation_spans: tuple[tuple[int, int], ...] = ()
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TrainSample:
-        return cls(str(data["item_id"]), str(data["prompt_id"]), int(data["group_index"]),
-                   list(data["prompt_tokens"]), list(data["response_tokens"]), float(data["reward"]),
-                   tuple((int(start), int(length)) for start, length in data.get("observation_spans", ())))
-
-    @property
-    def trained_tokens(self) -> int:
-        """The model's own response tokens (what the loss counts)."""
-        return len(self.response_tokens) - sum(length for _, length in self.observation_spans)
 
 
 LR_SCHEDULERS = ("warmup-constant", "constant", "cosine")

@@ -75,3 +75,11 @@ def test_held_out_reward_shows_in_the_header_and_a_running_evaluation_in_the_rou
     assert any("held-out reward 0.612 ± 0.030 at v10  (v0: 0.480)" in line for line in lines)
     progress = [line for line in lines if "held-out evaluation of v12: 5/32 scored" in line]
     assert len(progress) == 1 and "━" not in progress[0]  # its own line, not run into the progress bar
+
+
+def test_the_round_panel_shows_the_groups_dynamic_sampling_dropped() -> None:
+    status = _status()
+    status["round"].update(groups_filtered=5, gen_batches=2)
+    text = "\n".join(_lines(160, status))
+    assert "groups 9/16  filtered 5 (gen batch 2)" in text
+    assert "filtered" not in "\n".join(_lines(160, _status()))  # a round that dropped nothing says nothing
