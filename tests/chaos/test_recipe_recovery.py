@@ -224,7 +224,7 @@ def check_dynamic_sampling(events: list[Any]) -> None:
 
 def test_a_dapo_job_through_trainer_and_controller_crashes_ends_with_the_uninterrupted_weights(
         tmp_path: Path, jobs: Path) -> None:
-    steps = 8
+    steps = 16  # long enough that the job is still training through the faults and the controller's kill
     job_file = write_job(tmp_path, name="dapo", steps=steps, spares=1, checkpoint_every=3, max_restarts=20,
                          extra_tables=DAPO + reward_table(tmp_path))
     job, jobdir = launch(jobs, job_file)
@@ -249,8 +249,8 @@ def test_a_dapo_job_through_trainer_and_controller_crashes_ends_with_the_uninter
 
 def test_a_gspo_job_whose_trainer_is_crashed_in_the_middle_of_a_step_ends_with_the_uninterrupted_weights(
         tmp_path: Path, jobs: Path) -> None:
-    steps = 6
-    job_file = write_job(tmp_path, name="gspo", steps=steps, spares=1, checkpoint_every=2, max_restarts=20,
+    steps = 16  # long enough that the job is still training when the faults are injected
+    job_file = write_job(tmp_path, name="gspo", steps=steps, spares=1, checkpoint_every=4, max_restarts=20, step_scale=2,
                          extra_tables=GSPO)
     job, jobdir = launch(jobs, job_file)
     try:

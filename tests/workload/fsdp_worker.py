@@ -30,23 +30,36 @@ from rlctl.workload.fsdp import local_shards
 from rlctl.workload.rank_state import load_rank_state, rank_state
 from rlctl.workload.trainer import Trainer, TrainerConfig, leave_group_and_exit
 
+KL_RECIPE = {"use_kl_loss": True, "kl_loss_coef": 0.05}
 
-def recipe() -> AlgorithmSpec:
-    """The recipe the test asks for (``RECIPE``: AlgorithmSpec fields as JSON), else GRPO with a KL loss."""
-    fields = json.loads(os.environ.get("RECIPE", "{}")) or {"use_kl_loss": True, "kl_loss_coef": 0.05}
-    return AlgorithmSpec(**fields)
+
+def make_trainer(rank: int, recipe: dict[str, object]) -> Trainer:
+    model = small_model(11 + rank)  # rank 1 starts different: the broadcast must fix it
+    return Trainer(model, TrainerConfig(lr=1e-3, algorithm=AlgorithmSpec(**recipe), micro_batch_tokens=96))  # type: ignore[arg-type]
+
+
+def first_steps(rank: int) -> list[dict[str, object]]:
+    """One first step per recipe of ``RECIPES`` (a JSON list of AlgorithmSpec fields), a fresh
+    trainer each, in the same group."""
+    results = []
+    for recipe in json.loads(os.environ.get("RECIPES", "[]")) or [KL_RECIPE]:
+        trainer = make_trainer(rank, recipe)
+        results.append({"world": trainer.dist.world_size, "sharded": trainer.sharded,
+                        "metrics": trainer.train_step(synthetic_batch(1)),
+                        "held_elements": sum(t.numel() for t in local_shards(trainer.model).values()),
+                        "state": trainer.state_dict_for_publish()})
+    return results
 
 
 def main(out: str, mode: str, checkpoint: str = "") -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
-    model = small_model(11 + rank)  # rank 1 starts different: the broadcast must fix it
-    trainer = Trainer(model, TrainerConfig(lr=1e-3, algorithm=recipe(), micro_batch_tokens=96))
-    result: dict[str, object] = {"world": trainer.dist.world_size, "sharded": trainer.sharded}
     if mode == "first-step":
-        result["metrics"] = trainer.train_step(synthetic_batch(1))
-        result["held_elements"] = sum(t.numel() for t in local_shards(trainer.model).values())
-    elif mode == "checkpoint":
+        torch.save(first_steps(rank), out)
+        leave_group_and_exit(0)
+    trainer = make_trainer(rank, KL_RECIPE)
+    result: dict[str, object] = {"world": trainer.dist.world_size, "sharded": trainer.sharded}
+    if mode == "checkpoint":
         trainer.train_step(synthetic_batch(1))
         trainer.save_checkpoint(checkpoint)
         result["metrics"] = trainer.train_step(synthetic_batch(2))

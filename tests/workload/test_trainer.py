@@ -323,34 +323,38 @@ def _run_worker(out: Path, env_extra: dict[str, str]) -> subprocess.Popen[bytes]
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-@pytest.mark.parametrize("mode", [None, "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
-def test_two_process_gloo_equals_single_process(tmp_path: Path, mode: str | None) -> None:
-    # Every aggregation over two mini-batches: each needs the whole mini-batch's token or sequence count.
-    recipe = json.dumps({} if mode is None else {"loss_agg_mode": mode, "ppo_mini_batch_size": 2,
-                                                 "use_kl_loss": True, "kl_loss_coef": 0.05, "entropy_coeff": 0.01})
+MODES = [None, "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def test_two_process_gloo_equals_single_process(tmp_path: Path) -> None:
+    # Every aggregation over two mini-batches: each needs the whole mini-batch's token or sequence
+    # count. One group runs every recipe in turn (a fresh trainer each), and so does the single process.
+    asked = [{} if mode is None else {"loss_agg_mode": mode, "ppo_mini_batch_size": 2, "use_kl_loss": True,
+                                       "kl_loss_coef": 0.05, "entropy_coeff": 0.01} for mode in MODES]
+    recipes = json.dumps([fields or {"use_kl_loss": True, "kl_loss_coef": 0.05} for fields in asked])
     with held_store() as rendezvous:
         ranks = [_run_worker(tmp_path / f"rank{r}.pt", {**rendezvous, "WORLD_SIZE": "2", "RANK": str(r),
-                                                         "RECIPE": recipe})
+                                                         "RECIPES": recipes})
                  for r in range(2)]
-        single = _run_worker(tmp_path / "single.pt", {"WORLD_SIZE": "1", "RANK": "0", "RECIPE": recipe})
+        single = _run_worker(tmp_path / "single.pt", {"WORLD_SIZE": "1", "RANK": "0", "RECIPES": recipes})
         for proc in [*ranks, single]:
-            output, _ = proc.communicate(timeout=120)
+            output, _ = proc.communicate(timeout=240)
             assert proc.returncode == 0, output.decode()[-2000:]
-    results = [torch.load(tmp_path / name, weights_only=True) for name in ("rank0.pt", "rank1.pt", "single.pt")]
-    assert [r["world"] for r in results] == [2, 2, 1]
-    _assert_same_weights(results[0]["state"], results[1]["state"])  # ranks agree exactly
+    runs = [torch.load(tmp_path / name, weights_only=True) for name in ("rank0.pt", "rank1.pt", "single.pt")]
     initial = small_model(11).state_dict()
-    for key, value in results[2]["state"].items():
-        moved = (value - initial[key]).abs().max().item()
-        gap = (results[0]["state"][key] - value).abs().max().item()
-        # Adam divides by sqrt(v): float-level gradient differences show up in tiny-gradient weights,
-        # so compare against the size of the update itself.
-        assert gap <= max(1e-6, 0.05 * moved), (key, gap, moved)
-    for dp, alone in zip(results[0]["metrics"], results[2]["metrics"]):
-        assert dp["tokens"] == alone["tokens"]
-        assert dp["loss"] == pytest.approx(alone["loss"], abs=1e-6)
-        assert dp["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
+    for mode, results in zip(MODES, zip(*runs, strict=True), strict=True):
+        assert [r["world"] for r in results] == [2, 2, 1], mode
+        _assert_same_weights(results[0]["state"], results[1]["state"])  # ranks agree exactly
+        for key, value in results[2]["state"].items():
+            moved = (value - initial[key]).abs().max().item()
+            gap = (results[0]["state"][key] - value).abs().max().item()
+            # Adam divides by sqrt(v): float-level gradient differences show up in tiny-gradient weights,
+            # so compare against the size of the update itself.
+            assert gap <= max(1e-6, 0.05 * moved), (mode, key, gap, moved)
+        for dp, alone in zip(results[0]["metrics"], results[2]["metrics"]):
+            assert dp["tokens"] == alone["tokens"]
+            assert dp["loss"] == pytest.approx(alone["loss"], abs=1e-6), mode
+            assert dp["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4), mode
 
 
 def test_serving_the_state_before_the_first_step_changes_no_update() -> None:
