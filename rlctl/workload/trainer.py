@@ -60,6 +60,7 @@ from rlctl.core.algorithm import AlgorithmSpec
 from rlctl.core.checkpoint_names import retired_name, staged_name
 from rlctl.workload import algorithms as algos
 from rlctl.workload.algorithms import entropy_from_logits
+from rlctl.workload.checkpoint_manifest import CheckpointCorruptError, verify_checkpoint, write_manifest
 from rlctl.workload.fsdp import (
     SHARDINGS,
     full_state_dict,
@@ -725,10 +726,11 @@ class Trainer:
             atomic_torch_save(payload, staging / TRAINER_STATE_FILE)
             for name, data in (extra_files or {}).items():
                 (staging / name).write_bytes(data)
+            write_manifest(staging)  # last: the checksums appear with the folder they cover
+            _replace_folder(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # the previous checkpoint stays as it was
             raise
-        _replace_folder(staging, target)
         return target
 
     def _save_sharded(self, target: Path, extra_files: Mapping[str, bytes] | None) -> Path | None:
@@ -762,18 +764,34 @@ class Trainer:
             raise
         finally:
             dist.all_reduce(failed)  # every rank learns whether the folder is whole
-            if leader:
-                if failed.item():
-                    shutil.rmtree(staging, ignore_errors=True)  # the previous checkpoint stays as it was
-                else:
+            finished = torch.zeros(1)
+            if leader and not failed.item():
+                try:
+                    write_manifest(staging)  # after every rank's shard: the checksums cover them all
                     _replace_folder(staging, target)
+                    finished += 1
+                except Exception:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    finished -= 1
+                    raise
+                finally:
+                    dist.all_reduce(finished)
+            elif leader:
+                shutil.rmtree(staging, ignore_errors=True)  # the previous checkpoint stays as it was
+            if not leader and not failed.item():
+                dist.all_reduce(finished)
+                if finished.item() < 0:
+                    raise RuntimeError(f"rank 0 could not finish the checkpoint folder {target}")
             dist.barrier()
         return target if leader else None
 
     def load_checkpoint(self, path: str | Path) -> int:
-        """Restore everything ``save_checkpoint`` wrote; returns the restored step. A sharded
-        group's ranks all call it."""
+        """Restore everything ``save_checkpoint`` wrote, once its files match their checksums;
+        returns the restored step. Raises ``CheckpointCorruptError`` naming the file that does not
+        (on every rank of a group: rank 0 checks, the others learn its verdict). A sharded group's
+        ranks all call it."""
         source = Path(path)
+        self._verify(source)
         state_file = source / TRAINER_STATE_FILE
         if not state_file.is_file():
             raise FileNotFoundError(f"{source}: no {TRAINER_STATE_FILE} (not a folder an rlctl trainer checkpointed)")
@@ -784,6 +802,18 @@ class Trainer:
         if self.sharded or payload.get("optimizer_shards"):
             return self._restore_sharded(source, payload)
         return self._restore(payload)
+
+    def _verify(self, source: Path) -> None:
+        verdict: list[Any] = [None]
+        if self.dist.rank == 0:
+            try:
+                verify_checkpoint(source)
+            except CheckpointCorruptError as exc:
+                verdict = [(exc.file, exc.reason)]
+        if self.dist.enabled:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise CheckpointCorruptError(source, *verdict[0])
 
     def _restore_sharded(self, source: Path, payload: Mapping[str, Any]) -> int:
         if payload["model_config"] != self.model_signature():
