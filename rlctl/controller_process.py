@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -27,13 +28,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--expect-epoch", type=int, default=None,
                         help="with --resume: leave the job alone if a controller newer than this epoch started")
+    parser.add_argument("--reject-checkpoints", type=json.loads, default={},
+                        help="with --resume: {step: why} of checkpoints no restore may use (rlctl resume "
+                             "--from-checkpoint)")
     args = parser.parse_args(argv)
     jobdir = JobDir(args.job_dir.resolve())
     setup_logging(jobdir.log_file)
     spec = load_job_dir_spec(jobdir)
     backend = make_backend(spec, jobdir)
     controller = Controller(jobdir, spec, backend, make_workload(spec), resume=args.resume,
-                            expect_epoch=args.expect_epoch)
+                            expect_epoch=args.expect_epoch,
+                            rejected_checkpoints={int(step): str(why) for step, why in args.reject_checkpoints.items()})
     return asyncio.run(controller.run())
 
 

@@ -190,10 +190,44 @@ def _plan_lines(spec: JobSpec, plan_lines: list[str], checks: dict[str, object])
     ]
 
 
-def _spawn_controller(jobdir: JobDir, resume: bool = False, expect_epoch: int | None = None) -> subprocess.Popen[bytes]:
+def checkpoints_to_reject(job_id: str, job: str, folders: dict[int, Path], from_checkpoint: int | None) -> dict[int, str]:
+    """What a resume tells the controller never to restore from: nothing when the newest checkpoint
+    verifies; with ``--from-checkpoint`` every newer one (each with why). A corrupt newest one without
+    ``--from-checkpoint``, or a ``--from-checkpoint`` that is not a valid checkpoint, fails naming it."""
+    from rlctl.workload.checkpoint_manifest import CheckpointCorruptError, newest_valid, verify_checkpoint
+
+    if from_checkpoint is None:
+        if not folders:
+            return {}
+        newest = max(folders)
+        try:
+            verify_checkpoint(folders[newest])
+        except CheckpointCorruptError as corrupt:
+            fallback = newest_valid(folders, below=newest).step
+            use = (f"; the newest valid checkpoint is step {fallback}: `rlctl resume {job} --from-checkpoint "
+                   f"{fallback}` goes on from it (the steps since are trained again from the kept batches)"
+                   if fallback is not None else "; no checkpoint before it is valid either")
+            fail(f"{job_id}: the newest checkpoint (step {newest}) is corrupt: {corrupt}{use}", 2)
+        return {}
+    if from_checkpoint not in folders:
+        fail(f"--from-checkpoint: {job_id} has no usable checkpoint of step {from_checkpoint} "
+             f"(steps: {', '.join(map(str, sorted(folders))) or 'none'})", 2)
+    try:
+        verify_checkpoint(folders[from_checkpoint])
+    except CheckpointCorruptError as corrupt:
+        fail(f"--from-checkpoint: the checkpoint of step {from_checkpoint} is corrupt too: {corrupt}", 2)
+    return {step: f"(folder): passed over by `rlctl resume --from-checkpoint {from_checkpoint}`"
+            for step in folders if step > from_checkpoint}
+
+
+def _spawn_controller(jobdir: JobDir, resume: bool = False, expect_epoch: int | None = None,
+                      rejections: dict[int, str] | None = None) -> subprocess.Popen[bytes]:
     """The job's controller as a detached process (its output appended to ``controller.out``). A
-    resumed one is told the controller epoch the job was read at (``expect_epoch``)."""
+    resumed one is told the controller epoch the job was read at (``expect_epoch``) and the
+    checkpoints it must never restore from (``rejections``: step -> why)."""
     resuming = ["--resume", *(["--expect-epoch", str(expect_epoch)] if expect_epoch is not None else [])] if resume else []
+    if rejections:
+        resuming += ["--reject-checkpoints", json.dumps({str(step): why for step, why in rejections.items()})]
     with open(jobdir.path / "controller.out", "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "rlctl.controller_process", "--job-dir", str(jobdir.path), *resuming],
@@ -306,9 +340,13 @@ def _run_foreground(jobdir: JobDir, spec: JobSpec) -> None:
 
 
 def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json_out: bool = typer.Option(False, "--json"),
+           from_checkpoint: int = typer.Option(None, "--from-checkpoint", metavar="STEP",
+                                               help="Restore a trainer from this checkpoint and not from the newer "
+                                                    "ones (the way past a corrupt newest checkpoint)."),
            state_dir: str = STATE_DIR_OPTION) -> None:
     """Start a job's controller again after it died; it rebuilds its state from the journal. A job
-    that has ended is not resumed (nothing is written to it)."""
+    that has ended is not resumed (nothing is written to it). A newest checkpoint that does not match
+    its checksums is refused by name, with the valid step ``--from-checkpoint`` could use."""
     from rlctl.controller.replay import replay_model
     from rlctl.spec_loader import load_job_dir_spec
 
@@ -324,6 +362,8 @@ def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json
                         "step": model.step, "ended_at": model.life.since, "reason": reason})
         fail(f"{jobdir.job_id} has ended ({model.life.state.value} at step {model.step}/{model.total_steps}, "
              f"{ended}: {reason}); there is nothing to resume. Launch it again to train anew.")
+    rejections = checkpoints_to_reject(jobdir.job_id, job, {s: Path(p) for s, p in model.checkpoints.items()
+                                                             if s not in model.rejected_checkpoints}, from_checkpoint)
     ensure_model(load_job_dir_spec(jobdir))
     client = ApiClient(jobdir.api_socket, timeout_s=3.0)
     if client.available():
@@ -332,7 +372,7 @@ def resume(job: str = typer.Argument(..., help="Job id or unique prefix."), json
             fail(f"{jobdir.job_id} already has a running controller")
         except ApiError:
             pass  # a dead controller, or one that does not answer (paused, hung): the new one fences it
-    process = _spawn_controller(jobdir, resume=True, expect_epoch=model.controller_epoch)
+    process = _spawn_controller(jobdir, resume=True, expect_epoch=model.controller_epoch, rejections=rejections)
     _wait_ready(jobdir, process, resumed=True)
     if json_out:
         print_json({"job_id": jobdir.job_id, "resumed": True, "controller_pid": process.pid})

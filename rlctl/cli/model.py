@@ -204,6 +204,21 @@ def checkpoint_folders(checkpoints: Path) -> dict[int, Path]:
     return found
 
 
+def refuse_corrupt(job_id: str, step: int, folders: dict[int, Path], instead: str) -> None:
+    """Fail, naming the file, when the checkpoint of ``step`` does not match its checksums; the
+    message names the newest valid checkpoint before it and the command (``instead``, with
+    ``{step}``) that would use it."""
+    from rlctl.workload.checkpoint_manifest import CheckpointCorruptError, newest_valid, verify_checkpoint
+
+    try:
+        verify_checkpoint(folders[step])
+    except CheckpointCorruptError as corrupt:
+        fallback = newest_valid(folders, below=step).step
+        use = (f"; the newest valid checkpoint is step {fallback}: {instead.format(step=fallback)}"
+               if fallback is not None else "; no checkpoint before it is valid either")
+        fail(f"{job_id}: the checkpoint of step {step} is corrupt: {corrupt}{use}")
+
+
 def export(
     job: str = typer.Argument(..., help="Job id (or a unique prefix)."),
     target: Path = typer.Argument(..., help="Folder to write; must not exist or be empty."),
@@ -225,6 +240,7 @@ def export(
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         fail(f"{target}: expected a new or empty folder", 2)
     source = folders[chosen]
+    refuse_corrupt(jobdir.job_id, chosen, folders, f"rlctl export {job} --step {{step}} {target}")
     staging = target.with_name(f".{target.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(source, staging, ignore=shutil.ignore_patterns(*TRAINER_ONLY_FILES))

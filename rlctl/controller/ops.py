@@ -18,6 +18,7 @@ from rlctl.core.elastic import ElasticConfig, current_degree, layout_change
 from rlctl.core.envcalls import answer_deadline_s
 from rlctl.core.event_payloads import (
     CheckpointedData,
+    CheckpointRejectedData,
     EngineResizedData,
     RewardFunctionFailedData,
     RewardsStoredData,
@@ -270,7 +271,9 @@ class DataOps:
         if slot.standby:
             return {"standby": True, "wait_s": 0.5}
         require_role(slot, "trainer")
-        plan = model.restore_plan(lambda step: self.orc.scheduler.batch_for(step) is not None)
+        plan = self.orc.trainer_restore_plan()
+        if plan.give_up is not None:
+            return {"stop": True}
         replica = plan.replica
         return {
             "state_replica": {"step": replica.version, "source": replica.source} if replica is not None else None,
@@ -382,6 +385,16 @@ class DataOps:
         """Where the data stands at the checkpoint of ``step`` (written beside it)."""
         require_role(slot, "trainer")
         return self.orc.scheduler.cursor_at(int(args["step"]))
+
+    def op_trainer_checkpoint_rejected(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """The checkpoint the trainer was told to restore from does not match its checksums: it is
+        journaled (naming the file) and no restore uses it again; the trainer asks ``trainer.init``
+        again for the one before it."""
+        require_role(slot, "trainer")
+        self.orc.shell.commit([Event.of(now, CheckpointRejectedData(
+            step=int(args["step"]), path=str(args["path"])[:4096], file=str(args["file"])[:512],
+            reason=str(args["reason"])[:500]))])
+        return {}
 
     def op_trainer_checkpointed(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         require_role(slot, "trainer")

@@ -50,6 +50,7 @@ from rlctl.core import detector as det
 from rlctl.core import effects as fx
 from rlctl.core import orchestrate as orc
 from rlctl.core.event_payloads import (
+    CheckpointRejectedData,
     ConnectionRefusedData,
     ControllerStartedData,
     EventPayload,
@@ -79,8 +80,12 @@ GC_THRESHOLDS = (50_000, 20, 20)
 
 class Controller:
     def __init__(self, jobdir: JobDir, spec: JobSpec, backend: Backend, workload: Workload,
-                 resume: bool = False, expect_epoch: int | None = None) -> None:
+                 resume: bool = False, expect_epoch: int | None = None,
+                 rejected_checkpoints: dict[int, str] | None = None) -> None:
+        """``rejected_checkpoints``: step -> why, checkpoints a resume was told no restore may use
+        (journaled as ``CheckpointRejected`` once the new epoch is)."""
         self.jobdir = jobdir
+        self.rejected_checkpoints = dict(rejected_checkpoints or {})
         self.spec = spec
         self.plan: LaunchPlan = plan(spec)
         self.backend = backend
@@ -308,6 +313,10 @@ class Controller:
                                                accept=False)
         self.record(ControllerStartedData(pid=os.getpid(), resumed=resumed, agent_port=self.agent_port,
                                           epoch=self.hub.epoch, predecessor_killed=predecessor_killed))
+        for step, why in sorted(self.rejected_checkpoints.items()):
+            file, _, reason = why.partition(": ")
+            self.record(CheckpointRejectedData(step=step, path=self.model.checkpoints.get(step, ""), file=file,
+                                               reason=reason))
         await self.hub.serve()
         bundle = build_agent_zipapp(self.jobdir.path / "agent")
         self.effects.launch = AgentLaunch(

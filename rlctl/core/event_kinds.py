@@ -53,6 +53,7 @@ class EventKind(StrEnum):
     WEIGHTS_SLOWER_LANE = "WeightsSlowerLane"
     STEP_TRAINED = "StepTrained"
     CHECKPOINTED = "Checkpointed"
+    CHECKPOINT_REJECTED = "CheckpointRejected"
     TRAINER_RESTORED = "TrainerRestored"
     TRAINER_STATE_HELD = "TrainerStateHeld"
     CONTROLLER_STARTED = "ControllerStarted"

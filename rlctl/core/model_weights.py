@@ -16,6 +16,7 @@ from typing import Any
 from rlctl.core.event_kinds import EventKind
 from rlctl.core.event_payloads import (
     CheckpointedData,
+    CheckpointRejectedData,
     JobStalledData,
     SchedulerRolledBackData,
     StepTrainedData,
@@ -71,6 +72,10 @@ class RestorePlan:
     target: int
     replay: list[int]
     replica: TrainerStateOffer | None
+    # The batches since the checkpoint were let go (the checkpoints after it were rejected): the
+    # scheduler rolls back to it and the steps since are generated and trained again.
+    rollback_to: int | None = None
+    give_up: str | None = None  # no checkpoint is left to restore from: why the job fails
 
 
 @dataclass
@@ -78,8 +83,10 @@ class WeightsRegistry(FaultLedger):
     weights_holders: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
     published_version: int = 0
     published_checksum: str = ""
-    checkpoint_step: int = -1
+    checkpoint_step: int = -1  # the newest checkpoint no restore rejected (-1: none)
     checkpoint_path: str = ""
+    checkpoints: dict[int, str] = field(default_factory=dict)  # every checkpoint written: step -> path
+    rejected_checkpoints: dict[int, str] = field(default_factory=dict)  # step -> "file: reason"
     trainer_state: TrainerStateOffer | None = None
     state_replica: TrainerStateOffer | None = None  # the copy a warm standby holds and serves
     step_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -175,8 +182,21 @@ class WeightsRegistry(FaultLedger):
     @handles(EventKind.CHECKPOINTED)
     def _on_Checkpointed(self, ev: Event) -> None:
         checkpointed = ev.as_(CheckpointedData)
-        self.checkpoint_step = checkpointed.step
-        self.checkpoint_path = checkpointed.path
+        self.checkpoints[checkpointed.step] = checkpointed.path
+        self.rejected_checkpoints.pop(checkpointed.step, None)  # written again: a new folder
+        self._newest_valid_checkpoint()
+
+    @handles(EventKind.CHECKPOINT_REJECTED)
+    def _on_CheckpointRejected(self, ev: Event) -> None:
+        rejected = ev.as_(CheckpointRejectedData)
+        self.checkpoints.setdefault(rejected.step, rejected.path)
+        self.rejected_checkpoints[rejected.step] = f"{rejected.file}: {rejected.reason}"
+        self._newest_valid_checkpoint()
+
+    def _newest_valid_checkpoint(self) -> None:
+        valid = [step for step in self.checkpoints if step not in self.rejected_checkpoints]
+        self.checkpoint_step = max(valid, default=-1)
+        self.checkpoint_path = self.checkpoints.get(self.checkpoint_step, "")
 
     def weights_source(self, version: int, exclude_slot: str = "") -> dict[str, Any] | None:
         """A live holder of ``version``, preferring rollouts over the trainer to spread the load."""
@@ -214,13 +234,27 @@ class WeightsRegistry(FaultLedger):
         return replica if holder is not None and holder.standby else None
 
     def restore_plan(self, retained: Callable[[int], bool]) -> RestorePlan:
-        """The plan for a trainer that (re)starts now; ``retained(step)``: the batch of ``step`` is kept."""
+        """The plan for a trainer that (re)starts now; ``retained(step)``: the batch of ``step`` is kept.
+
+        It restores from the newest checkpoint no restore rejected (a corrupt one is skipped for the
+        one before it) and retrains the batches since. Where those batches were let go (the newer
+        checkpoints were rejected after it), the plan rolls back to it (``rollback_to``); where every
+        checkpoint was rejected and the batches since the initial weights are gone, it gives up,
+        naming each checkpoint and why."""
         checkpoint_step = self.checkpoint_step if self.checkpoint_step >= 0 else None
         start, target = checkpoint_step or 0, self.published_version
         replica = self.live_state_replica()
         if replica is not None and not (state_not_older(replica.version, checkpoint_step) and replica.version <= target
                                         and len(replica.source.get("shards", [])) == len(self.slots_of("trainer"))):
             replica = None  # older than the checkpoint, rolled back past, or of a group of another size
+        missing = [s for s in range(start, target) if not retained(s)]
+        if missing and replica is None:
+            if checkpoint_step is None:
+                tried = ", ".join(f"step {step} ({why})" for step, why in sorted(self.rejected_checkpoints.items(),
+                                                                                reverse=True))
+                return RestorePlan(None, target, [], None, give_up=f"no valid checkpoint to restore the trainer "
+                                   f"from: {tried}; the batches since the initial weights are no longer kept")
+            return RestorePlan(checkpoint_step, checkpoint_step, [], None, rollback_to=checkpoint_step)
         # From the checkpoint even with a replica: a rank that cannot fetch its part falls back to it.
         return RestorePlan(checkpoint_step, target, [s for s in range(start, target) if retained(s)], replica)
 

@@ -32,6 +32,7 @@ from rlctl.core.event_payloads import (
 from rlctl.core.events import Event
 from rlctl.core.launchplan import RolePlan
 from rlctl.core.model import JobModel, SlotRecord
+from rlctl.core.model_weights import RestorePlan
 from rlctl.core.node_judging import NodeJudge
 from rlctl.core.recovery import GONE_NODE, LIVE_WORKER, Recovery, Tally
 from rlctl.core.rounds import RoundScheduler
@@ -266,6 +267,22 @@ class Orchestrator:
               and all(s.life is not None and s.life.state == WorkerState.RUNNING for s in model.slots.values()
                       if s.node is not None and not s.standby)):
             self.record(JobStateChangedData(state=JobState.RUNNING.value, reason="recovered"))
+
+    def trainer_restore_plan(self) -> RestorePlan:
+        """What a trainer that (re)starts now restores from (``JobModel.restore_plan``), for the live
+        ``trainer.init`` and the simulator alike. A plan that must roll the scheduler back first (its
+        checkpoint's batches were let go) is committed here and planned again; one that finds no
+        checkpoint to restore from fails the job with its reason."""
+        def retained(step: int) -> bool:
+            return self.scheduler.batch_for(step) is not None
+
+        plan = self.model.restore_plan(retained)
+        if plan.rollback_to is not None:
+            self.shell.commit(self.scheduler.rollback(plan.rollback_to, self.shell.clock()))
+            plan = self.model.restore_plan(retained)
+        if plan.give_up is not None:
+            self.request_stop(f"failed: {plan.give_up}")
+        return plan
 
     def request_stop(self, reason: str, succeeded: bool = False) -> None:
         if self.closed():

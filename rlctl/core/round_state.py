@@ -19,6 +19,7 @@ from rlctl.core.elastic import ElasticConfig
 from rlctl.core.event_payloads import (
     BatchFormedData,
     CheckpointedData,
+    CheckpointRejectedData,
     EngineResizedData,
     EpochStartedData,
     HeldOutScoredData,
@@ -200,6 +201,7 @@ class RoundState:
         self.trajectories_stored = 0
         self.trajectories_discarded = 0
         self.trajectories_lost = 0
+        self.checkpoint_steps: set[int] = set()  # the checkpoints no restore rejected
         self.regroup_seconds: list[float] = []  # measured engine resizes (EngineResized), newest last
         self.long_round_longest: list[int] = []  # each long round's longest response (tokens), newest last
 
@@ -373,7 +375,18 @@ class RoundState:
         rnd.closed = True
 
     def _on_Checkpointed(self, data: CheckpointedData) -> None:
-        for step in [s for s in self.batches if s < data.step]:
+        self.checkpoint_steps.add(data.step)
+        self._let_go_of_batches()
+
+    def _on_CheckpointRejected(self, data: CheckpointRejectedData) -> None:
+        self.checkpoint_steps.discard(data.step)
+
+    def _let_go_of_batches(self) -> None:
+        """Keep the batches since the checkpoint before the newest: a restore that finds the newest
+        corrupt falls back to that one and retrains them (nothing lost)."""
+        newest = sorted(self.checkpoint_steps)[-2:]
+        keep_from = newest[0] if len(newest) == 2 else 0
+        for step in [s for s in self.batches if s < keep_from]:
             del self.batches[step]
 
     def _on_SchedulerRolledBack(self, data: SchedulerRolledBackData) -> None:

@@ -94,20 +94,36 @@ class TrainerRole:
 
     def restore(self, init: dict[str, Any]) -> None:
         """The held in-memory state or the checkpoint, whichever is newer, then retrain retained
-        batches up to the controller's published version."""
+        batches up to the controller's published version. A checkpoint whose files do not match
+        their checksums is reported (``trainer.checkpoint_rejected``) and the controller asked again:
+        it names the one before it (and the batches to retrain since), or stops the job when none is
+        left."""
         replayed: list[int] = []
         unpublished: dict[str, float] | None = None
-        checkpoint_step = init.get("checkpoint_step")
-        self.saved_version = int(checkpoint_step) if checkpoint_step is not None else -1
         state_step = self.restore_held_state(init)
         if state_step is None:
             state_step = self.restore_replica(init)
-        if state_step is None and init.get("checkpoint"):
+        while state_step is None and init.get("checkpoint") and not init.get("stop"):
+            from rlctl.workload.checkpoint_manifest import CheckpointCorruptError
+
             self.w.phase("loading")
-            self.version = self.trainer.load_checkpoint(init["checkpoint"])
-            self.saved_version = self.version
+            try:
+                self.version = self.trainer.load_checkpoint(init["checkpoint"])
+            except CheckpointCorruptError as corrupt:
+                print(f"rlctl trainer: {corrupt}; asking for the checkpoint before it", file=sys.stderr, flush=True)
+                if self.leader:
+                    self.w.request("trainer.checkpoint_rejected", step=int(init["checkpoint_step"]),
+                                   path=str(init["checkpoint"]), file=corrupt.file, reason=corrupt.reason)
+                init = self.reinit(int(init["checkpoint_step"]))
+                continue
             if self.version > int(init.get("target_version", 0)):
                 unpublished = self.checkpoint_metrics(init["checkpoint"])
+            break
+        if init.get("stop"):
+            return
+        checkpoint_step = init.get("checkpoint_step")
+        self.saved_version = self.version if state_step is None and init.get("checkpoint") else (
+            int(checkpoint_step) if checkpoint_step is not None else -1)
         for step in init.get("replay_batches", []):
             if step < self.version:
                 continue
@@ -123,6 +139,15 @@ class TrainerRole:
         if self.leader:
             self.w.request("trainer.restored", checkpoint_step=init.get("checkpoint_step"), replayed_steps=replayed,
                            state_step=state_step)
+
+    def reinit(self, rejected_step: int) -> dict[str, Any]:
+        """``trainer.init`` once the controller no longer names the rejected checkpoint (another rank
+        of a group may report it later than this one asks)."""
+        while True:
+            init = dict(self.w.request("trainer.init") or {})
+            if init.get("stop") or init.get("checkpoint_step") != rejected_step:
+                return init
+            time.sleep(0.1)
 
     def checkpoint_metrics(self, path: str) -> dict[str, float] | None:
         """The metrics the checkpoint at ``path`` was written with (its step was never published)."""

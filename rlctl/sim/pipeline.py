@@ -439,7 +439,9 @@ class Pipeline:
         armed.reached_phase(self.sim, wid, "loading")
         if self.sim.current(wid) is None:
             return  # an armed fault hit it as it began to restore
-        plan = self.sim.model.restore_plan(lambda step: self.sim.scheduler.batch_for(step) is not None)
+        plan = self.sim.orc.trainer_restore_plan()
+        if plan.give_up is not None:
+            return
         checkpoint_step, target, replay = plan.checkpoint_step, plan.target, plan.replay
         seconds, state_step = 0.0, None
         if state_not_older(worker.state_step, checkpoint_step) and worker.state_step <= target:

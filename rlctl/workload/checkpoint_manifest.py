@@ -117,3 +117,29 @@ def verify_checkpoint(folder: Path) -> bool:
         if file_sum(folder / name, algorithm).digest != expected.digest:
             raise CheckpointCorruptError(folder, name, f"its bytes do not match its {algorithm} checksum")
     return True
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """The newest usable checkpoint among some (``step``; None: none is), and why each newer one is
+    not (``rejected``: step -> "file: reason")."""
+
+    step: int | None
+    rejected: dict[int, str]
+
+
+def newest_valid(folders: dict[int, Path], below: int | None = None) -> CheckpointChoice:
+    """Verify ``folders`` (step -> checkpoint folder) newest first, from the one below ``below``
+    (None: all), and return the first that is not corrupt (one written before checksums existed
+    counts as usable)."""
+    rejected: dict[int, str] = {}
+    for step in sorted(folders, reverse=True):
+        if below is not None and step >= below:
+            continue
+        try:
+            verify_checkpoint(folders[step])
+        except CheckpointCorruptError as exc:
+            rejected[step] = f"{exc.file}: {exc.reason}"
+            continue
+        return CheckpointChoice(step, rejected)
+    return CheckpointChoice(None, rejected)

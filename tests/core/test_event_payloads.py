@@ -75,6 +75,7 @@ OLD_REQUIRED: dict[EventKind, tuple[str, ...]] = {
     EventKind.WEIGHTS_SLOWER_LANE: ("slot", "version", "lane", "faster_lane", "same_node", "gbps", "reason"),
     EventKind.STEP_TRAINED: ("step", "metrics"),
     EventKind.CHECKPOINTED: ("step", "path"),
+    EventKind.CHECKPOINT_REJECTED: ("step", "path", "file", "reason"),
     EventKind.TRAINER_RESTORED: ("slot", "checkpoint_step", "replayed_steps"),
     EventKind.TRAINER_STATE_HELD: ("slot", "wid", "step", "source"),
     EventKind.CONTROLLER_STARTED: ("pid", "resumed"),

@@ -62,6 +62,7 @@ from rlctl.core.event_payloads.scoring import (
 )
 from rlctl.core.event_payloads.weights import (
     CheckpointedData,
+    CheckpointRejectedData,
     StepTrainedData,
     TrainerRestoredData,
     TrainerStateHeldData,
@@ -80,7 +81,7 @@ from rlctl.core.event_payloads.workers import (
 
 __all__ = [
     "PAYLOADS", "SCHEMAS", "ActionTakenData", "AgentDisconnectedData", "AgentRegisteredData", "BatchFormedData",
-    "CheckpointedData", "ConnectionRefusedData", "ControllerStartedData", "EngineResizedData", "EnvFailedData",
+    "CheckpointRejectedData", "CheckpointedData", "ConnectionRefusedData", "ControllerStartedData", "EngineResizedData", "EnvFailedData",
     "EpochStartedData", "EventPayload", "FaultAcceptedData", "FaultCancelledData", "FaultInjectedData",
     "FaultRecoveredData", "FaultRefusedData", "FaultScheduledData", "FaultSignalData", "HeartbeatData",
     "HeartbeatSummaryData", "HeldOutScoredData", "HeldOutStartedData", "ItemsDispatchedData", "ItemsReturnedData",
@@ -105,6 +106,6 @@ PAYLOADS: dict[EventKind, type[EventPayload]] = {payload.KIND: payload for paylo
     RewardsStoredData, RewardFunctionFailedData, RewardFunctionFailingData, RewardFunctionRecoveredData,
     EnvFailedData, HeldOutStartedData, HeldOutScoredData,
     WeightsPublishedData, WeightsHeldData, WeightsSourceFailedData, WeightsSlowerLaneData, StepTrainedData,
-    CheckpointedData, TrainerRestoredData, TrainerStateHeldData,
+    CheckpointedData, CheckpointRejectedData, TrainerRestoredData, TrainerStateHeldData,
 )}
 SCHEMAS: dict[EventKind, Schema] = {kind: schema_of(payload) for kind, payload in PAYLOADS.items()}

@@ -89,6 +89,18 @@ class CheckpointedData(EventPayload):
 
 
 @dataclass(frozen=True)
+class CheckpointRejectedData(EventPayload):
+    """The checkpoint of ``step`` at ``path`` does not match its checksums (``file``: the first file
+    that does not, ``reason``: how): no restore uses it again."""
+
+    KIND: ClassVar[EventKind] = EventKind.CHECKPOINT_REJECTED
+    step: int
+    path: str
+    file: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class TrainerRestoredData(EventPayload):
     """The trainer on ``slot`` (re)started from ``checkpoint_step`` (None: the initial weights) and
     retrained ``replayed_steps``."""
