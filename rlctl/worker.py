@@ -430,6 +430,40 @@ def node_devices(gpus: list[int], env: Mapping[str, str] | None = None) -> str:
     return ",".join(own[index] if index < len(own) else str(index) for index in gpus)
 
 
+class _LogStream:
+    """``sys.stdout``/``sys.stderr`` of a worker whose log is a file: what cannot be written (the
+    log's disk full or failing) is dropped, never raised into the role's code; everything else is
+    the stream's own."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.dropped_writes = 0
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except OSError:
+            self.dropped_writes += 1
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            self.dropped_writes += 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def keep_going_when_the_log_is_full() -> None:
+    """Make this worker's stdout and stderr drop what its log cannot take (once per process)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _LogStream):
+            setattr(sys, name, _LogStream(stream))
+
+
 def connect(wait_s: float = 5.0, env: Mapping[str, str] | None = None) -> Worker:
     """The process's agent connection (created on first call; later calls return the same one).
 
@@ -438,6 +472,7 @@ def connect(wait_s: float = 5.0, env: Mapping[str, str] | None = None) -> Worker
     """
     global _instance
     identity = WorkerIdentity.from_env(os.environ if env is None else env)
+    keep_going_when_the_log_is_full()
     with _instance_lock:
         if _instance is None or _instance.identity != identity:
             _instance = Worker(identity)

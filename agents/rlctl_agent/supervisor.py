@@ -17,6 +17,7 @@ Not thread-safe: the agent calls it from its event loop only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -211,6 +212,7 @@ class Supervisor:
         self._gpu_count = gpu_count
         self.workers: dict[str, WorkerRecord] = {}
         self.templates = WorkerTemplates(config.logs_dir, config.job_id)
+        self._state_unwritable = False
 
     def live(self) -> list[WorkerRecord]:
         """Workers that have not been seen to exit."""
@@ -355,16 +357,30 @@ class Supervisor:
         for wid in exited[: max(0, len(exited) - keep)]:
             del self.workers[wid]
 
-    def save_state(self) -> None:
-        """Write the live worker table atomically, readable by the owner only."""
+    def save_state(self) -> bool:
+        """Write the live worker table atomically, readable by the owner only. A disk that is full
+        or failing leaves the previous table (a restarted agent adopts from it what still runs) and
+        is logged once until a write succeeds again: the agent and its workers go on."""
         path = self._config.state_path
         body = {"version": STATE_VERSION, "node": self._config.node, "job_id": self._config.job_id,
                 "workers": [record.state_entry() for record in self.live()]}
         tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(body, handle)
-        os.replace(tmp, path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(body, handle)
+            os.replace(tmp, path)
+        except OSError as exc:
+            if not self._state_unwritable:
+                log.warning("could not write the worker table %s (%s): keeping the previous one", path, exc)
+            self._state_unwritable = True
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return False
+        if self._state_unwritable:
+            log.info("the worker table %s is written again", path)
+        self._state_unwritable = False
+        return True
 
     def adopt_from_state(self) -> list[WorkerExit]:
         """Re-adopt the persisted workers still alive; return exits for those that ended meanwhile."""

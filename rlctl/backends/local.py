@@ -3,7 +3,10 @@
 Each node has its own name (node01...), work directory under the job directory and simulated
 GPUs. It is a real backend, not a test double: the quickstart and many tests run on it. The
 second-path probe asks the operating system whether any process of the node (its agent or a
-worker the agent recorded) is still alive.
+worker the agent recorded) is still alive. A process is known by its pid *and* its start time
+(``agent.pid`` holds both, as the agent's worker table does), so a pid the kernel handed on to
+another process (another job's, once the pid space wrapped) is never probed alive, signalled or
+taken for a running agent.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rlctl_agent.supervisor import read_proc_stat
 
 from rlctl.backends.base import AgentLaunch, AllocationRequest, BackendError, NodeInfo, ProbeResult
 
@@ -23,18 +29,37 @@ AGENT_STATE_FILE = "agent-state.json"
 AGENT_PID_FILE = "agent.pid"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+@dataclass(frozen=True)
+class NodeProcess:
+    """A process of a virtual node; ``start_time`` (clock ticks since boot) None where it was not
+    recorded (an ``agent.pid`` written before start times were)."""
+
+    pid: int
+    start_time: int | None
+
+    def alive(self) -> bool:
+        stat = read_proc_stat(self.pid)
+        if stat is None or stat[0] in ("Z", "X"):
+            return False
+        return self.start_time is None or stat[1] == self.start_time
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        """Signal the process group it leads (agents and workers lead their own sessions), only
+        while it is still this process."""
+        if not self.alive():
+            return
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    @classmethod
+    def of(cls, pid: int) -> NodeProcess:
+        stat = read_proc_stat(pid)
+        return cls(pid, stat[1] if stat is not None else None)
 
 
 class LocalBackend:
@@ -70,8 +95,8 @@ class LocalBackend:
     async def start_agent(self, node: NodeInfo, launch: AgentLaunch) -> None:
         workdir = self.node_root / node.name
         workdir.mkdir(parents=True, exist_ok=True)
-        pid = self._agent_pid(node)
-        if pid is not None and _pid_alive(pid):
+        agent = self._agent(node)
+        if agent is not None and agent.alive():
             return
         config_path = workdir / "agent.json"
         config = launch.agent_config(node.name, str(workdir))
@@ -90,10 +115,11 @@ class LocalBackend:
                 start_new_session=True,
                 env=_agent_env(),
             )
-        (workdir / AGENT_PID_FILE).write_text(str(process.pid))
+        started = NodeProcess.of(process.pid)
+        (workdir / AGENT_PID_FILE).write_text(f"{started.pid} {started.start_time or ''}".strip())
 
     async def probe(self, node: NodeInfo) -> ProbeResult:
-        live = [pid for pid in self._node_pids(node) if _pid_alive(pid)]
+        live = [proc for proc in self._node_processes(node) if proc.alive()]
         if live:
             return ProbeResult(True, f"{len(live)} process(es) of {node.name} alive")
         return ProbeResult(False, f"no process of {node.name} alive")
@@ -106,21 +132,21 @@ class LocalBackend:
     async def inject(self, node: NodeInfo, kind: str, params: dict[str, Any]) -> bool:
         if kind != "node-down":
             return False
-        for pid in self._node_pids(node):
-            _kill_group(pid, signal.SIGKILL)
+        for proc in self._node_processes(node):
+            proc.signal_group(signal.SIGKILL)
         return True
 
     async def release(self, nodes: list[NodeInfo]) -> None:
         for node in nodes:
-            pids = self._node_pids(node)
-            for pid in pids:
-                _kill_group(pid, signal.SIGTERM)
+            processes = self._node_processes(node)
+            for proc in processes:
+                proc.signal_group(signal.SIGTERM)
             for _ in range(30):
-                if not any(_pid_alive(pid) for pid in pids):
+                if not any(proc.alive() for proc in processes):
                     break
                 await asyncio.sleep(0.1)
-            for pid in pids:
-                _kill_group(pid, signal.SIGKILL)
+            for proc in processes:
+                proc.signal_group(signal.SIGKILL)
 
     async def close(self) -> None:
         return None
@@ -136,36 +162,28 @@ class LocalBackend:
         self._used.add(name)
         return NodeInfo(name=name, host="127.0.0.1", backend_ref=str(self.node_root / name), gpus=self.gpus_per_node)
 
-    def _agent_pid(self, node: NodeInfo) -> int | None:
+    def _agent(self, node: NodeInfo) -> NodeProcess | None:
         try:
-            return int((self.node_root / node.name / AGENT_PID_FILE).read_text().strip())
+            pid, _, start = (self.node_root / node.name / AGENT_PID_FILE).read_text().strip().partition(" ")
+            return NodeProcess(int(pid), int(start) if start else None)
         except (FileNotFoundError, ValueError):
             return None
 
-    def _node_pids(self, node: NodeInfo) -> list[int]:
-        pids = []
-        agent = self._agent_pid(node)
+    def _node_processes(self, node: NodeInfo) -> list[NodeProcess]:
+        """The node's agent and the workers its table records, each with its start time."""
+        found = []
+        agent = self._agent(node)
         if agent is not None:
-            pids.append(agent)
+            found.append(agent)
         try:
             state = json.loads((self.node_root / node.name / AGENT_STATE_FILE).read_text())
             workers = state.get("workers", state) if isinstance(state, dict) else state
             entries = workers.values() if isinstance(workers, dict) else workers
-            pids.extend(int(w["pid"]) for w in entries if isinstance(w, dict) and w.get("pid"))
+            found.extend(NodeProcess(int(w["pid"]), int(w["start_time"]) if w.get("start_time") is not None else None)
+                         for w in entries if isinstance(w, dict) and w.get("pid"))
         except (FileNotFoundError, ValueError, TypeError, KeyError):
             pass
-        return pids
-
-
-def _kill_group(pid: int, sig: signal.Signals) -> None:
-    """Signal the process group led by ``pid`` (agents and workers lead their own sessions)."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        return found
 
 
 def _agent_env() -> dict[str, str]:

@@ -95,8 +95,9 @@ def header(status: dict[str, Any]) -> Panel:
     controller = status.get("controller", {})
     if not controller.get("live"):
         sub.append("   (controller not running: view rebuilt from the journal)", style="yellow")
+    stopped = Text(str(controller["stopped"]), style="bold red") if controller.get("stopped") else Text()
     rows = [line] + [text for text in (reward_function_text(status), reward_text(status), held_out_text(status))
-                     if text.plain] + [sub]
+                     if text.plain] + [sub] + ([stopped] if stopped.plain else [])
     return Panel(Group(*rows), title="rlctl", border_style="blue")
 
 

@@ -18,6 +18,7 @@ from rlctl.core.elastic import ElasticConfig, current_degree, layout_change
 from rlctl.core.envcalls import answer_deadline_s
 from rlctl.core.event_payloads import (
     CheckpointedData,
+    CheckpointFailedData,
     CheckpointRejectedData,
     EngineResizedData,
     RewardFunctionFailedData,
@@ -37,10 +38,12 @@ from rlctl.core.stopsave import keeps_serving
 
 class DataOps:
     def __init__(self, orchestrator: Orchestrator, on_weights_published: Callable[[float], None],
-                 stop_save: StopSave | None = None) -> None:
+                 stop_save: StopSave | None = None, on_storage_failure: Callable[[str], None] | None = None) -> None:
         """``on_weights_published(now)`` is told each time the trainer published a new version;
-        ``stop_save``: the operator's stop checkpoint the trainer is asked for while the job stops."""
+        ``stop_save``: the operator's stop checkpoint the trainer is asked for while the job stops;
+        ``on_storage_failure(reason)``: the job directory could not be written (a checkpoint)."""
         self.orc = orchestrator
+        self.on_storage_failure = on_storage_failure
         self.on_weights_published = on_weights_published
         self.stop_save = stop_save
         self._served_groups: dict[int, int] = {}  # step -> groups of its batch handed to a trainer rank
@@ -395,6 +398,23 @@ class DataOps:
             step=int(args["step"]), path=str(args["path"])[:4096], file=str(args["file"])[:512],
             reason=str(args["reason"])[:500]))])
         return {}
+
+    def op_trainer_checkpoint_failed(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
+        """The trainer could not write a checkpoint (its disk full, or failing): journaled, then the
+        controller stops as when it cannot write the journal (``on_storage_failure``), the job
+        resumable once there is room; the trainer keeps the version it holds and waits. The same
+        report reaching the controller resumed after that stop (the trainer re-sends what a stopped
+        controller never answered) is answered ``retry``: the operator made room, write it again."""
+        require_role(slot, "trainer")
+        failed = CheckpointFailedData(step=int(args["step"]), path=str(args["path"])[:4096],
+                                      error=str(args["error"])[:500], attempt=int(args.get("attempt", 0)))
+        if (failed.step, failed.attempt) in self.orc.model.failed_checkpoint_writes:
+            return {"retry": True}
+        self.orc.shell.commit([Event.of(now, failed)])
+        if self.on_storage_failure is not None:
+            self.on_storage_failure(f"the checkpoint of step {failed.step} could not be written to {failed.path}: "
+                                    f"{failed.error}")
+        return {"retry": False}
 
     def op_trainer_checkpointed(self, slot: SlotRecord, args: dict[str, Any], now: float) -> dict[str, Any]:
         require_role(slot, "trainer")

@@ -20,8 +20,9 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from rlctl_agent.supervisor import read_proc_stat
 
 from rlctl.controller.store import Journal
 
@@ -31,6 +32,7 @@ KILL_WAIT_S = 5.0
 # The exit code of a controller fenced by a successor, or that found one had taken the job over as it
 # started (`rlctl resume` says so, and exits with it too).
 EXIT_FENCED = 3
+EXIT_STORAGE = 4  # the job directory could not be written: the controller stopped, the job resumable
 
 
 class JournalHeld(RuntimeError):
@@ -50,15 +52,10 @@ class Identity:
 
 
 def process_started(pid: int) -> int:
-    """Field 22 of ``/proc/PID/stat`` (start time in ticks) of a process that has not exited; 0 for
-    one that has (a zombie too: its locks are gone) or when it cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    # The command name (field 2) may hold spaces and parentheses: count from its closing one.
-    fields = stat[stat.rindex(")") + 2:].split()
-    return 0 if fields[0] in ("Z", "X") else int(fields[19])
+    """The start time in ticks of a process that has not exited; 0 for one that has (a zombie too:
+    its locks are gone) or when it cannot be read."""
+    stat = read_proc_stat(pid)
+    return 0 if stat is None or stat[0] in ("Z", "X") else stat[1]
 
 
 def this_process() -> Identity:

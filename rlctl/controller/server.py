@@ -40,10 +40,10 @@ from rlctl.controller.injection import FaultInjection
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.observing import ObservabilityError, Observing
 from rlctl.controller.ops import DataOps
-from rlctl.controller.predecessor import EXIT_FENCED, JournalHeld, take_write_lock, this_process
+from rlctl.controller.predecessor import EXIT_FENCED, EXIT_STORAGE, JournalHeld, take_write_lock, this_process
 from rlctl.controller.seam import Workload
 from rlctl.controller.stopsave import StopSave, tidy_checkpoints
-from rlctl.controller.store import Journal, JournalFenced
+from rlctl.controller.store import Journal, JournalFenced, JournalWriteError
 from rlctl.controller.tls import ensure_job_certificate, server_context, tls_enabled
 from rlctl.controller.workers import WorkerLauncher
 from rlctl.core import detector as det
@@ -107,7 +107,7 @@ class Controller:
         # (measured at, seconds the event loop was late waking the tick, seconds the tick took).
         self.tick_lags: deque[tuple[float, float, float]] = deque(maxlen=36_000)
         self.stop_save = StopSave(self.model, self.record, lambda node: self.hub.connected(node), self._trainer_hung)
-        self.ops = DataOps(self.orc, self.on_weights_published, self.stop_save)
+        self.ops = DataOps(self.orc, self.on_weights_published, self.stop_save, self.stop_for_storage)
         self.inbox = AgentInbox(self.orc, self.ops, self._relay, self.heartbeat_latency)
         self.hub = AgentHub(secret=jobdir.secret(), known_node=self.inbox.may_join, on_hello=self.inbox.on_hello,
                             on_message=self.inbox.on_message, on_gone=self.inbox.on_gone,
@@ -130,6 +130,7 @@ class Controller:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heap_frozen = False
         self.fenced_reason = ""  # set once a successor controller has taken over
+        self.storage_failed = ""  # set once the job directory could not be written (stop_for_storage)
 
     # ------------------------------------------------------------- the core's shell
 
@@ -140,10 +141,15 @@ class Controller:
         """Journal events (durably), then apply them to the model, scheduler included."""
         if self.fenced_reason:
             raise JournalFenced(self.fenced_reason)
+        if self.storage_failed:
+            raise JournalWriteError(self.storage_failed)
         try:
             stored = self.journal.append(events)
         except JournalFenced as exc:
             self._fenced(str(exc))
+            raise
+        except JournalWriteError as exc:
+            self.stop_for_storage(str(exc))
             raise
         for ev in stored:
             self.model.apply(ev)
@@ -180,6 +186,27 @@ class Controller:
         log.error("fenced (epoch %d superseded): %s; exiting without touching the job", self.hub.epoch, reason)
         self.hub.silence()
         self._done.set()
+
+    def stop_for_storage(self, reason: str) -> None:
+        """The job directory cannot be written (a journal write or a checkpoint failed for want of
+        space): the journal's last transaction was rolled back, and what this controller holds in
+        memory is now ahead of it. Decide nothing more: say why where the CLI finds it (outside the
+        job directory: its disk may have no room) and exit, leaving every worker running, as a
+        controller that died would; ``rlctl resume`` goes on from the journal once there is room."""
+        if self.storage_failed or self.fenced_reason:
+            return
+        self.storage_failed = reason
+        note = (f"{time.strftime('%Y-%m-%d %H:%M:%S')} the controller of {self.jobdir.job_id} stopped: {reason}. "
+                f"The workers keep running. Free space under {self.jobdir.path} and run `rlctl resume "
+                f"{self.jobdir.job_id}`: it goes on from the journal, nothing lost.\n")
+        self.hub.silence()
+        self._done.set()
+        for say in (lambda: self.jobdir.stop_note.write_text(note), lambda: log.error("%s", note.strip()),
+                    lambda: print(note.strip(), file=sys.stderr, flush=True)):
+            try:  # each where it can: the log and stderr may be on the full disk too
+                say()
+            except OSError:
+                pass
 
     def _connection_refused(self, source: str, node: str, reason: str, count: int) -> None:
         """A refused agent connection: a security event in the journal (rate-limited by the hub)."""
@@ -242,6 +269,8 @@ class Controller:
         except Exception as exc:  # the controller must record why it died before it goes
             if self.fenced_reason:
                 return EXIT_FENCED
+            if self.storage_failed:
+                return EXIT_STORAGE
             log.exception("controller failed")
             # A backend's or a setting's refusal is the user's to fix: its own message. Anything else is ours.
             reason = (f"{self.backend.name} backend: {exc}" if isinstance(exc, BackendError)
@@ -258,6 +287,8 @@ class Controller:
             self.journal.close()
         if self.fenced_reason:
             return EXIT_FENCED
+        if self.storage_failed:
+            return EXIT_STORAGE
         return 0 if self.model.life.state != JobState.FAILED else 1
 
     async def _start_fresh(self) -> None:
@@ -313,6 +344,7 @@ class Controller:
                                                accept=False)
         self.record(ControllerStartedData(pid=os.getpid(), resumed=resumed, agent_port=self.agent_port,
                                           epoch=self.hub.epoch, predecessor_killed=predecessor_killed))
+        self.jobdir.stop_note.unlink(missing_ok=True)  # a storage stop's note: this controller goes on
         for step, why in sorted(self.rejected_checkpoints.items()):
             file, _, reason = why.partition(": ")
             self.record(CheckpointRejectedData(step=step, path=self.model.checkpoints.get(step, ""), file=file,
@@ -397,7 +429,7 @@ class Controller:
     # ------------------------------------------------------------------------------ stopping
 
     async def _finish(self) -> None:
-        if self.fenced_reason:
+        if self.fenced_reason or self.storage_failed:
             return
         self.injection.cancel_all("the job stopped before it was due")
         await self.stop_save.wait()

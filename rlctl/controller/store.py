@@ -31,6 +31,11 @@ class JournalFenced(RuntimeError):
     """Another writer has appended to the journal since this one last did: this writer is superseded."""
 
 
+class JournalWriteError(OSError):
+    """The journal could not be written (its disk is full, or failing): the transaction was rolled
+    back, so the journal holds none of the events and stays whole."""
+
+
 class Journal:
     """Append and read events. ``append`` commits before returning (durable under WAL)."""
 
@@ -71,6 +76,14 @@ class Journal:
         JournalFenced (writing nothing) when this writer took over and was superseded since."""
         if not events:
             return []
+        try:
+            return self._append(events)
+        except sqlite3.Error as exc:
+            if isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc)):
+                raise
+            raise JournalWriteError(f"the journal {self.path} could not be written: {exc}") from exc
+
+    def _append(self, events: list[Event]) -> list[Event]:
         stored: list[Event] = []
         with self._db:
             if self._owned_seq is not None:

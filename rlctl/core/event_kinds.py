@@ -54,6 +54,7 @@ class EventKind(StrEnum):
     STEP_TRAINED = "StepTrained"
     CHECKPOINTED = "Checkpointed"
     CHECKPOINT_REJECTED = "CheckpointRejected"
+    CHECKPOINT_FAILED = "CheckpointFailed"
     TRAINER_RESTORED = "TrainerRestored"
     TRAINER_STATE_HELD = "TrainerStateHeld"
     CONTROLLER_STARTED = "ControllerStarted"

@@ -16,6 +16,7 @@ from typing import Any
 from rlctl.core.event_kinds import EventKind
 from rlctl.core.event_payloads import (
     CheckpointedData,
+    CheckpointFailedData,
     CheckpointRejectedData,
     JobStalledData,
     SchedulerRolledBackData,
@@ -87,6 +88,7 @@ class WeightsRegistry(FaultLedger):
     checkpoint_path: str = ""
     checkpoints: dict[int, str] = field(default_factory=dict)  # every checkpoint written: step -> path
     rejected_checkpoints: dict[int, str] = field(default_factory=dict)  # step -> "file: reason"
+    failed_checkpoint_writes: set[tuple[int, int]] = field(default_factory=set)  # (step, attempt) not written
     trainer_state: TrainerStateOffer | None = None
     state_replica: TrainerStateOffer | None = None  # the copy a warm standby holds and serves
     step_metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -192,6 +194,11 @@ class WeightsRegistry(FaultLedger):
         self.checkpoints.setdefault(rejected.step, rejected.path)
         self.rejected_checkpoints[rejected.step] = f"{rejected.file}: {rejected.reason}"
         self._newest_valid_checkpoint()
+
+    @handles(EventKind.CHECKPOINT_FAILED)
+    def _on_CheckpointFailed(self, ev: Event) -> None:
+        failed = ev.as_(CheckpointFailedData)
+        self.failed_checkpoint_writes.add((failed.step, failed.attempt))
 
     def _newest_valid_checkpoint(self) -> None:
         valid = [step for step in self.checkpoints if step not in self.rejected_checkpoints]

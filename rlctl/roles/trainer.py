@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlctl import worker
 from rlctl.roles.common import RoleSettings, model_path, setup_torch, wait_or_stop
+from rlctl.workload.checkpoint_manifest import CheckpointCorruptError, CheckpointWriteError
 
 if TYPE_CHECKING:
     from rlctl.weights import Bundle
@@ -104,8 +105,6 @@ class TrainerRole:
         if state_step is None:
             state_step = self.restore_replica(init)
         while state_step is None and init.get("checkpoint") and not init.get("stop"):
-            from rlctl.workload.checkpoint_manifest import CheckpointCorruptError
-
             self.w.phase("loading")
             try:
                 self.version = self.trainer.load_checkpoint(init["checkpoint"])
@@ -248,6 +247,17 @@ class TrainerRole:
         checkpoint_step = init.get("checkpoint_step")
         newer = step >= checkpoint_step if checkpoint_step is not None else step > 0
         return newer and step <= int(init.get("target_version", 0))
+
+    def leader_says(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank of the group (a collective when there are several)."""
+        if self.trainer.dist.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            said = torch.tensor([int(flag) if self.leader else 0], dtype=torch.int64)
+            dist.all_reduce(said, op=dist.ReduceOp.MAX)
+            return bool(int(said[0]))
+        return flag
 
     def same_on_every_rank(self, value: int) -> bool:
         """Whether every rank of the group has this same ``value`` >= 0 (a collective when there are several)."""
@@ -401,7 +411,22 @@ class TrainerRole:
             extra[CURSOR_FILE] = json.dumps(cursor, indent=1).encode()
             if self.last_metrics is not None:
                 extra[STEP_METRICS_FILE] = json.dumps({"round": self.round_kind, "metrics": self.last_metrics}).encode()
-        self.trainer.save_checkpoint(path, extra)
+        attempt = 0
+        while True:
+            try:
+                self.trainer.save_checkpoint(path, extra)
+                break
+            except CheckpointWriteError as exc:  # the disk is full or failing: the previous checkpoint stays whole
+                print(f"rlctl trainer: the checkpoint of step {self.version} could not be written: {exc}",
+                      file=sys.stderr, flush=True)
+                retry = False
+                if self.leader:  # answered once the operator made room and resumed the stopped controller
+                    answer = self.w.request("trainer.checkpoint_failed", step=self.version, attempt=attempt,
+                                            path=str(path), error=str(exc)) or {}
+                    retry = bool(answer.get("retry"))
+                if not self.leader_says(retry):
+                    return
+                attempt += 1
         self.saved_version = self.version
         if self.leader:
             self.w.request("trainer.checkpointed", step=self.version, path=str(path))

@@ -35,6 +35,28 @@ class CheckpointCorruptError(ValueError):
         super().__init__(f"{folder}: {file}: {reason}")
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (its disk full or failing; torch reports a short write
+    as a ``RuntimeError``, the rest as ``OSError``): the staging folder is removed, the previous
+    checkpoint stays whole. ``free_bytes``: what the folder's filesystem had left when it failed."""
+
+    def __init__(self, target: Path, cause: BaseException | str) -> None:
+        self.target = target
+        self.free_bytes = free_bytes(target.parent)
+        room = f"{self.free_bytes / 2**20:.1f} MiB free" if self.free_bytes is not None else "free space unknown"
+        cause_text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"{target} could not be written ({room} on its disk): {cause_text}")
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes free to an unprivileged writer on ``folder``'s filesystem (None where it cannot be read)."""
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
 @dataclass(frozen=True)
 class FileSum:
     bytes: int

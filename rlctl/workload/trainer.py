@@ -60,7 +60,12 @@ from rlctl.core.algorithm import AlgorithmSpec
 from rlctl.core.checkpoint_names import retired_name, staged_name
 from rlctl.workload import algorithms as algos
 from rlctl.workload.algorithms import entropy_from_logits
-from rlctl.workload.checkpoint_manifest import CheckpointCorruptError, verify_checkpoint, write_manifest
+from rlctl.workload.checkpoint_manifest import (
+    CheckpointCorruptError,
+    CheckpointWriteError,
+    verify_checkpoint,
+    write_manifest,
+)
 from rlctl.workload.fsdp import (
     SHARDINGS,
     full_state_dict,
@@ -728,8 +733,11 @@ class Trainer:
                 (staging / name).write_bytes(data)
             write_manifest(staging)  # last: the checksums appear with the folder they cover
             _replace_folder(staging, target)
-        except BaseException:
+        except Exception as exc:
             shutil.rmtree(staging, ignore_errors=True)  # the previous checkpoint stays as it was
+            raise CheckpointWriteError(target, exc) from exc
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
             raise
         return target
 
@@ -747,6 +755,7 @@ class Trainer:
             staging.mkdir(parents=True)
         dist.barrier()
         failed = torch.zeros(1)
+        written_here = False
         try:
             save_optimizer(self.model, self.optimizer, staging / OPTIMIZER_SHARDS_DIR)
             if leader:
@@ -759,9 +768,10 @@ class Trainer:
                 }, staging / TRAINER_STATE_FILE)
                 for name, data in (extra_files or {}).items():
                     (staging / name).write_bytes(data)
-        except Exception:
+            written_here = True
+        except Exception as exc:
             failed += 1
-            raise
+            raise CheckpointWriteError(target, exc) from exc
         finally:
             dist.all_reduce(failed)  # every rank learns whether the folder is whole
             finished = torch.zeros(1)
@@ -770,10 +780,10 @@ class Trainer:
                     write_manifest(staging)  # after every rank's shard: the checksums cover them all
                     _replace_folder(staging, target)
                     finished += 1
-                except Exception:
+                except Exception as exc:
                     shutil.rmtree(staging, ignore_errors=True)
                     finished -= 1
-                    raise
+                    raise CheckpointWriteError(target, exc) from exc
                 finally:
                     dist.all_reduce(finished)
             elif leader:
@@ -781,8 +791,10 @@ class Trainer:
             if not leader and not failed.item():
                 dist.all_reduce(finished)
                 if finished.item() < 0:
-                    raise RuntimeError(f"rank 0 could not finish the checkpoint folder {target}")
+                    raise CheckpointWriteError(target, "rank 0 could not finish the checkpoint folder")
             dist.barrier()
+        if written_here and failed.item():  # another rank's shard failed: nothing was renamed into place
+            raise CheckpointWriteError(target, f"{int(failed.item())} other rank(s) could not write their shard")
         return target if leader else None
 
     def load_checkpoint(self, path: str | Path) -> int:

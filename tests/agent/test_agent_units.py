@@ -305,3 +305,45 @@ def test_json_lines_cut_a_stream_into_objects_and_mark_unreadable_lines() -> Non
     assert lines.feed(b'rk"}\nnot json\n[1, 2]\n' + b"[" * 100 + b"]" * 100 + b'\n{"a": 1}\n{"b"') == [
         {"type": "fork"}, None, None, None, {"a": 1}]
     assert lines.pending_bytes == 4
+
+
+def test_a_worker_table_that_cannot_be_written_keeps_the_previous_one_and_the_agent_going(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from rlctl_agent.supervisor import Supervisor
+
+    config = parse_config({"job_id": "j", "node": "n", "controller_host": "127.0.0.1", "controller_port": 5000,
+                           "secret_hex": "ab" * 16, "workdir": str(tmp_path)})
+    supervisor = Supervisor(config)
+    assert supervisor.save_state() and json.loads(config.state_path.read_text())["workers"] == []
+    blocker = config.state_path.with_suffix(".tmp")
+    blocker.mkdir()  # where the new table is written first: the write fails as on a full disk
+    assert not supervisor.save_state() and not supervisor.save_state()
+    assert json.loads(config.state_path.read_text())["node"] == "n"
+    assert sum("could not write the worker table" in r.message for r in caplog.records) == 1
+    blocker.rmdir()
+    assert supervisor.save_state()
+
+
+def test_a_workers_stdio_drops_what_a_full_log_cannot_take() -> None:
+    import contextlib
+    import io
+    import sys
+
+    full = open("/dev/full", "w", buffering=1)  # noqa: SIM115 - every write to it fails with ENOSPC
+    saved = sys.stdout, sys.stderr
+    try:
+        with pytest.raises(OSError):
+            print("x", file=full, flush=True)
+        sys.stdout, sys.stderr = full, io.StringIO()
+        worker.keep_going_when_the_log_is_full()
+        print("what the trainer says while its disk is full", flush=True)
+        print("to stderr", file=sys.stderr, flush=True)
+        assert sys.stdout.dropped_writes >= 1  # type: ignore[attr-defined]
+        assert sys.stderr.getvalue() == "to stderr\n" and sys.stdout.fileno() == full.fileno()
+        wrapped = sys.stdout
+        worker.keep_going_when_the_log_is_full()
+        assert sys.stdout is wrapped
+    finally:
+        sys.stdout, sys.stderr = saved
+        with contextlib.suppress(OSError):
+            full.close()

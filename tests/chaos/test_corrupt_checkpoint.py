@@ -91,7 +91,7 @@ def rejected_then_restored(jobdir: JobDir, step: int) -> dict[str, Any] | None:
 
 def test_corrupt_checkpoints_are_rejected_by_name_and_the_job_falls_back_losing_nothing(
         tmp_path: Path, jobs: Path) -> None:
-    steps = 16
+    steps = 32  # the controller is killed near step 12: the job must still be training then
     job_file = write_job(tmp_path, name="corrupt", steps=steps, spares=0, checkpoint_every=2, max_restarts=20,
                          replicate_trainer_state=False)
     job, jobdir = launch(jobs, job_file)
@@ -109,6 +109,7 @@ def test_corrupt_checkpoints_are_rejected_by_name_and_the_job_falls_back_losing_
         controller = int(jobdir.read_controller()["pid"])
         os.kill(controller, signal.SIGKILL)
         wait_for(lambda: not pid_alive(controller), 10, "the controller to die")
+        assert status(jobs, job)["job"]["state"] != "succeeded", "the job ended before its controller was killed"
         step = newest_checkpoint(jobdir)
         garbage_behind_the_header(jobdir.checkpoints / f"step-{step:06d}" / "model.safetensors")
         refused = rlctl(jobs, "resume", job, check=False)

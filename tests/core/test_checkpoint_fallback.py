@@ -5,7 +5,12 @@ none left it gives up naming each one and why."""
 
 from __future__ import annotations
 
-from rlctl.core.event_payloads import CheckpointedData, CheckpointRejectedData, WeightsPublishedData
+from rlctl.core.event_payloads import (
+    CheckpointedData,
+    CheckpointFailedData,
+    CheckpointRejectedData,
+    WeightsPublishedData,
+)
 from rlctl.core.events import Event
 from rlctl.core.model import JobModel
 from rlctl.core.rounds import PromptRef, RoundScheduler, SchedulerConfig
@@ -87,3 +92,12 @@ def test_with_the_batches_since_the_start_kept_a_single_rejected_checkpoint_fall
     reject(model, rounds, 2)
     plan = model.restore_plan(retained(rounds))
     assert (plan.checkpoint_step, plan.replay, plan.give_up) == (None, [0, 1, 2], None)
+
+
+def test_a_checkpoint_that_could_not_be_written_changes_nothing_but_its_record() -> None:
+    model, rounds = JobModel(job_id="j"), scheduler()
+    train(model, rounds, 7, 2)
+    apply(model, rounds, WeightsPublishedData(version=8, slot="trainer-0", source={"transport": "t"}))
+    apply(model, rounds, CheckpointFailedData(step=8, path="/c/step-000008", error="No space left on device"))
+    assert model.checkpoint_step == 6 and (8, 0) in model.failed_checkpoint_writes
+    assert model.restore_plan(retained(rounds)).checkpoint_step == 6  # the batches since 6 are still kept

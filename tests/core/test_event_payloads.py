@@ -76,6 +76,7 @@ OLD_REQUIRED: dict[EventKind, tuple[str, ...]] = {
     EventKind.STEP_TRAINED: ("step", "metrics"),
     EventKind.CHECKPOINTED: ("step", "path"),
     EventKind.CHECKPOINT_REJECTED: ("step", "path", "file", "reason"),
+    EventKind.CHECKPOINT_FAILED: ("step", "path", "error"),
     EventKind.TRAINER_RESTORED: ("slot", "checkpoint_step", "replayed_steps"),
     EventKind.TRAINER_STATE_HELD: ("slot", "wid", "step", "source"),
     EventKind.CONTROLLER_STARTED: ("pid", "resumed"),

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
 
-from rlctl.controller.store import Journal
+from rlctl.controller.store import Journal, JournalWriteError
 from rlctl.core.events import Event, EventError, event
 
 
@@ -40,5 +39,6 @@ def test_malformed_events_are_refused() -> None:
 def test_readonly_journal_cannot_write(tmp_path: Path) -> None:
     Journal(tmp_path / "j.db").append([event("Checkpointed", 3.0, step=5, path="/c")])
     reader = Journal(tmp_path / "j.db", readonly=True)
-    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+    with pytest.raises(JournalWriteError, match="readonly"):
         reader.append([event("Checkpointed", 4.0, step=6, path="/d")])
+    assert [e.data["step"] for e in Journal(tmp_path / "j.db", readonly=True).read()] == [5]

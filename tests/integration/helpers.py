@@ -63,6 +63,11 @@ def wait_recovered(state_dir: Path, job: str, fault_ids: list[str], min_step: in
     return wait_for(done, timeout, what)
 
 
+def print_figures(probe: str, **figures: Any) -> None:
+    """One ``FIGURES {...}`` line for docs/reliability.md (shown with ``pytest -s``)."""
+    print("FIGURES " + json.dumps({"probe": probe, **figures}, sort_keys=True), flush=True)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie or a reaped process does not)."""
     try:

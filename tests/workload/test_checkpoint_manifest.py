@@ -1,11 +1,14 @@
 """A checkpoint's checksums: every file's, written with the folder; a missing, resized or changed file
 is named; a folder from before checksums is unverified, not corrupt; a trainer refuses to restore a
-corrupt checkpoint and leaves its own state untouched."""
+corrupt checkpoint and leaves its own state untouched; a checkpoint that cannot be written is a
+CheckpointWriteError and leaves the previous one whole."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from rlctl.core.algorithm import AlgorithmSpec
 from rlctl.workload.checkpoint_manifest import (
     MANIFEST_FILE,
     CheckpointCorruptError,
+    CheckpointWriteError,
     newest_valid,
     verify_checkpoint,
     write_manifest,
@@ -86,3 +90,26 @@ def test_a_trainer_refuses_a_corrupt_checkpoint_and_keeps_its_own_state(tmp_path
     with pytest.raises(CheckpointCorruptError, match="model.safetensors"):
         fresh.load_checkpoint(saved)
     assert fresh.step == 0 and all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items())
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path: Path) -> None:
+    config = TrainerConfig(lr=1e-3, algorithm=AlgorithmSpec())
+    trainer = Trainer(small_model(1), config, distributed=False)
+    trainer.train_step(synthetic_batch(1))
+    target = tmp_path / "step-000001"
+    first = trainer.save_checkpoint(target)
+    assert first is not None and verify_checkpoint(first)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    trainer.train_step(synthetic_batch(2))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # a write past 4 KiB fails, as on a full disk
+    try:
+        with pytest.raises(CheckpointWriteError, match="could not be written") as failed:
+            trainer.save_checkpoint(target)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous_handler)
+    assert failed.value.target == target and isinstance(failed.value, OSError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]  # no staging folder left behind
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before and verify_checkpoint(target)

@@ -62,6 +62,7 @@ from rlctl.core.event_payloads.scoring import (
 )
 from rlctl.core.event_payloads.weights import (
     CheckpointedData,
+    CheckpointFailedData,
     CheckpointRejectedData,
     StepTrainedData,
     TrainerRestoredData,
@@ -81,7 +82,7 @@ from rlctl.core.event_payloads.workers import (
 
 __all__ = [
     "PAYLOADS", "SCHEMAS", "ActionTakenData", "AgentDisconnectedData", "AgentRegisteredData", "BatchFormedData",
-    "CheckpointRejectedData", "CheckpointedData", "ConnectionRefusedData", "ControllerStartedData", "EngineResizedData", "EnvFailedData",
+    "CheckpointFailedData", "CheckpointRejectedData", "CheckpointedData", "ConnectionRefusedData", "ControllerStartedData", "EngineResizedData", "EnvFailedData",
     "EpochStartedData", "EventPayload", "FaultAcceptedData", "FaultCancelledData", "FaultInjectedData",
     "FaultRecoveredData", "FaultRefusedData", "FaultScheduledData", "FaultSignalData", "HeartbeatData",
     "HeartbeatSummaryData", "HeldOutScoredData", "HeldOutStartedData", "ItemsDispatchedData", "ItemsReturnedData",
@@ -106,6 +107,6 @@ PAYLOADS: dict[EventKind, type[EventPayload]] = {payload.KIND: payload for paylo
     RewardsStoredData, RewardFunctionFailedData, RewardFunctionFailingData, RewardFunctionRecoveredData,
     EnvFailedData, HeldOutStartedData, HeldOutScoredData,
     WeightsPublishedData, WeightsHeldData, WeightsSourceFailedData, WeightsSlowerLaneData, StepTrainedData,
-    CheckpointedData, CheckpointRejectedData, TrainerRestoredData, TrainerStateHeldData,
+    CheckpointedData, CheckpointRejectedData, CheckpointFailedData, TrainerRestoredData, TrainerStateHeldData,
 )}
 SCHEMAS: dict[EventKind, Schema] = {kind: schema_of(payload) for kind, payload in PAYLOADS.items()}

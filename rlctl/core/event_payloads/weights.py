@@ -101,6 +101,18 @@ class CheckpointRejectedData(EventPayload):
 
 
 @dataclass(frozen=True)
+class CheckpointFailedData(EventPayload):
+    """The trainer could not write the checkpoint of ``step`` at ``path`` on its ``attempt``-th try
+    (from 0; ``error``: why). The previous checkpoint stays whole, the batches since stay kept."""
+
+    KIND: ClassVar[EventKind] = EventKind.CHECKPOINT_FAILED
+    step: int
+    path: str
+    error: str
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
 class TrainerRestoredData(EventPayload):
     """The trainer on ``slot`` (re)started from ``checkpoint_step`` (None: the initial weights) and
     retrained ``replayed_steps``."""
