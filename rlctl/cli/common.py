@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from rlctl.controller.api import ApiClient, ApiError
-from rlctl.controller.jobdir import JobDir, find_job, state_root
+from rlctl.controller.jobdir import JobDir, find_job, list_jobs, state_root
+from rlctl.controller.predecessor import controller_running
 
 STATE_DIR_OPTION = typer.Option(None, "--state-dir", help="Where job directories live (default $RLCTL_HOME or ~/.rlctl/jobs).")
 
@@ -36,6 +37,17 @@ def resolve_job(job: str | None, state_dir: str | None = None) -> JobDir:
         fail(str(exc))
 
 
+def resolve_job_to_act_on(job: str | None, state_dir: str | None, command: str) -> JobDir:
+    """The job a command that changes a job (``stop``, ``inject-fault``) acts on: without ``--job``
+    the newest, unless several jobs run here, when guessing could hit the wrong one."""
+    if job is None:
+        running = [j for j in list_jobs(state_root(state_dir)) if controller_running(j.read_controller())]
+        if len(running) > 1:
+            fail(f"{command}: {len(running)} jobs are running here ({', '.join(j.job_id for j in running)}); "
+                 "say which with --job", code=2)
+    return resolve_job(job, state_dir)
+
+
 def client_for(jobdir: JobDir) -> ApiClient:
     return ApiClient(jobdir.api_socket)
 
@@ -54,4 +66,9 @@ def job_status(jobdir: JobDir) -> dict[str, Any]:
     from rlctl.core.snapshot import snapshot
 
     model = replay_model(jobdir)
-    return snapshot(model, time.time(), controller={"live": False})
+    controller: dict[str, Any] = {"live": False}
+    try:
+        controller["stopped"] = jobdir.stop_note.read_text().strip()  # it could not write the job directory
+    except OSError:
+        pass
+    return snapshot(model, time.time(), controller=controller)

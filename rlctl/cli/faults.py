@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from rlctl.cli.common import console, fail, job_status, print_json, resolve_job
+from rlctl.cli.common import console, fail, job_status, print_json, resolve_job_to_act_on
 from rlctl.controller.api import ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir
 from rlctl.controller.store import Journal
@@ -56,7 +56,7 @@ def inject_fault(
                  if value is not None]
         if given:
             fail(f"{'--list' if list_them else '--cancel'} takes no {', '.join(given)}", code=2)
-        jobdir = resolve_job(job, state_dir)
+        jobdir = resolve_job_to_act_on(job, state_dir, "inject-fault")
         if list_them:
             _list_injections(jobdir, json_out)
         else:
@@ -76,7 +76,7 @@ def inject_fault(
         params = validate_fault(kind, params)
     except FaultParamError as exc:
         fail(str(exc), code=2)
-    jobdir = resolve_job(job, state_dir)
+    jobdir = resolve_job_to_act_on(job, state_dir, "inject-fault")
     try:
         # Answered after the agent's answer (up to 10 s); a delayed injection at once.
         result = ApiClient(jobdir.api_socket, timeout_s=20.0).call("inject", node=node, kind=kind, params=params)
@@ -159,7 +159,7 @@ def chaos(
         fail(f"unknown fault kind(s) {', '.join(unknown) or '(none given)'}; valid kinds: {', '.join(FAULT_KINDS)}", code=2)
     if not 0.0 <= rate <= 1.0:
         fail(f"--rate must be in [0, 1], got {rate}", code=2)
-    jobdir = resolve_job(job, state_dir)
+    jobdir = resolve_job_to_act_on(job, state_dir, "chaos")
     client = ApiClient(jobdir.api_socket, timeout_s=25.0)  # an injection is answered after the agent's ack
     rng = random.Random(seed)
     deadline = time.monotonic() + duration if duration else None

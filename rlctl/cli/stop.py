@@ -22,7 +22,7 @@ from rlctl.cli.common import (
     fail,
     job_status,
     print_json,
-    resolve_job,
+    resolve_job_to_act_on,
 )
 from rlctl.controller.api import STOP_TIMEOUT_RANGE_S, ApiClient, ApiError
 from rlctl.controller.jobdir import JobDir
@@ -54,7 +54,7 @@ def stop(
             fail("--timeout: --now writes no checkpoint, so there is nothing to wait for; give one or the other", 2)
         if not low <= timeout <= high:
             fail(f"--timeout: expected seconds in [{low:g}, {high:g}], got {timeout:g}", 2)
-    jobdir = resolve_job(job, state_dir)
+    jobdir = resolve_job_to_act_on(job, state_dir, "stop")
     client = client_for(jobdir)
     fields: dict[str, Any] = {"reason": "stopped by the operator" + (" (--now)" if now else ""), "checkpoint": not now}
     if timeout is not None:

@@ -67,6 +67,13 @@ class JobDir:
         return unix_socket_path(self.path / "api.sock", self.path.resolve(), prefix="api-")
 
     @property
+    def stop_note(self) -> Path:
+        """Why the controller stopped when it could not write the job directory (its disk full):
+        outside the job directory, in the private per-user folder under /tmp, since the job's own
+        disk may have no room for it."""
+        return unix_socket_path(self.path / ("x" * 100), self.path.resolve(), prefix="stopped-").with_suffix(".txt")
+
+    @property
     def spec_base_file(self) -> Path:
         """The folder the original job file was in: its relative paths are read from there."""
         return self.path / "job.base"
@@ -106,10 +113,21 @@ class JobDir:
         os.replace(tmp, self.controller_file)
 
 
+def launched_at_ns(jobdir: JobDir) -> int:
+    """When the job was launched: its secret is written once, at launch (the directory's own mtime
+    moves whenever a file is made in it, so with two jobs running it would reorder them)."""
+    try:
+        return jobdir.secret_file.stat().st_mtime_ns
+    except OSError:
+        return jobdir.path.stat().st_mtime_ns
+
+
 def list_jobs(root: Path) -> list[JobDir]:
+    """The jobs under ``root``, in launch order."""
     if not root.is_dir():
         return []
-    return sorted((JobDir(p) for p in root.iterdir() if (p / "journal.db").exists()), key=lambda j: j.path.stat().st_mtime)
+    return sorted((JobDir(p) for p in root.iterdir() if (p / "journal.db").exists()),
+                  key=lambda j: (launched_at_ns(j), j.job_id))
 
 
 def find_job(root: Path, job: str | None) -> JobDir:

@@ -12,6 +12,7 @@ from typing import Any
 
 from rlctl.controller.env_ops import EnvOps
 from rlctl.controller.op_rules import WAIT_S, OpError, require_role, takes_work
+from rlctl.controller.reply_cache import ReplyCache
 from rlctl.controller.stopsave import StopSave
 from rlctl.core.colocation import engine_may_generate, trainer_may_step
 from rlctl.core.elastic import ElasticConfig, current_degree, layout_change
@@ -47,7 +48,7 @@ class DataOps:
         self.on_weights_published = on_weights_published
         self.stop_save = stop_save
         self._served_groups: dict[int, int] = {}  # step -> groups of its batch handed to a trainer rank
-        self._replies: dict[tuple[str, str], dict[str, Any]] = {}
+        self._replies = ReplyCache()
         self.last_request_at: dict[str, float] = {}
         self.env = EnvOps(orchestrator)  # env.call, env.poll, env.get_work, env.submit
 
@@ -55,16 +56,15 @@ class DataOps:
         """Run ``op`` for the worker in ``slot``; a repeated request id gets the first answer again."""
         key = (slot.wid or "", request_id)
         self.last_request_at[slot.wid or ""] = now
-        if key in self._replies:
-            return self._replies[key]
+        answered = self._replies.get(key, now)
+        if answered is not None:
+            return answered
         name = "op_" + op.replace(".", "_").replace("-", "_")
         handler = getattr(self, name, None) or getattr(self.env, name, None)
         if handler is None:
             raise OpError(f"unknown op {op!r}")
         result = handler(slot, args, now)
-        if len(self._replies) > 4096:
-            self._replies.clear()
-        self._replies[key] = result
+        self._replies.put(key, result, now)
         return result
 
     # ------------------------------------------------------------------------------ rollout

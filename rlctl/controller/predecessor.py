@@ -70,6 +70,12 @@ def recorded_predecessor(record: dict[str, Any]) -> Identity | None:
     return Identity(hostname, pid, started)
 
 
+def controller_running(record: dict[str, Any]) -> bool:
+    """Whether the controller a ``controller.json`` record names still runs on this host."""
+    recorded = recorded_predecessor(record)
+    return recorded is not None and _alive_here(recorded)
+
+
 def _alive_here(predecessor: Identity) -> bool:
     return (predecessor.hostname == socket.gethostname() and predecessor.started != 0
             and process_started(predecessor.pid) == predecessor.started)

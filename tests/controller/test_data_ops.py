@@ -149,3 +149,37 @@ def test_reward_calls_failing_in_a_row_are_said_and_fail_the_job_at_max_consecut
     assert failing.data["last_error"] == "timed out after 5 s"
     assert stops == [(f"failed: reward function rewards.py:compute_score failed {len(bad)} calls in a row "
                       "([reward] max_consecutive_failures = 5); last error: timed out after 5 s")]
+
+
+def test_a_request_re_sent_after_thousands_of_others_gets_its_first_reply_and_runs_once() -> None:
+    ops, c = _ops()
+    rollout = c.model.slots["rollout-0"]
+    runs: list[str] = []
+    submit = ops.op_rollout_submit
+
+    def counted_submit(slot, args, now):  # type: ignore[no-untyped-def]
+        runs.append(args["results"][0]["item_id"])
+        return submit(slot, args, now)
+
+    ops.op_rollout_submit = counted_submit  # type: ignore[method-assign]
+    items = ops.handle(rollout, "get-1", "rollout.get_work", {"capacity": 1}, 2.0)["items"]
+    results = {"results": [{"item_id": items[0]["item_id"], "response_tokens": [5, 2], "truncated": False,
+                            "weights_version": 0}]}
+    first = ops.handle(rollout, "submit-1", "rollout.submit", results, 2.1)
+    for n in range(5000):  # more than the 4,096 replies the cache once held before clearing itself whole
+        ops.handle(rollout, f"poll-{n}", "rollout.poll", {"item_ids": []}, 2.2 + n * 0.01)
+    again = ops.handle(rollout, "submit-1", "rollout.submit", results, 60.0)
+    assert again == first and runs == [items[0]["item_id"]]
+
+
+def test_replies_are_forgotten_only_once_nobody_asked_for_them_for_the_keep_window() -> None:
+    from rlctl.controller.reply_cache import ReplyCache
+
+    cache = ReplyCache(keep_s=100.0)
+    cache.put(("w", "a"), {"n": 1}, 0.0)
+    cache.put(("w", "b"), {"n": 2}, 50.0)
+    assert cache.get(("w", "a"), 90.0) == {"n": 1}  # asked again: kept another keep window
+    cache.put(("w", "c"), {"n": 3}, 160.0)
+    assert cache.get(("w", "b"), 160.0) is None and cache.get(("w", "a"), 160.0) == {"n": 1}
+    cache.put(("w", "d"), {"n": 4}, 300.0)
+    assert len(cache) == 1 and cache.get(("w", "d"), 300.0) == {"n": 4}
