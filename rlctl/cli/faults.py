@@ -26,7 +26,7 @@ DEFAULT_CHAOS_KINDS = "crash,hang,node-down,xid,nccl-timeout"
 
 def inject_fault(
     node: str = typer.Argument(None, help="Node name in the job (see `rlctl nodes`)."),
-    job: str = typer.Option(None, "--job", "-j", help="Job id or prefix (default: the newest job)."),
+    job: str = typer.Option(None, "--job", "-j", help="Job id or prefix (default: the newest job; required when several jobs run here)."),
     kind: str = typer.Option(None, "--kind", "-k", help=f"One of: {', '.join(FAULT_KINDS)}."),
     code: float = typer.Option(None, "--code", help="XID code for --kind xid (e.g. 79, 48, 13)."),
     after: float = typer.Option(0.0, "--after", help="Seconds to wait before the fault: the injection is scheduled "
@@ -144,7 +144,7 @@ def _cancel_injection(jobdir: JobDir, fault_id: str, json_out: bool) -> None:
 
 
 def chaos(
-    job: str = typer.Argument(None, help="Job id or prefix (default: the newest job)."),
+    job: str = typer.Argument(None, help="Job id or prefix (default: the newest job; required when several jobs run here)."),
     rate: float = typer.Option(0.1, "--rate", help="Per-step probability that a fault hits one random node."),
     kinds: str = typer.Option(DEFAULT_CHAOS_KINDS, "--kinds", help="Comma-separated fault kinds to draw from."),
     seed: int = typer.Option(0, "--seed", help="Seed for the draws (reproducible soak)."),
